@@ -1,0 +1,158 @@
+"""Attention over the paged KV cache.
+
+KV layout, per layer, allocated once by the model runner:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset       (flat index of one token's K/V)
+
+A step's tokens are flattened into one batch, decode tokens first:
+
+    tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     d = one query per decoding sequence
+    seq:        decodes     prefill 0    prefill 1   p = a chunk of a prompt (chunked prefill)
+
+Every layer first writes the new K/V at `slot_mapping`, then attends: all decodes in one
+batched call over their gathered block tables, each prefill chunk on its own (its queries
+attend causally to the cached context plus the chunk). Writing before reading lets a sequence
+use blocks another sequence of the same step is filling (a prefix-cache hit in the same step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int                 # first row of the chunk in the flattened batch
+    end: int
+    num_context: int           # tokens already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64, on device
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [num_tokens] int64
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None   # [num_decodes, max_blocks] int64
+    decode_context_lens: torch.Tensor | None   # [num_decodes] int64 (incl. the new token)
+    decode_max_context: int
+    prefills: list[PrefillChunk]
+    # Cached across layers: the decode key mask is the same for every layer.
+    decode_mask: torch.Tensor | None = None
+    flash: dict | None = None             # varlen arguments, built only for the flash backend
+
+
+class TorchAttention:
+    """Reference backend: plain torch ops over the paged layout; runs on any device."""
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+        num_blocks, block_size = k_cache.shape[:2]
+        flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for c in meta.prefills:
+            out[c.start:c.end] = self._prefill(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end],
+                                               k_cache, v_cache, c)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        nd, L = meta.num_decodes, meta.decode_max_context
+        bt = meta.decode_block_tables
+        # [nd, max_blocks, bs, Hkv, D] -> [nd, Hkv, L, D]
+        keys = k_cache[bt].flatten(1, 2)[:, :L].transpose(1, 2)
+        values = v_cache[bt].flatten(1, 2)[:, :L].transpose(1, 2)
+        if meta.decode_mask is None:
+            pos = torch.arange(L, device=q.device)
+            meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        # GQA without repeating K/V: queries of one KV head form a group of rows.
+        qg = q.view(nd, self.num_kv_heads, self.group, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.reshape(nd, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, c: PrefillChunk) -> torch.Tensor:
+        n = q.shape[0]
+        qh = q.transpose(0, 1)                                          # [Hq, n, D]
+        if c.num_context == 0:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)         # [Hkv, n, D]
+            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            total = c.num_context + n
+            keys = k_cache[c.block_table].flatten(0, 1)[:total].transpose(0, 1)
+            values = v_cache[c.block_table].flatten(0, 1)[:total].transpose(0, 1)
+            q_pos = torch.arange(c.num_context, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        return o.transpose(0, 1)
+
+
+class FlashAttention(TorchAttention):
+    """CUDA sm80+ backend over vllm-flash-attn / flash-attn's paged varlen kernel.
+
+    One kernel call covers decodes and prefill chunks alike: cu_seqlens_q delimits each
+    sequence's queries, seqused_k its context, block_table its pages.
+    """
+    name = "flash"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, varlen_fn):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._varlen = varlen_fn
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        num_blocks, block_size = k_cache.shape[:2]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        fa = meta.flash
+        return self._varlen(q=q, k=k_cache, v=v_cache, cu_seqlens_q=fa["cu_seqlens_q"],
+                            max_seqlen_q=fa["max_seqlen_q"], seqused_k=fa["seqused_k"],
+                            max_seqlen_k=fa["max_seqlen_k"], softmax_scale=self.scale,
+                            causal=True, block_table=fa["block_table"])
+
+
+def select_backend(requested: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> TorchAttention:
+    """`auto` picks flash on CUDA sm80+ when a flash-attn build imports, else the torch backend."""
+    if requested not in ("auto", "torch", "flash"):
+        raise ValueError(f"attention backend must be auto, torch or flash, got {requested!r}")
+    if requested == "torch" or device.type != "cuda":
+        if requested == "flash":
+            raise ValueError("the flash attention backend needs a CUDA device")
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    varlen = _import_flash_varlen() if torch.cuda.get_device_capability(device)[0] >= 8 else None
+    if varlen is None:
+        if requested == "flash":
+            raise ValueError("flash attention requested but neither vllm_flash_attn nor flash_attn "
+                             "imports (or the GPU is older than sm80); install the 'flash' extra")
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    return FlashAttention(num_heads, num_kv_heads, head_dim, varlen)
+
+
+def _import_flash_varlen():
+    try:
+        from vllm_flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except ImportError:
+        return None

@@ -1,0 +1,130 @@
+"""The pool of KV blocks: reference counts, an O(1) LRU free list, and the prefix-cache index.
+
+A block is free when its refcount is 0. A free block may still hold a cached prefix (its
+`block_hash` is set): it stays findable until the free list hands it out again, which evicts
+the oldest first. Free blocks form an intrusive doubly linked list:
+
+    head <-> b7 <-> b2 <-> b9 <-> tail        take from the head (least recently freed),
+                                              free onto the tail, unlink a cache hit in O(1)
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks themselves; sentinels at both ends."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._head, self._tail = KVBlock(-1), KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def popleft(self) -> KVBlock:
+        b = self._head.next
+        if b is self._tail:
+            raise RuntimeError("no free KV block")   # callers check num_free first
+        self.remove(b)
+        return b
+
+    def append(self, b: KVBlock) -> None:
+        last = self._tail.prev
+        last.next, b.prev, b.next, self._tail.prev = b, last, self._tail, b
+        self.num_free += 1
+
+    def remove(self, b: KVBlock) -> None:
+        b.prev.next, b.next.prev = b.next, b.prev
+        b.prev = b.next = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        b = self._head.next
+        while b is not self._tail:
+            yield b
+            b = b.next
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
+    """Chained block hash: the same prefix gives the same hash in every process (no `hash()`)."""
+    h = hashlib.blake2b(parent_hash or b"pdcluster", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the LRU end, evicting whatever prefix they cached."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            assert b.ref_cnt == 0, b
+            if b.block_hash is not None:
+                del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache hits; a hit that was free leaves the free list."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks) -> None:
+        """Drop one reference each. Pass a sequence's blocks tail first, so that its last
+        blocks (the least shareable) are evicted before its prefix."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            assert b.ref_cnt >= 0, b
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Index a full block under its hash (first writer wins; duplicates stay unindexed)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()

@@ -1,0 +1,238 @@
+"""One worker's engine: scheduler + KV cache manager + model runner, stepped in a loop.
+
+    engine = LLMEngine(EngineConfig(model="tiny"))
+    results = engine.generate([{"prompt": "Hello"}], SamplingParams(temperature=0, max_tokens=8))
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workers.checkpoint import load_model
+from workers.config import EngineConfig
+from workers.kv_cache_manager import KVCacheManager
+from workers.model_runner import ModelRunner
+from workers.sampler import SampledToken
+from workers.scheduler import PreemptionCostModel, Scheduler
+from workers.sequence import SamplingParams, Sequence
+
+log = logging.getLogger("pdcluster.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request (new tokens), and whether it has ended."""
+    request_id: str
+    new_token_ids: list[int]
+    num_output_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[dict] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int = 0
+    logprobs: list[dict] | None = None
+
+    def to_json(self) -> dict:
+        d = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            d["logprobs"] = [{"logprob": lp["logprob"], "top": {str(k): v for k, v in lp["top"].items()}}
+                             for lp in self.logprobs]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """The arithmetic behind the cache size, logged at start-up."""
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    num_host_blocks: int
+
+    @property
+    def max_resident_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def max_batch_at(self, context_len: int) -> int:
+        return self.num_blocks // -(-context_len // self.block_size)
+
+    def describe(self, context_len: int) -> str:
+        mib = self.bytes_per_token * self.block_size * self.num_blocks / 2**20
+        return (f"KV cache: {self.bytes_per_token} B/token x {self.block_size} tokens/block = "
+                f"{self.bytes_per_token * self.block_size} B/block; {self.num_blocks} blocks "
+                f"({mib:.1f} MiB) hold {self.max_resident_tokens} tokens; max batch at "
+                f"{context_len}-token context: {self.max_batch_at(context_len)}; "
+                f"{self.num_host_blocks} host swap blocks")
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig | None = None):
+        self.cfg = cfg = cfg or EngineConfig()
+        torch.manual_seed(cfg.seed)
+        self.device, self.dtype = cfg.resolved_device(), cfg.resolved_dtype()
+        self.model, self.tokenizer = load_model(cfg.model, self.dtype, self.device)
+        mcfg = self.model_config = self.model.config
+        cc = cfg.cache
+        bytes_per_token = mcfg.kv_bytes_per_token(self.dtype)
+        block_bytes = bytes_per_token * cc.block_size
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // block_bytes)
+        num_host = cc.swap_space_bytes // block_bytes
+        self.layout = KVCacheLayout(bytes_per_token, cc.block_size, num_blocks, num_host)
+        limit = cfg.max_model_len or mcfg.max_position_embeddings
+        if limit > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={limit} exceeds the model's max_position_embeddings="
+                             f"{mcfg.max_position_embeddings}")
+        # One sequence must always fit on its own, or it could never be scheduled.
+        self.max_model_len = min(limit, self.layout.max_resident_tokens)
+        if self.max_model_len < limit:
+            log.warning("max_model_len lowered from %d to %d: the KV cache holds no more", limit,
+                        self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
+        cost = PreemptionCostModel(
+            kv_bytes_per_token=bytes_per_token, num_params=mcfg.num_params(),
+            attn_flops_per_token_pair=4 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.head_dim)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, cost)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, num_host, self.device, self.dtype,
+                                  cfg.attention_backend)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = set(mcfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        log.info("model %s: %.1fM params, %s on %s, attention backend %s", cfg.model,
+                 mcfg.num_params() / 1e6, str(self.dtype).removeprefix("torch."), self.device,
+                 self.runner.backend.name)
+        log.info(self.layout.describe(min(1024, self.max_model_len)))
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt, prompt_token_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, priority, arrival_time)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.cfg.model!r} has no tokenizer.json: send prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        block_tables = {s.seq_id: self.kv.block_ids(s) for s, _ in out.scheduled}
+        sampled = self.runner.execute(out, block_tables)
+        outputs = []
+        now = time.monotonic()
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            tok = sampled.get(seq.seq_id)
+            if tok is None:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._append_token(seq, tok)
+            outputs.append(RequestOutput(
+                seq.seq_id, [tok.token_id], seq.num_output_tokens, seq.is_finished, seq.finish_reason,
+                [tok.logprobs] if tok.logprobs is not None else None))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: SampledToken) -> None:
+        seq.token_ids.append(tok.token_id)
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(tok.logprobs)
+        reason = self._check_stop(seq, tok.token_id)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if token_id in p.stop_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            # Only the tail can hold a new match: the last token adds a few characters.
+            window = max(len(s) for s in p.stop) + 16
+            for s in p.stop:
+                at = text.find(s, max(0, len(text) - window))
+                if at >= 0:
+                    seq.stop_reason = s
+                    seq.text = text[:at]
+                    return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def result(self, seq: Sequence) -> CompletionResult:
+        self._seqs.pop(seq.seq_id, None)
+        text = seq.text
+        if not text and self.tokenizer is not None and not isinstance(seq.stop_reason, str):
+            text = self.tokenizer.decode(seq.output_token_ids)
+        return CompletionResult(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, text,
+                                seq.finish_reason, seq.num_cached_tokens, seq.output_logprobs)
+
+    def generate(self, requests: list[dict | str], params: SamplingParams | None = None) -> list[CompletionResult]:
+        """Run requests to completion; results in input order. A request is a prompt string or
+        a dict with `prompt` or `prompt_token_ids` and optional sampling fields."""
+        seqs = []
+        for i, r in enumerate(requests):
+            if isinstance(r, str):
+                r = {"prompt": r}
+            try:
+                seqs.append(self.add_request(r.get("prompt"), r.get("params", params),
+                                             prompt_token_ids=r.get("prompt_token_ids"),
+                                             priority=r.get("priority", 0)))
+            except ValueError as e:
+                for s in seqs:                   # all or nothing: no half-submitted batch
+                    self.abort(s.seq_id)
+                raise ValueError(f"request {i}: {e}") from None
+        while self.has_unfinished():
+            self.step()
+        return [self.result(s) for s in seqs]

@@ -1,0 +1,152 @@
+"""Tensors for one worker: the preallocated KV cache, batch preparation, forward, sampling."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention import AttentionMetadata, PrefillChunk, select_backend
+from workers.model import LlamaForCausalLM
+from workers.sampler import SampledToken, sample
+from workers.scheduler import SchedulerOutput
+from workers.sequence import Sequence
+
+log = logging.getLogger("pdcluster.runner")
+
+
+@dataclass(slots=True)
+class StepTimes:
+    prepare_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int,
+                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto"):
+        cfg = model.config
+        self.model, self.device, self.dtype = model, device, dtype
+        self.block_size = block_size
+        self.backend = select_backend(attention_backend, device, cfg.num_attention_heads,
+                                      cfg.num_key_value_heads, cfg.head_dim)
+        model.set_attention_backend(self.backend)
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # Allocated once; the hot path only indexes into these.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_hidden_layers)]
+        host_shape = (num_host_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.host_caches = [(torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
+                             torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+                            for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
+        self.last_times = StepTimes()
+
+    # -- swapping ------------------------------------------------------------------------------
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                hk[host] = k[dev].to("cpu")
+                hv[host] = v[dev].to("cpu")
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                k[dev] = hk[host].to(self.device, non_blocking=True)
+                v[dev] = hv[host].to(self.device, non_blocking=True)
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
+        """Run the scheduled tokens; returns a sampled token for each sequence whose scheduled
+        chunk reaches its last token (partial prefill chunks sample nothing)."""
+        t0 = time.perf_counter()
+        self.swap(out.swap_out, out.swap_in)
+        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(out, block_tables)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        tokens = sample(logits, sample_seqs) if sample_seqs else []
+        t3 = time.perf_counter()
+        self.last_times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
+        return {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
+
+    def _prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]):
+        bs = self.block_size
+        decodes = [(s, n) for s, n in out.scheduled if n == 1]
+        prefills = [(s, n) for s, n in out.scheduled if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+
+        # Decodes: one token each, batched attention over padded block tables.
+        dec_tables, dec_lens = [], []
+        for s, _ in decodes:
+            pos = s.num_computed_tokens
+            table = block_tables[s.seq_id]
+            input_ids.append(s.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            dec_tables.append(table)
+            dec_lens.append(pos + 1)
+            if pos + 1 == s.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(s)
+        nd = len(decodes)
+        dec_bt = dec_len_t = None
+        max_ctx = max(dec_lens, default=0)
+        if nd:
+            width = -(-max_ctx // bs)
+            dec_bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in dec_tables],
+                                  dtype=torch.long, device=self.device)
+            dec_len_t = torch.tensor(dec_lens, dtype=torch.long, device=self.device)
+
+        chunks = []
+        for s, n in prefills:
+            start = s.num_computed_tokens
+            table = block_tables[s.seq_id]
+            row0 = len(input_ids)
+            input_ids.extend(s.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            bt = torch.tensor(table, dtype=torch.long, device=self.device) if start else None
+            chunks.append(PrefillChunk(row0, row0 + n, start, bt))
+            if start + n == s.num_tokens:
+                sample_rows.append(row0 + n - 1)
+                sample_seqs.append(s)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=nd, decode_block_tables=dec_bt, decode_context_lens=dec_len_t,
+            decode_max_context=max_ctx, prefills=chunks)
+        if self.backend.name == "flash":
+            meta.flash = self._flash_args(out, block_tables, decodes, prefills)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)
+
+    def _flash_args(self, out, block_tables, decodes, prefills) -> dict:
+        seqs = decodes + prefills                  # the same row order as the flattened batch
+        q_lens = [n for _, n in seqs]
+        k_lens = [s.num_computed_tokens + n for s, n in seqs]
+        width = max(len(block_tables[s.seq_id]) for s, _ in seqs)
+        bt = [block_tables[s.seq_id] + [0] * (width - len(block_tables[s.seq_id])) for s, _ in seqs]
+        cu_q = [0]
+        for n in q_lens:
+            cu_q.append(cu_q[-1] + n)
+        dev = self.device
+        return {"cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                "max_seqlen_q": max(q_lens),
+                "seqused_k": torch.tensor(k_lens, dtype=torch.int32, device=dev),
+                "max_seqlen_k": max(k_lens),
+                "block_table": torch.tensor(bt, dtype=torch.int32, device=dev)}
