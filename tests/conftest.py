@@ -1,0 +1,57 @@
+"""Shared fixtures: the built-in `tiny` model exported as a Hugging Face checkpoint, the same
+checkpoint loaded by transformers, and transformers' greedy outputs as the reference oracle.
+
+The reference is computed by transformers (an independent Llama implementation), never by
+our own engine, and only once per prompt for the whole session.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import MAX_NEW_TOKENS, VOCAB
+
+# Two cores, shared with other work: one intra-op thread keeps runs predictable.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from workers.checkpoint import export_builtin
+    return str(export_builtin("tiny", tmp_path_factory.mktemp("tiny-hf")))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    # The engine runs with ignore_eos: make transformers ignore EOS too, so lengths match.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """hf_greedy(prompts) -> transformers' greedy continuations (MAX_NEW_TOKENS each),
+    one prompt per generate call (no padding), memoized for the session."""
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            key = tuple(p)
+            if key not in cache:
+                ids = torch.tensor([p])
+                # An explicit mask: without it transformers infers one from the pad token id
+                # and would mask prompt tokens that happen to equal it.
+                with torch.inference_mode():
+                    gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None,
+                                            pad_token_id=VOCAB - 1)
+                cont = gen[0, len(p):].tolist()
+                assert len(cont) == MAX_NEW_TOKENS, "transformers stopped early: EOS not ignored"
+                cache[key] = cont
+            out.append(cache[key])
+        return out
+
+    return run
