@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128, help="cap on running sequences")
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flash"])
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -7,13 +7,17 @@ KV layout, per layer, allocated once by the model runner:
 
 A step's tokens are flattened into one batch, decode tokens first:
 
-    tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     d = one query per decoding sequence
-    seq:        decodes     prefill 0    prefill 1   p = a chunk of a prompt (chunked prefill)
+    tokens:   [ d0 d1 d2 | c0 c0 c0 | p0 p0 p0 p0 ]    d = one query per decoding sequence
+    seq:        decodes    on context  fresh prefill   c = a prompt chunk after cached tokens
+              '------ paged rows ------'                   (chunked prefill, prefix-cache hit)
 
-Every layer first writes the new K/V at `slot_mapping`, then attends: all decodes in one
-batched call over their gathered block tables, each prefill chunk on its own (its queries
-attend causally to the cached context plus the chunk). Writing before reading lets a sequence
-use blocks another sequence of the same step is filling (a prefix-cache hit in the same step).
+Every layer first writes the new K/V at `slot_mapping`, then attends. Paged rows read their
+keys through the block table; a fresh prefill has all its keys in hand and runs plain causal
+attention. Writing before reading lets a sequence use blocks another sequence of the same
+step is filling (a prefix-cache hit in the same step).
+
+Backends: `torch` (reference, any device: gathers the blocks, then SDPA), `cpu` (a C++ kernel
+that reads blocks in place, fp32), `flash` (vllm-flash-attn / flash-attn on CUDA sm80+).
 """
 from __future__ import annotations
 
@@ -28,17 +32,19 @@ class PrefillChunk:
     start: int                 # first row of the chunk in the flattened batch
     end: int
     num_context: int           # tokens already in the cache before this chunk
-    block_table: torch.Tensor  # [num_blocks_of_seq] int64, on device
+    block_table: torch.Tensor | None  # [max_blocks] int64 when num_context > 0
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor            # [num_tokens] int64
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None   # [num_decodes, max_blocks] int64
-    decode_context_lens: torch.Tensor | None   # [num_decodes] int64 (incl. the new token)
+    num_decodes: int                      # the first rows: one per decoding sequence
     decode_max_context: int
-    prefills: list[PrefillChunk]
+    num_paged_rows: int                   # decodes + chunks on context
+    paged_block_tables: torch.Tensor | None   # [num_paged_seqs, max_blocks] int64
+    paged_context_lens: torch.Tensor | None   # [num_paged_seqs] int64, keys incl. this step's
+    paged_cu_seqlens_q: torch.Tensor | None   # [num_paged_seqs + 1] int64
+    prefills: list[PrefillChunk]          # every multi-token chunk, on context or fresh
     # Cached across layers: the decode key mask is the same for every layer.
     decode_mask: torch.Tensor | None = None
     flash: dict | None = None             # varlen arguments, built only for the flash backend
@@ -74,15 +80,15 @@ class TorchAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd, L = meta.num_decodes, meta.decode_max_context
-        bt = meta.decode_block_tables
+        bt = meta.paged_block_tables[:nd, :-(-L // k_cache.shape[1])]
         # index_select (not advanced indexing: several times faster on CPU) gathers
         # [nd * max_blocks, bs, Hkv, D]; viewed as [nd, Hkv, L, D] without another copy.
-        flat = bt.view(-1)
+        flat = bt.reshape(-1)
         keys = k_cache.index_select(0, flat).view(nd, -1, self.num_kv_heads, self.head_dim)[:, :L].transpose(1, 2)
         values = v_cache.index_select(0, flat).view(nd, -1, self.num_kv_heads, self.head_dim)[:, :L].transpose(1, 2)
         if meta.decode_mask is None:
             pos = torch.arange(L, device=q.device)
-            meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+            meta.decode_mask = (pos[None, :] < meta.paged_context_lens[:nd, None])[:, None, None, :]
         # GQA without repeating K/V: queries of one KV head form a group of rows.
         qg = q.view(nd, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
@@ -104,6 +110,31 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o.transpose(0, 1)
+
+
+class CpuPagedAttention(TorchAttention):
+    """The C++ kernel for paged rows (no gather, no padding); SDPA for fresh prefills."""
+    name = "cpu"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, kernel):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._kernel = kernel
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        num_blocks, block_size = k_cache.shape[:2]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        npr = meta.num_paged_rows
+        if npr:
+            out[:npr] = self._kernel.paged_attention(
+                q[:npr], k_cache, v_cache, meta.paged_cu_seqlens_q, meta.paged_context_lens,
+                meta.paged_block_tables, self.scale)
+        for c in meta.prefills:
+            if c.num_context == 0:
+                out[c.start:c.end] = self._prefill(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end],
+                                                   k_cache, v_cache, c)
+        return out
 
 
 class FlashAttention(TorchAttention):
@@ -129,22 +160,34 @@ class FlashAttention(TorchAttention):
                             causal=True, block_table=fa["block_table"])
 
 
-def select_backend(requested: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> TorchAttention:
-    """`auto` picks flash on CUDA sm80+ when a flash-attn build imports, else the torch backend."""
-    if requested not in ("auto", "torch", "flash"):
-        raise ValueError(f"attention backend must be auto, torch or flash, got {requested!r}")
-    if requested == "torch" or device.type != "cuda":
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> TorchAttention:
+    """`auto`: flash on CUDA sm80+ when a flash-attn build imports; the C++ kernel on CPU in
+    fp32 when it builds; else the torch reference."""
+    if requested not in ("auto", "torch", "cpu", "flash"):
+        raise ValueError(f"attention backend must be auto, torch, cpu or flash, got {requested!r}")
+    args = (num_heads, num_kv_heads, head_dim)
+    if requested == "torch":
+        return TorchAttention(*args)
+    if device.type == "cpu":
         if requested == "flash":
             raise ValueError("the flash attention backend needs a CUDA device")
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
+        from workers import cpu_kernels
+        kernel = cpu_kernels.load() if dtype == torch.float32 else None
+        if kernel is not None:
+            return CpuPagedAttention(*args, kernel)
+        if requested == "cpu":
+            raise ValueError("the cpu attention backend needs float32 and a C++ compiler to build its kernel")
+        return TorchAttention(*args)
+    if requested == "cpu":
+        raise ValueError("the cpu attention backend runs on the CPU device only")
     varlen = _import_flash_varlen() if torch.cuda.get_device_capability(device)[0] >= 8 else None
     if varlen is None:
         if requested == "flash":
             raise ValueError("flash attention requested but neither vllm_flash_attn nor flash_attn "
                              "imports (or the GPU is older than sm80); install the 'flash' extra")
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
-    return FlashAttention(num_heads, num_kv_heads, head_dim, varlen)
+        return TorchAttention(*args)
+    return FlashAttention(*args, varlen)
 
 
 def _import_flash_varlen():

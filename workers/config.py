@@ -148,7 +148,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    attention_backend: str = "auto"          # "auto" | "torch" | "flash"
+    attention_backend: str = "auto"          # "auto" | "torch" | "cpu" | "flash"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

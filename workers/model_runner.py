@@ -29,7 +29,7 @@ class ModelRunner:
         cfg = model.config
         self.model, self.device, self.dtype = model, device, dtype
         self.block_size = block_size
-        self.backend = select_backend(attention_backend, device, cfg.num_attention_heads,
+        self.backend = select_backend(attention_backend, device, dtype, cfg.num_attention_heads,
                                       cfg.num_key_value_heads, cfg.head_dim)
         model.set_attention_backend(self.backend)
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -79,64 +79,62 @@ class ModelRunner:
         return {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]):
+        """Flatten the step into rows: decodes, then chunks on cached context (together the
+        paged rows), then fresh prefills. See attention.py for the layout."""
         bs = self.block_size
-        decodes = [(s, n) for s, n in out.scheduled if n == 1]
-        prefills = [(s, n) for s, n in out.scheduled if n > 1]
+        decodes, on_context, fresh = [], [], []
+        for s, n in out.scheduled:
+            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n))
+        paged = decodes + on_context
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-
-        # Decodes: one token each, batched attention over padded block tables.
-        dec_tables, dec_lens = [], []
-        for s, _ in decodes:
-            pos = s.num_computed_tokens
-            table = block_tables[s.seq_id]
-            input_ids.append(s.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            dec_tables.append(table)
-            dec_lens.append(pos + 1)
-            if pos + 1 == s.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(s)
-        nd = len(decodes)
-        dec_bt = dec_len_t = None
-        max_ctx = max(dec_lens, default=0)
-        if nd:
-            width = -(-max_ctx // bs)
-            dec_bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in dec_tables],
-                                  dtype=torch.long, device=self.device)
-            dec_len_t = torch.tensor(dec_lens, dtype=torch.long, device=self.device)
-
-        chunks = []
-        for s, n in prefills:
+        chunks: list[tuple[int, int, int, int]] = []       # (row0, n, num_context, paged index)
+        paged_tables, context_lens, cu_q = [], [], [0]
+        for s, n in paged + fresh:
             start = s.num_computed_tokens
             table = block_tables[s.seq_id]
             row0 = len(input_ids)
-            input_ids.extend(s.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            bt = torch.tensor(table, dtype=torch.long, device=self.device) if start else None
-            chunks.append(PrefillChunk(row0, row0 + n, start, bt))
+            if n == 1:
+                input_ids.append(s.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(s.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                chunks.append((row0, n, start, len(paged_tables) if start else -1))
+            if start or n == 1:
+                paged_tables.append(table)
+                context_lens.append(start + n)
+                cu_q.append(cu_q[-1] + n)
             if start + n == s.num_tokens:
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(s)
 
         dev = self.device
+        nd = len(decodes)
+        bt = lens = cu = None
+        if paged_tables:
+            width = max(map(len, paged_tables))
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in paged_tables], dtype=torch.long, device=dev)
+            lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+            cu = torch.tensor(cu_q, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=nd, decode_block_tables=dec_bt, decode_context_lens=dec_len_t,
-            decode_max_context=max_ctx, prefills=chunks)
+            num_decodes=nd, decode_max_context=max(context_lens[:nd], default=0),
+            num_paged_rows=cu_q[-1], paged_block_tables=bt, paged_context_lens=lens, paged_cu_seqlens_q=cu,
+            prefills=[PrefillChunk(r, r + n, c, bt[i] if i >= 0 else None) for r, n, c, i in chunks])
         if self.backend.name == "flash":
-            meta.flash = self._flash_args(out, block_tables, decodes, prefills)
+            meta.flash = self._flash_args(block_tables, paged + fresh)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)
 
-    def _flash_args(self, out, block_tables, decodes, prefills) -> dict:
-        seqs = decodes + prefills                  # the same row order as the flattened batch
+    def _flash_args(self, block_tables, seqs) -> dict:
+        """Varlen arguments over all rows (seqs in row order)."""
         q_lens = [n for _, n in seqs]
         k_lens = [s.num_computed_tokens + n for s, n in seqs]
         width = max(len(block_tables[s.seq_id]) for s, _ in seqs)

@@ -1,0 +1,26 @@
+"""The C++ paged-attention kernel for CPU, built on first use (cached by torch afterwards).
+
+A build failure is not fatal: `load()` returns None and the engine keeps the torch backend.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger("pdcluster.kernels")
+_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@lru_cache(maxsize=1)
+def load():
+    if os.environ.get("PDCLUSTER_NO_CPU_KERNEL"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+        return build(name="pdcluster_paged_attention", sources=[str(_SRC)],
+                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
+        log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
+        return None

@@ -1,0 +1,116 @@
+// Paged attention for CPU, fp32: queries attend to keys read in place from the block table.
+//
+// One call covers a batch of sequences, each with a run of queries (1 when decoding, a chunk
+// when prefilling on top of cached context). Query i of sequence s sits at position
+// context_lens[s] - q_len(s) + i and attends causally to keys 0..that position. No gather,
+// no padding: each (sequence, kv head) walks only its own blocks. The G query heads that
+// share a KV head are scored together, so every key and value row is loaded once per group.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace
+
+// q:            [T, Hq, D]  float32, rows of all sequences back to back
+// k/v_cache:    [num_blocks, block_size, Hkv, D] float32
+// cu_seqlens_q: [S + 1] int64, query rows of sequence s are cu[s]..cu[s+1]
+// context_lens: [S] int64, keys of sequence s (cached context plus its queries)
+// block_tables: [S, W] int64
+// returns       [T, Hq, D]
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
+                              torch::Tensor block_tables, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
+              "paged_attention: float32 only");
+  q = q.contiguous();
+  auto cu = cu_seqlens_q.contiguous();
+  auto ctx = context_lens.contiguous();
+  auto bt = block_tables.contiguous();
+  const int64_t Hq = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, S = ctx.size(0), W = bt.size(1);
+  TORCH_CHECK(G <= 64, "paged_attention: at most 64 query heads per KV head");
+  auto out = torch::empty_like(q);
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* cup = cu.data_ptr<int64_t>();
+  const int64_t* ctxp = ctx.data_ptr<int64_t>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t token_stride = Hkv * D;               // between keys in one block
+  const int64_t block_stride = block_size * token_stride;
+  const float fscale = static_cast<float>(scale);
+
+  // Work items: (sequence, kv head, query row). Rows are independent given the cache.
+  std::vector<int64_t> row_seq(cup[S]);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = cup[s]; r < cup[s + 1]; ++r) row_seq[r] = s;
+  const int64_t num_items = cup[S] * Hkv;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / Hkv, h = item % Hkv;
+      const int64_t s = row_seq[row];
+      const int64_t q_len = cup[s + 1] - cup[s];
+      const int64_t num_keys = ctxp[s] - q_len + (row - cup[s]) + 1;   // causal
+      const int64_t* table = btp + s * W;
+      const float* qrow = qp + (row * Hq + h * G) * D;
+      scores.resize(num_keys * G);
+      float maxv[64];
+      for (int64_t g = 0; g < G; ++g) maxv[g] = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const float* krow = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float sc = dot(qrow + g * D, krow, D) * fscale;
+          scores[t * G + g] = sc;
+          maxv[g] = std::max(maxv[g], sc);
+        }
+      }
+      float denom[64];
+      for (int64_t g = 0; g < G; ++g) denom[g] = 0.f;
+      for (int64_t t = 0; t < num_keys; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const float e = std::exp(scores[t * G + g] - maxv[g]);
+          scores[t * G + g] = e;
+          denom[g] += e;
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const float* vrow = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[t * G + g], vrow, acc.data() + g * D, D);
+      }
+      float* orow = op + (row * Hq + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / denom[g];
+        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32)");
+}
