@@ -18,7 +18,7 @@ from workers.kv_cache_manager import KVCacheManager
 from workers.model_runner import ModelRunner
 from workers.sampler import SampledToken
 from workers.scheduler import PreemptionCostModel, Scheduler
-from workers.sequence import SamplingParams, Sequence
+from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger("pdcluster.engine")
 
@@ -118,16 +118,68 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
-        params = params or SamplingParams()
+                    priority: int = 0, arrival_time: float | None = None,
+                    prefill_only: bool = False) -> Sequence:
+        """Queue a request. With prefill_only, it stops after its first token and its blocks
+        are held (see `held_block_ids` / `release`) for a decode worker to pull."""
+        seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_seq(self, prompt, prompt_token_ids, params, request_id, priority, arrival_time) -> Sequence:
         ids = self.tokenize(prompt, prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params, priority, arrival_time)
+        seq = Sequence(rid, ids, params or SamplingParams(), priority, arrival_time)
         self._seqs[rid] = seq
-        self.scheduler.add(seq)
         return seq
+
+    # -- KV handoff: the prefill side holds, the decode side reserves then commits --------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks holding a held request's prompt KV, in token order."""
+        seq = self._seqs[request_id]
+        assert seq.status is SequenceStatus.HELD, seq
+        return self.kv.block_ids(seq)[:-(-seq.num_computed_tokens // self.kv.block_size)]
+
+    def release(self, request_id: str) -> bool:
+        """The decode side has the KV (or gave up): free the held blocks; full ones stay cached."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, seq.finish_reason or "transferred")
+        return True
+
+    def reserve(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                params: SamplingParams, priority: int = 0, arrival_time: float | None = None) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker. Returns the
+        block ids to receive into, or None when there is no room now (backpressure: call again
+        later). `token_ids` is the prompt plus the first token the prefill worker sampled."""
+        seq = self._new_seq(None, token_ids[:num_prompt_tokens], params, request_id, priority, arrival_time)
+        seq.token_ids.extend(token_ids[num_prompt_tokens:])
+        sched = self.scheduler
+        fits = (sched.num_receiving + len(sched.running) < self.cfg.scheduler.max_num_seqs and
+                self.kv.can_allocate(seq, num_prompt_tokens, [], 0,
+                                     sched.watermark_blocks if sched.running else 0))
+        if not fits:
+            del self._seqs[request_id]
+            return None
+        self.kv.allocate(seq, num_prompt_tokens, [], 0, index=False)
+        seq.status = SequenceStatus.RECEIVING
+        sched.num_receiving += 1
+        return self.kv.block_ids(seq)
+
+    def commit_received(self, request_id: str) -> None:
+        """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""
+        seq = self._seqs[request_id]
+        assert seq.status is SequenceStatus.RECEIVING, seq
+        self.scheduler.num_receiving -= 1
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.commit(seq, seq.num_prompt_tokens)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.scheduler.add_running(seq)
 
     def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -149,9 +201,12 @@ class LLMEngine:
         return ids
 
     def abort(self, request_id: str) -> bool:
+        """End a request wherever it is (queued, running, swapped, held, receiving)."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        if seq.status is SequenceStatus.RECEIVING:
+            self.scheduler.num_receiving -= 1
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -175,6 +230,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._append_token(seq, tok)
+            if seq.is_finished:
+                self._seqs.pop(seq.seq_id, None)
             outputs.append(RequestOutput(
                 seq.seq_id, [tok.token_id], seq.num_output_tokens, seq.is_finished, seq.finish_reason,
                 [tok.logprobs] if tok.logprobs is not None else None))
@@ -187,6 +244,8 @@ class LLMEngine:
         reason = self._check_stop(seq, tok.token_id)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        elif seq.prefill_only:
+            self.scheduler.hold(seq)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params

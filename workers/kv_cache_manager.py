@@ -107,14 +107,21 @@ class KVCacheManager:
         return self.pool.num_free - need >= watermark_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[KVBlock],
-                 num_computed_tokens: int) -> None:
+                 num_computed_tokens: int, index: bool = True) -> None:
+        """Blocks for `num_computed_tokens + num_new_tokens`. With index=False the new full
+        blocks stay out of the prefix cache until `commit` (their KV arrives later)."""
         assert seq.seq_id not in self._blocks, seq
         total = num_computed_tokens + num_new_tokens
         self.pool.touch(computed)
         blocks = computed + self.pool.allocate(cdiv(total, self.block_size) - len(computed))
         self._blocks[seq.seq_id] = blocks
         self._num_cached_blocks[seq.seq_id] = len(computed)
-        self._cache_full_blocks(seq, total)
+        if index:
+            self._cache_full_blocks(seq, total)
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of the first `num_tokens` tokens is in place: index their full blocks."""
+        self._cache_full_blocks(seq, num_tokens)
 
     # -- running sequences -----------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []        # ordered by (priority, arrival): victims at the end
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        self.num_receiving = 0                   # sequences with blocks reserved for incoming KV
         self.watermark_blocks = int(cfg.watermark * kv.pool.num_blocks)
 
     # -- queue management --------------------------------------------------------------------
@@ -102,6 +103,16 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV arrived from elsewhere joins the batch, next token to compute."""
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Stop scheduling a sequence but keep its blocks (the KV handoff's lease)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HELD
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and return its blocks."""

@@ -43,6 +43,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    HELD = "held"                  # prefill done; blocks kept under a lease for the KV handoff
+    RECEIVING = "receiving"        # blocks reserved; KV arriving from a prefill worker
     FINISHED = "finished"
 
 
@@ -55,7 +57,7 @@ class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival_time",
                  "status", "num_computed_tokens", "finish_reason", "stop_reason", "output_logprobs",
                  "num_cached_tokens", "num_preemptions", "text", "first_token_time", "generator",
-                 "block_hashes")
+                 "block_hashes", "prefill_only")
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None):
@@ -76,6 +78,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.generator = None                  # per-request torch.Generator when seeded
         self.block_hashes: list[bytes] = []    # chained hashes of its full blocks, as known
+        self.prefill_only = False              # stop after the first token and hold the KV
 
     @property
     def num_tokens(self) -> int:
