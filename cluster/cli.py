@@ -66,6 +66,21 @@ def cmd_demo(a) -> int:
     return run_offline_demo(engine_config_from_args(a), a.num_prompts)
 
 
+def cmd_serve(a) -> int:
+    import dataclasses
+
+    from cluster.launcher import ClusterSpec
+    from cluster.serve import ServingCluster, serve_forever
+    engine = dataclasses.asdict(engine_config_from_args(a))
+    engine.pop("model")
+    spec = ClusterSpec(model=a.model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode,
+                       num_colocated=a.workers, engine=engine, kv_transport=a.kv_transport,
+                       address=a.address, num_cpus_per_worker=a.cpus_per_worker,
+                       num_gpus_per_worker=a.gpus_per_worker)
+    return serve_forever(ServingCluster(spec, a.host, a.port, a.api_key, a.policy, a.max_pending,
+                                        a.served_model_name))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Disaggregated prefill/decode LLM serving on Ray")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -82,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dir")
     e.set_defaults(func=cmd_export_model)
 
+    s = sub.add_parser("serve", help="start the prefill and decode pools on Ray and the OpenAI-compatible router")
+    s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    s.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    s.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    s.add_argument("--workers", type=int, default=2, help="workers (colocated)")
+    s.add_argument("--kv-transport", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="KV handoff transport; auto: nccl on GPUs, gloo on CPU")
+    s.add_argument("--policy", default="p2c", choices=["p2c", "random", "round-robin"],
+                   help="how the router picks workers")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
+    s.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
+    s.add_argument("--cpus-per-worker", type=float, default=0.5)
+    s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 on GPU clusters, else 0")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
     d = sub.add_parser("demo", help="run the engine on the built-in model with a mixed workload and report")
     d.add_argument("--num-prompts", type=int, default=64)
     add_engine_args(d)
@@ -96,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         # User-caused problems: one line naming what is wrong, no traceback.
         print(f"{PROG} {a.command}: error: {e}", file=sys.stderr)
         return 2

@@ -57,6 +57,18 @@ def _builtin_weights(model: LlamaForCausalLM) -> None:
     model.load_hf_weights((name, draw(name, shape)) for name, shape in sorted(model.hf_shapes().items()))
 
 
+def load_tokenizer(source: str) -> Tokenizer | None:
+    """The tokenizer alone (the router needs no weights)."""
+    if is_builtin(source):
+        return byte_level_tokenizer()
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {source!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a directory "
+            "with a Hugging Face config.json")
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+
+
 def load_model(source: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Built-in name or checkpoint directory -> (model on device in dtype, tokenizer or None)."""
     if is_builtin(source):

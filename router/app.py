@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn).
+
+    POST /v1/completions, POST /v1/chat/completions (both with "stream"), GET /v1/models,
+    GET /health, GET /metrics
+
+Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the status.
+Admission is bounded: past `max_pending` requests in flight, 429 with Retry-After.
+A client that goes away cancels its request wherever it is (the dispatcher aborts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.dispatch import Dispatcher, RequestFailed
+from router.protocol import APIError, GenerationRequest, bad_request, sampling_params
+from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
+
+
+class Detokenizer:
+    """Incremental text: emits only complete characters, and holds back a tail that could
+    still grow into a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.tok, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0                      # characters already emitted
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = self.tok.decode(self.ids)
+        for s in self.stop:                # the engine stopped on it: the text ends before it
+            at = text.find(s)
+            if at >= 0:
+                text, final = text[:at], True
+        end = len(text) if final else len(text) - self.holdback
+        if not final and text.endswith("\ufffd"):      # a multi-byte character is incomplete
+            end = min(end, len(text) - 1)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+
+class Server:
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 api_key: str | None = None, max_pending: int = 512, default_max_tokens: int = 16,
+                 cluster_info: dict | None = None):
+        self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.api_key, self.max_pending = api_key, max_pending
+        self.default_max_tokens = default_max_tokens
+        self.cluster_info = cluster_info or {}
+        self.pending = 0
+        self.metrics = dispatcher.metrics
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False)
+        self.chat_template = env.from_string(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise bad_request("'model' is required", "model")
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return body
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _check_len(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                              f"{self.max_model_len} (prompt plus at least one generated token)", param)
+
+    def completion_request(self, body: dict) -> GenerationRequest:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise bad_request("'prompt' is required", "prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                       # a batch of one
+        if isinstance(prompt, str):
+            ids = self._encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+        else:
+            raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)",
+                              "prompt")
+        self._check_len(ids, "prompt")
+        return self._common(body, "completion", ids)
+
+    def chat_request(self, body: dict) -> GenerationRequest:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+                raise bad_request(f"messages[{i}] needs a 'role' string", "messages")
+            c = m.get("content")
+            if isinstance(c, list):                      # [{"type": "text", "text": ...}, ...]
+                c = "".join(part.get("text", "") for part in c if isinstance(part, dict))
+            if not isinstance(c, str):
+                raise bad_request(f"messages[{i}].content must be a string", "messages")
+        flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                 "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))} for m in messages]
+        try:
+            text = self.chat_template.render(messages=flat, add_generation_prompt=True,
+                                             bos_token=self.tokenizer.bos_token or "",
+                                             eos_token=self.tokenizer.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+        ids = self._encode(text)
+        self._check_len(ids, "messages")
+        return self._common(body, "chat", ids)
+
+    def _common(self, body: dict, kind: str, ids: list[int]) -> GenerationRequest:
+        params = sampling_params(body, self.default_max_tokens)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise bad_request(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                              f"maximum context length {self.max_model_len}", "max_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_request("'stream' must be a boolean", "stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int):
+            raise bad_request("'priority' must be an integer", "priority")
+        return GenerationRequest(kind, self.model_name, ids, params, stream, bool(opts.get("include_usage")),
+                                 priority=priority)
+
+    # -- running one request -------------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.pending >= self.max_pending:
+            self.metrics.errors.labels("overloaded").inc()
+            raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); "
+                           "retry shortly", "rate_limit_exceeded", code="overloaded",
+                           headers={"Retry-After": "1"})
+        self.pending += 1
+        self.metrics.running.set(self.pending)
+
+    def _done(self) -> None:
+        self.pending -= 1
+        self.metrics.running.set(self.pending)
+
+    async def run(self, req: GenerationRequest):
+        """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics."""
+        detok = Detokenizer(self.tokenizer, req.params.stop)
+        t0 = last = time.monotonic()
+        n_out = 0
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        try:
+            async for ev in self.dispatcher.generate(req):
+                now = time.monotonic()
+                if ev.token_ids:
+                    if n_out == 0:
+                        self.metrics.ttft.observe(now - t0)
+                    else:
+                        for _ in ev.token_ids:
+                            self.metrics.itl.observe((now - last) / len(ev.token_ids))
+                    n_out += len(ev.token_ids)
+                    last = now
+                    self.metrics.generation_tokens.inc(len(ev.token_ids))
+                text = detok.push(ev.token_ids, ev.finished)
+                yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
+                if ev.finished:
+                    self.metrics.e2e.observe(time.monotonic() - t0)
+                    self.metrics.success.labels(ev.finish_reason or "stop").inc()
+                    return
+        except RequestFailed as e:
+            self.metrics.errors.labels("worker_failure").inc()
+            raise APIError(503, f"the request could not be served: {e}", "server_error",
+                           code="service_unavailable") from None
+        except asyncio.CancelledError:
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(Exception)
+    async def internal(_request, e: Exception):
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+    @app.get("/health")
+    async def health():
+        alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r)
+                 for r in ("prefill", "decode", "colocated")}
+        ok = (alive["colocated"] > 0) if server.dispatcher.mode == "colocated" else \
+            (alive["prefill"] > 0 and alive["decode"] > 0)
+        return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server._check_auth(request)
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": 0, "owned_by": "pdcluster",
+            "max_model_len": server.max_model_len, **server.cluster_info}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server._check_auth(request)
+        req = server.completion_request(await server._body(request))
+        return await _respond(server, request, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        server._check_auth(request)
+        req = server.chat_request(await server._body(request))
+        return await _respond(server, request, req)
+
+    return app
+
+
+async def _respond(server: Server, request: Request, req: GenerationRequest):
+    server._admit()
+    rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(_stream(server, req, rid, created), media_type="text/event-stream",
+                                 background=None)
+    try:
+        return await _whole(server, request, req, rid, created)
+    finally:
+        server._done()
+
+
+async def _whole(server, request: Request, req: GenerationRequest, rid: str, created: int):
+    """Non-streaming: run to completion, but stop (and free) if the client goes away."""
+    async def collect():
+        text, ids, reason, lps = [], [], None, []
+        async for delta, tok, fin, lp in server.run(req):
+            text.append(delta)
+            ids += tok
+            if lp:
+                lps += lp
+            reason = fin or reason
+        return "".join(text), ids, reason, lps
+
+    task = asyncio.ensure_future(collect())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    text, ids, reason, lps = task.result()
+    usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(ids),
+             "total_tokens": len(req.prompt_token_ids) + len(ids)}
+    if req.kind == "completion":
+        choice = {"index": 0, "text": text, "finish_reason": reason, "token_ids": ids,
+                  "logprobs": _completion_logprobs(server, ids, lps) if req.params.logprobs is not None else None}
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [choice], "usage": usage}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+              "logprobs": _chat_logprobs(server, ids, lps) if req.params.logprobs is not None else None}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+            "choices": [choice], "usage": usage}
+
+
+async def _stream(server, req: GenerationRequest, rid: str, created: int):
+    """SSE chunks; cancellation (client gone) propagates into the dispatcher, which aborts."""
+    n_out = 0
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    try:
+        if req.kind == "chat":
+            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}]})
+        async for delta, tok, fin, lp in server.run(req):
+            n_out += len(tok)
+            if not delta and fin is None:
+                continue
+            if req.kind == "completion":
+                choice = {"index": 0, "text": delta, "finish_reason": fin, "token_ids": tok}
+                if req.params.logprobs is not None:
+                    choice["logprobs"] = _completion_logprobs(server, tok, lp or [])
+            else:
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
+            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
+        if req.include_usage:
+            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                        "usage": {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": n_out,
+                                  "total_tokens": len(req.prompt_token_ids) + n_out}})
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        server._done()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _completion_logprobs(server, ids: list[int], lps: list[dict]) -> dict:
+    dec = server.tokenizer.decode
+    return {"tokens": [dec([t], skip_special_tokens=False) for t in ids],
+            "token_logprobs": [lp["logprob"] for lp in lps],
+            "top_logprobs": [{dec([int(k)], skip_special_tokens=False): v for k, v in lp["top"].items()}
+                             for lp in lps]}
+
+
+def _chat_logprobs(server, ids: list[int], lps: list[dict]) -> dict:
+    dec = server.tokenizer.decode
+    return {"content": [{"token": dec([t], skip_special_tokens=False), "logprob": lp["logprob"],
+                         "top_logprobs": [{"token": dec([int(k)], skip_special_tokens=False), "logprob": v}
+                                          for k, v in lp["top"].items()]} for t, lp in zip(ids, lps)]}

@@ -1,0 +1,207 @@
+"""The request lifecycle across the pools: pick, prefill, hand off, decode, stream, retry.
+
+One pump per worker long-polls its events (tokens, "KV held", errors) and its load report, and
+routes each event to the request's queue. A request's coroutine walks:
+
+    disaggregated:  pick prefill ─▶ first token (TTFT) + KV held ─▶ pick decode ─▶ tokens ─▶ done
+    colocated:      pick worker ─▶ tokens ─▶ done
+
+A failed KV handoff or a dead worker re-runs the request from its prefill (up to `max_retries`),
+then fails it with a clear error; a cancelled request (client gone) is aborted on every worker
+that knows it, so its blocks come back.
+
+Workers are reached through handles (`handle.method.remote(...)` returns an awaitable); the
+messages are msgpack.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+
+from router.metrics import Metrics
+from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from router.protocol import APIError, GenerationRequest
+
+log = logging.getLogger("pdcluster.router")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    role: str
+    handle: object
+    report: dict = field(default_factory=dict)
+    assigned: set = field(default_factory=set)        # requests open on this worker (for failover)
+    unreported: dict = field(default_factory=dict)    # rid -> (prompt tokens, sent at): not yet in a report
+    alive: bool = True
+
+    def sent(self, rid: str, num_tokens: int) -> None:
+        self.assigned.add(rid)
+        self.unreported[rid] = (num_tokens, time.monotonic())
+
+    def reported(self, report: dict, polled_at: float) -> None:
+        """A report covers what was sent before the poll that carried it was issued."""
+        self.report = report
+        for rid in [r for r, (_, t) in self.unreported.items() if t < polled_at]:
+            del self.unreported[rid]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list | None = None
+
+
+class RequestFailed(Exception):
+    pass
+
+
+class Dispatcher:
+    def __init__(self, workers: list[WorkerState], mode: str, metrics: Metrics, policy: str = "p2c",
+                 max_retries: int = 2, seed: int | None = None):
+        if mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
+        self.workers = {w.worker_id: w for w in workers}
+        self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
+        self.prefill_picker = Picker(policy, seed)
+        self.decode_picker = Picker(policy, None if seed is None else seed + 1)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._pumps: list[asyncio.Task] = []
+        for role in ("prefill", "decode", "colocated"):
+            metrics.pool_size.labels(role).set(sum(w.role == role for w in workers))
+
+    def start(self) -> None:
+        self._pumps = [asyncio.get_running_loop().create_task(self._pump(w)) for w in self.workers.values()]
+
+    async def stop(self) -> None:
+        for t in self._pumps:
+            t.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    # -- the pumps -----------------------------------------------------------------------------
+    async def _pump(self, w: WorkerState) -> None:
+        while w.alive:
+            polled_at = time.monotonic()
+            try:
+                reply = msgpack.unpackb(await w.handle.poll.remote(0.5), strict_map_key=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                       # the actor died: fail over its requests
+                log.error("worker %s is gone: %s", w.worker_id, e)
+                w.alive = False
+                for rid in list(w.assigned):
+                    self._deliver(rid, {"rid": rid, "tokens": [], "finished": True, "reason": "error",
+                                        "error": f"worker {w.worker_id} failed", "retryable": True})
+                return
+            w.reported(reply["load"], polled_at)
+            self.metrics.observe_load(w.report)
+            for ev in reply["events"]:
+                self._deliver(ev["rid"], ev)
+
+    def _deliver(self, rid: str, ev: dict) -> None:
+        q = self._queues.get(rid)
+        if q is not None:
+            q.put_nowait(ev)
+
+    # -- one request ---------------------------------------------------------------------------
+    def _alive(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    def _pick(self, role: str) -> WorkerState:
+        pool = self._alive(role)
+        if not pool:
+            raise RequestFailed(f"no live {role} worker")
+        if role == "decode":
+            loads = [WorkerLoad(w.worker_id, decode_load(w.report, len(w.unreported))) for w in pool]
+            return self.workers[self.decode_picker.pick(loads)]
+        loads = [WorkerLoad(w.worker_id, prefill_load(w.report, sum(n for n, _ in w.unreported.values())))
+                 for w in pool]
+        return self.workers[self.prefill_picker.pick(loads)]
+
+    async def generate(self, req: GenerationRequest):
+        """Async iterator of TokenEvents; raises RequestFailed when retries run out."""
+        base = f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
+        for attempt in range(self.max_retries + 1):
+            rid = f"{base}.{attempt}"
+            q: asyncio.Queue = asyncio.Queue()
+            self._queues[rid] = q
+            involved: list[WorkerState] = []
+            try:
+                retry = False
+                async for ev in self._attempt(req, rid, q, involved):
+                    if ev is None:
+                        retry = True
+                        break
+                    yield ev
+                if not retry:
+                    return
+            finally:
+                self._queues.pop(rid, None)
+                for w in involved:
+                    w.assigned.discard(rid)
+                    if w.alive:
+                        # Idempotent on the worker: frees whatever the request still holds there.
+                        w.handle.submit.remote(msgpack.packb({"op": "abort", "rid": rid}))
+            log.warning("request %s: retrying from prefill (attempt %d)", base, attempt + 1)
+        raise RequestFailed(f"request failed after {self.max_retries + 1} attempts")
+
+    async def _attempt(self, req: GenerationRequest, rid: str, q: asyncio.Queue, involved: list):
+        """Yields TokenEvents; yields None once to ask for a retry."""
+        body = {"rid": rid, "prompt_token_ids": req.prompt_token_ids, "params": _params_dict(req.params),
+                "priority": req.priority}
+        first_role = "colocated" if self.mode == "colocated" else "prefill"
+        w = self._pick(first_role)
+        involved.append(w)
+        w.sent(rid, len(req.prompt_token_ids))
+        w.handle.submit.remote(msgpack.packb({**body, "op": "generate" if first_role == "colocated" else "prefill"}))
+        first_tokens: list[int] = []
+        while True:
+            ev = await q.get()
+            if ev.get("error"):
+                if ev.get("retryable"):
+                    yield None
+                    return
+                raise APIError(400, ev["error"])
+            if ev["tokens"] or ev["finished"]:
+                first_tokens += ev["tokens"]
+                yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
+            if ev["finished"]:
+                return
+            if ev.get("held"):
+                break
+        # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
+        d = self._pick("decode")
+        involved.append(d)
+        d.sent(rid, 1)
+        t0 = time.monotonic()
+        d.handle.submit.remote(msgpack.packb({**body, "op": "decode", "first_tokens": first_tokens,
+                                              "prefill_id": w.worker_id}))
+        transferred = False
+        while True:
+            ev = await q.get()
+            if ev.get("error"):
+                self.metrics.kv_transfer_failures.inc()
+                if ev.get("retryable"):
+                    yield None
+                    return
+                raise APIError(400, ev["error"])
+            if not transferred:
+                transferred = True
+                self.metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+            yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
+            if ev["finished"]:
+                return
+
+
+def _params_dict(p) -> dict:
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+            "seed": p.seed, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs}

@@ -1,0 +1,56 @@
+"""Choosing a worker: power-of-two-choices on a load signal, or random / round-robin.
+
+Plain Python over plain numbers (no Ray), so the router, the tests and the simulator share it.
+
+Power-of-two-choices: sample two distinct workers uniformly, send to the less loaded. With n
+balls into n bins the fullest bin holds ~log n / log log n balls under random placement, but
+only ~log log n / log 2 with two choices (Azar, Broder, Karlin, Upfal 1994); it needs no
+global view, so a stale or partial load report hurts it little.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+POLICIES = ("p2c", "random", "round-robin")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    worker_id: str
+    load: float           # prefill: queued prefill tokens; decode: KV blocks in use + running
+
+
+class Picker:
+    def __init__(self, policy: str = "p2c", seed: int | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"picking policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._rng = random.Random(seed)
+        self._rr = itertools.count()
+
+    def pick(self, candidates: list[WorkerLoad]) -> str:
+        if not candidates:
+            raise LookupError("no worker to pick from")
+        if len(candidates) == 1:
+            return candidates[0].worker_id
+        if self.policy == "random":
+            return self._rng.choice(candidates).worker_id
+        if self.policy == "round-robin":
+            return candidates[next(self._rr) % len(candidates)].worker_id
+        a, b = self._rng.sample(candidates, 2)
+        return (a if a.load <= b.load else b).worker_id
+
+
+def prefill_load(report: dict, inflight_tokens: int = 0) -> float:
+    """Queued prefill tokens: reported by the worker, plus those sent since its last report."""
+    return report.get("queued_prefill_tokens", 0) + inflight_tokens
+
+
+def decode_load(report: dict, inflight: int = 0) -> float:
+    """KV blocks in use (as a fraction) plus running sequences (as a fraction of a small
+    batch); requests sent since the last report count as running."""
+    total = max(1, report.get("kv_blocks_total", 1))
+    running = report.get("running", 0) + report.get("pending", 0) + report.get("receiving", 0) + inflight
+    return report.get("kv_blocks_used", 0) / total + running / 64

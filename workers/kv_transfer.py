@@ -1,0 +1,375 @@
+"""KV-cache handoff between a prefill worker (sender) and a decode worker (receiver).
+
+Each (prefill, decode) pair gets its own two-rank process group, made lazily on the first
+transfer through a rendezvous in a TCPStore that the receiving side hosts, so pools grow
+and shrink without a global world. Gloo moves CPU tensors, NCCL moves CUDA tensors; the
+code path is the same, only the group's constructor differs.
+
+    prefill, rank 0                                decode, rank 1 (hosts the store)
+    connect  gen = add("gen", 1), set hello/0      wait for an unused gen, set hello/1
+             both read the other's hello and check layout + backend (mismatch: both raise)
+             ProcessGroup{Gloo,NCCL}(PrefixStore(pair), rank, 2)
+    header   send [count, nbytes, transfer_id] ──▶ recv      both check both headers
+             recv                              ◀── send
+    payload  index_select into one buffer      ──▶ recv, index_copy_ into its own block ids
+             buffer = [layer, k|v, block, slot, kv_head, head_dim]
+
+Transfers on one pair must be issued in the same order on both sides; `transfer_id` lets
+the caller make a reordering an error instead of swapped KV.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import ClassVar
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]      # per layer (k, v): [blocks, slot, head, dim]
+
+_SENDER, _RECEIVER = 0, 1
+_TAG_HEADER, _TAG_PAYLOAD = 1, 2          # NCCL ignores tags: there the issue order matches ops
+_STORE_TIMEOUT_S = 300.0                  # the store's default; every wait here passes its own
+_NCCL_WATCHDOG_S = 600.0                  # NCCL's watchdog bound; each op waits with a shorter deadline
+
+
+class KVLayoutMismatch(ValueError):
+    """The two sides' caches differ in shape or dtype (or transport): no transfer is possible."""
+
+
+class KVTransferMismatch(ValueError):
+    """The two sides disagree on a transfer (block count or transfer id); the pair stays usable."""
+
+
+class KVTransferError(RuntimeError):
+    """The peer vanished or the connection broke; the pair's group has been dropped."""
+
+
+class KVTransferTimeout(KVTransferError, TimeoutError):
+    """The transfer (connect included) did not finish within its timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str                              # torch dtype name, e.g. "float32"
+
+    @classmethod
+    def of(cls, kv_caches: KVCaches) -> KVLayout:
+        k = kv_caches[0][0]
+        _, block_size, num_kv_heads, head_dim = k.shape
+        layout = cls(len(kv_caches), block_size, num_kv_heads, head_dim, str(k.dtype).removeprefix("torch."))
+        assert all(t.shape == k.shape and t.dtype == k.dtype for kv in kv_caches for t in kv), \
+            "every layer's K and V cache must have the same shape and dtype"
+        return layout
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.torch_dtype.itemsize)
+
+    def check_compatible(self, other: KVLayout, peer: str = "peer") -> None:
+        diffs = [f"{f.name} {getattr(self, f.name)} here vs {getattr(other, f.name)} on {peer}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        if diffs:
+            raise KVLayoutMismatch(f"KV cache layouts differ ({'; '.join(diffs)}): both workers must "
+                                   "serve the same model with the same block size and dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class KVPeer:
+    """A receiving (decode) worker as its senders address it."""
+    worker_id: str
+    store_addr: str                         # "host:port", that worker's `transport.store_addr`
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    connect_s: float                        # 0 when the pair's group was cached
+    pack_s: float                           # sender: index_select into the buffer
+    wire_s: float                           # header + payload, including waiting for the peer
+    unpack_s: float                         # receiver: index_copy_ into the cache
+
+
+@dataclass(slots=True)
+class _Pair:
+    group: dist.Backend
+    store: dist.Store                       # kept alive: NCCL creates communicators through it
+    addr: str | None
+    layout: KVLayout
+    staging: torch.Tensor                   # uint8, grown on demand, reused across transfers
+
+
+def node_ip() -> str:
+    """This node's outward IPv4 address (connecting a UDP socket picks a route, sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _remaining(deadline: float) -> timedelta:
+    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
+class KVTransport(ABC):
+    backend: ClassVar[str]
+    device_type: ClassVar[str]
+
+    def __init__(self, worker_id: str, device: torch.device | str | None = None, host: str | None = None):
+        self.worker_id = worker_id
+        self.device = torch.device(device or self.device_type)
+        if self.device.type != self.device_type:
+            raise ValueError(f"{self.backend} moves {self.device_type} tensors, not {self.device}")
+        self.host = host or node_ip()
+        self.num_connects = 0                                   # pair groups built (a reconnect metric)
+        self.last_stats: TransferStats | None = None
+        self._server: dist.TCPStore | None = None
+        self._pairs: dict[tuple[str, int], _Pair] = {}          # (peer id, my rank) -> group
+        self._gens: dict[str, int] = {}                         # sender id -> last generation joined
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._mutex = threading.Lock()
+
+    @abstractmethod
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+        """A two-rank group over `store`; rendezvous must finish within `timeout`."""
+
+    @property
+    def store_addr(self) -> str:
+        """Where senders rendezvous with this worker; the store starts on first use."""
+        with self._mutex:
+            if self._server is None:
+                self._server = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=_STORE_TIMEOUT_S),
+                                             wait_for_workers=False)
+            return f"{self.host}:{self._server.port}"
+
+    def send_blocks(self, peer: KVPeer, kv_caches: KVCaches, block_ids: list[int],
+                    timeout_s: float = 30.0, transfer_id: int = 0) -> int:
+        """Send these blocks to `peer`, which receives them into its own block ids. Returns bytes."""
+        return self._transfer(peer.worker_id, _SENDER, kv_caches, block_ids, timeout_s, transfer_id,
+                              peer.store_addr)
+
+    def recv_blocks(self, peer: str, kv_caches: KVCaches, block_ids: list[int],
+                    timeout_s: float = 30.0, transfer_id: int = 0) -> int:
+        """Receive blocks from the prefill worker `peer` into these block ids. Returns bytes."""
+        self.store_addr                                          # the sender cannot find us without it
+        return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None)
+
+    def close(self, peer: str) -> None:
+        """Forget the groups with `peer`; the next transfer reconnects."""
+        for key in ((peer, _SENDER), (peer, _RECEIVER)):
+            with self._lock_for(key):
+                self._drop(key, failed=False)
+
+    def shutdown(self) -> None:
+        for peer, _ in list(self._pairs):
+            self.close(peer)
+        self._server = None
+
+    # -- internals -----------------------------------------------------------------------------
+    def _lock_for(self, key: tuple[str, int]) -> threading.Lock:
+        with self._mutex:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def _drop(self, key: tuple[str, int], failed: bool) -> None:
+        pair = self._pairs.pop(key, None)
+        if pair is not None:
+            try:   # abort unblocks a broken NCCL communicator; shutdown lets a healthy one finish
+                pair.group.abort() if failed else pair.group.shutdown()
+            except Exception:
+                pass
+
+    def _transfer(self, peer: str, rank: int, kv_caches: KVCaches, block_ids: list[int],
+                  timeout_s: float, transfer_id: int, addr: str | None) -> int:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        layout = KVLayout.of(kv_caches)
+        _check_block_ids(kv_caches, block_ids, unique=rank == _RECEIVER)
+        key = (peer, rank)
+        with self._lock_for(key):
+            try:
+                pair = self._pairs.get(key)
+                connect_s = 0.0
+                if pair is None or pair.addr != addr or pair.layout != layout:
+                    self._drop(key, failed=False)
+                    pair = self._connect(peer, rank, layout, addr, deadline)
+                    self._pairs[key] = pair
+                    connect_s = time.monotonic() - start
+                stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s)
+            except (KVLayoutMismatch, KVTransferMismatch):
+                raise                       # both sides refused the same way; nothing is broken
+            except Exception as e:          # torch's DistError family and gloo's RuntimeErrors
+                self._drop(key, failed=True)
+                elapsed = time.monotonic() - start
+                me, arrow = self.worker_id, "->" if rank == _SENDER else "<-"
+                if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower() \
+                        or "timeout" in str(e).lower():
+                    raise KVTransferTimeout(
+                        f"KV transfer {me} {arrow} {peer} timed out after {elapsed:.2f}s "
+                        f"(timeout {timeout_s}s): is {peer} alive and calling its side?") from e
+                raise KVTransferError(f"KV transfer {me} {arrow} {peer} failed after {elapsed:.2f}s: "
+                                      f"{str(e).splitlines()[0]}") from e
+        self.last_stats = stats
+        return stats.num_bytes
+
+    def _connect(self, peer: str, rank: int, layout: KVLayout, addr: str | None, deadline: float) -> _Pair:
+        if rank == _SENDER:
+            host, port = addr.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), None, False, _remaining(deadline), wait_for_workers=False)
+            base = dist.PrefixStore(f"kv/{self.worker_id}->{peer}", store)
+            gen = base.add("gen", 1)        # each connect opens a fresh generation of keys
+        else:
+            store = self._server
+            base = dist.PrefixStore(f"kv/{peer}->{self.worker_id}", store)
+            # Join the newest generation not joined before: a sender that timed out and retried
+            # may have opened several while we were away.
+            base.wait([f"{self._gens.get(peer, 0) + 1}/hello/{_SENDER}"], _remaining(deadline))
+            gen = base.add("gen", 0)
+            self._gens[peer] = gen
+        pair_store = dist.PrefixStore(str(gen), base)
+        hello = {"worker_id": self.worker_id, "backend": self.backend,
+                 "layout": {f.name: getattr(layout, f.name) for f in fields(layout)}}
+        pair_store.set(f"hello/{rank}", msgpack.packb(hello))
+        pair_store.wait([f"hello/{1 - rank}"], _remaining(deadline))
+        theirs = msgpack.unpackb(pair_store.get(f"hello/{1 - rank}"))
+        # Both sides read both hellos, so both refuse a mismatch before any group exists.
+        if theirs["backend"] != self.backend:
+            raise KVLayoutMismatch(f"KV transport differs: {self.backend} here vs {theirs['backend']} "
+                                   f"on {peer}: use the same --kv-transport on both pools")
+        layout.check_compatible(KVLayout(**theirs["layout"]), peer)
+        group = self._new_group(dist.PrefixStore("group", pair_store), rank, _remaining(deadline))
+        self.num_connects += 1
+        return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device))
+
+    def _move(self, pair: _Pair, rank: int, kv_caches: KVCaches, block_ids: list[int],
+              transfer_id: int, deadline: float, connect_s: float) -> TransferStats:
+        other, group, layout = 1 - rank, pair.group, pair.layout
+        n = len(block_ids)
+        nbytes = n * layout.bytes_per_block
+        t0 = time.perf_counter()
+        mine = torch.tensor([n, nbytes, transfer_id], dtype=torch.int64, device=self.device)
+        theirs = torch.empty_like(mine)
+        # NCCL runs p2p ops in issue order, so the sides mirror each other; both sending first
+        # would leave both blocked in send.
+        if rank == _SENDER:
+            group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
+            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
+        else:
+            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
+            group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
+        (sn, _, sid), (rn, _, rid) = (mine if rank == _SENDER else theirs).tolist(), \
+                                     (theirs if rank == _SENDER else mine).tolist()
+        if (sn, sid) != (rn, rid):
+            raise KVTransferMismatch(f"sender has {sn} blocks for transfer {sid}, receiver expects {rn} "
+                                     f"for transfer {rid}: reserve one block per sent block and issue "
+                                     "transfers in the same order on both sides")
+        if pair.staging.numel() < nbytes:
+            pair.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = pair.staging[:nbytes]
+        packed = buf.view(layout.torch_dtype).view(layout.num_layers, 2, n, layout.block_size,
+                                                   layout.num_kv_heads, layout.head_dim)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        pack_s = unpack_s = 0.0
+        if n and rank == _SENDER:
+            t1 = time.perf_counter()
+            for layer, (k, v) in enumerate(kv_caches):
+                torch.index_select(k, 0, idx, out=packed[layer, 0])
+                torch.index_select(v, 0, idx, out=packed[layer, 1])
+            self._sync()
+            pack_s = time.perf_counter() - t1
+            group.send([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
+        elif n:
+            group.recv([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
+            t1 = time.perf_counter()
+            for layer, (k, v) in enumerate(kv_caches):
+                k.index_copy_(0, idx, packed[layer, 0])
+                v.index_copy_(0, idx, packed[layer, 1])
+            self._sync()
+            unpack_s = time.perf_counter() - t1
+        wire_s = time.perf_counter() - t0 - pack_s - unpack_s
+        return TransferStats(n, nbytes, connect_s, pack_s, wire_s, unpack_s)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _check_block_ids(kv_caches: KVCaches, block_ids: list[int], unique: bool) -> None:
+    num_blocks = kv_caches[0][0].shape[0]
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad[:8]} outside this cache's {num_blocks} blocks")
+    if unique and len(set(block_ids)) != len(block_ids):
+        raise ValueError("receiving block ids repeat: each received block needs its own block")
+
+
+class GlooTransport(KVTransport):
+    backend = "gloo"
+    device_type = "cpu"
+
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Bind to the address we advertise, not whatever the hostname resolves to (often a
+        # loopback alias in containers, unreachable from other nodes).
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+class NcclTransport(KVTransport):
+    backend = "nccl"
+    device_type = "cuda"
+
+    def __init__(self, worker_id: str, device: torch.device | str | None = None, host: str | None = None):
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ValueError("the nccl KV transport needs CUDA and a torch build with NCCL: "
+                             "use --kv-transport gloo (or auto) on CPU")
+        device = torch.device(device or "cuda")
+        super().__init__(worker_id, torch.device("cuda", device.index if device.index is not None
+                                                 else torch.cuda.current_device()), host)
+
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+        # The communicator itself is created by the first send/recv (the header), right after
+        # this rendezvous; each op then waits with its own deadline, under the watchdog's bound.
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=max(_NCCL_WATCHDOG_S, timeout.total_seconds()))
+        opts.is_high_priority_stream = False
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def transport_backend(kind: str, device: torch.device | str) -> str:
+    """The backend for `--kv-transport kind` with the KV cache on `device`."""
+    device = torch.device(device)
+    if kind == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if kind == "nccl" and device.type != "cuda":
+        raise ValueError(f"--kv-transport nccl moves CUDA tensors but the KV cache is on {device}: "
+                         "use gloo or auto")
+    if kind == "gloo" and device.type != "cpu":
+        raise ValueError(f"--kv-transport gloo moves CPU tensors but the KV cache is on {device}: "
+                         "use nccl or auto")
+    if kind not in ("gloo", "nccl"):
+        raise ValueError(f"unknown --kv-transport {kind!r}: expected auto, gloo or nccl")
+    return kind
+
+
+def make_transport(kind: str, device: torch.device | str, worker_id: str, host: str | None = None) -> KVTransport:
+    cls = {"gloo": GlooTransport, "nccl": NcclTransport}[transport_backend(kind, device)]
+    return cls(worker_id, device, host)
