@@ -39,12 +39,15 @@ def parse_request(obj, where: str) -> dict:
     if has_ids and not (isinstance(obj["prompt_token_ids"], list)
                         and all(isinstance(t, int) for t in obj["prompt_token_ids"])):
         raise RequestError(f"{where}: 'prompt_token_ids' must be a list of integers")
+    priority = obj.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError(f"{where}: priority must be an integer, got {priority!r}")
     try:
         params = SamplingParams(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     except (TypeError, ValueError) as e:
         raise RequestError(f"{where}: {e}") from None
     return {"prompt": obj.get("prompt"), "prompt_token_ids": obj.get("prompt_token_ids"),
-            "params": params, "priority": obj.get("priority", 0)}
+            "params": params, "priority": priority, "where": where}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -37,12 +37,19 @@ CONFIGS = {
                                        scheduler=SchedulerConfig(max_num_batched_tokens=16)),
     "block-size-1": lambda: dict(cache=CacheConfig(block_size=1, **SMALL_KV)),
     "block-size-32": lambda: dict(cache=CacheConfig(block_size=32, **SMALL_KV)),
+    # "auto" picks the C++ kernel on CPU when it builds: run the torch reference backend too,
+    # over chunks on context (paged reads) and decodes alike.
+    "torch-backend-chunked-bs8": lambda: dict(attention_backend="torch",
+                                              cache=CacheConfig(block_size=8, **SMALL_KV),
+                                              scheduler=SchedulerConfig(max_num_batched_tokens=48)),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hf(name, tiny_dir, hf_greedy):
     engine = LLMEngine(EngineConfig(model=tiny_dir, **CONFIGS[name]()))
+    if name.startswith("torch-backend"):
+        assert engine.runner.backend.name == "torch"
     got = generate_ids(engine, PROMPTS)
     assert_same_as_hf(got, hf_greedy(PROMPTS), PROMPTS)
     assert_all_blocks_free(engine)

@@ -32,6 +32,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[dict] | None = None
+    held: bool = False              # prefill-only: its KV is held for a decode worker to pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
         cost = PreemptionCostModel(
             kv_bytes_per_token=bytes_per_token, num_params=mcfg.num_params(),
-            attn_flops_per_token_pair=4 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.head_dim)
+            attn_flops_per_token_pair=4 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.head_dim,
+            num_layers=mcfg.num_hidden_layers)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, cost)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, num_host, self.device, self.dtype,
                                   cfg.attention_backend)
@@ -234,7 +236,7 @@ class LLMEngine:
                 self._seqs.pop(seq.seq_id, None)
             outputs.append(RequestOutput(
                 seq.seq_id, [tok.token_id], seq.num_output_tokens, seq.is_finished, seq.finish_reason,
-                [tok.logprobs] if tok.logprobs is not None else None))
+                [tok.logprobs] if tok.logprobs is not None else None, seq.status is SequenceStatus.HELD))
         return outputs
 
     def _append_token(self, seq: Sequence, tok: SampledToken) -> None:
@@ -291,7 +293,7 @@ class LLMEngine:
             except ValueError as e:
                 for s in seqs:                   # all or nothing: no half-submitted batch
                     self.abort(s.seq_id)
-                raise ValueError(f"request {i}: {e}") from None
+                raise ValueError(f"{r.get('where', f'request {i}')}: {e}") from None
         while self.has_unfinished():
             self.step()
         return [self.result(s) for s in seqs]

@@ -9,9 +9,9 @@ code path is the same, only the group's constructor differs.
     connect  gen = add("gen", 1), set hello/0      wait for an unused gen, set hello/1
              both read the other's hello and check layout + backend (mismatch: both raise)
              ProcessGroup{Gloo,NCCL}(PrefixStore(pair), rank, 2)
-    header   send [count, nbytes, transfer_id] ──▶ recv      both check both headers
-             recv                              ◀── send
-    payload  index_select into one buffer      ──▶ recv, index_copy_ into its own block ids
+    header   send [count, transfer_id]         ──▶ recv      both check both headers
+             pack meanwhile; recv              ◀── send
+    payload  send the packed buffer            ──▶ recv, index_copy_ into its own block ids
              buffer = [layer, k|v, block, slot, kv_head, head_dim]
 
 Transfers on one pair must be issued in the same order on both sides; `transfer_id` lets
@@ -19,19 +19,21 @@ the caller make a reordering an error instead of swapped KV.
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgpack
 import torch
 import torch.distributed as dist
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]      # per layer (k, v): [blocks, slot, head, dim]
+Group = Any                                             # a c10d backend: ProcessGroupGloo / ProcessGroupNCCL
 
 _SENDER, _RECEIVER = 0, 1
 _TAG_HEADER, _TAG_PAYLOAD = 1, 2          # NCCL ignores tags: there the issue order matches ops
@@ -108,7 +110,7 @@ class TransferStats:
 
 @dataclass(slots=True)
 class _Pair:
-    group: dist.Backend
+    group: Group
     store: dist.Store                       # kept alive: NCCL creates communicators through it
     addr: str | None
     layout: KVLayout
@@ -123,6 +125,19 @@ def node_ip() -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def _wait_listening(host: str, port: int, deadline: float) -> None:
+    """Wait until something listens on host:port. TCPStore's client retries on a backoff that
+    overshoots its timeout by seconds; plain connects keep a missing peer within the deadline."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001)):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port}") from None
+            time.sleep(0.05)
 
 
 def _remaining(deadline: float) -> timedelta:
@@ -148,17 +163,13 @@ class KVTransport(ABC):
         self._mutex = threading.Lock()
 
     @abstractmethod
-    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> Group:
         """A two-rank group over `store`; rendezvous must finish within `timeout`."""
 
     @property
     def store_addr(self) -> str:
-        """Where senders rendezvous with this worker; the store starts on first use."""
-        with self._mutex:
-            if self._server is None:
-                self._server = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=_STORE_TIMEOUT_S),
-                                             wait_for_workers=False)
-            return f"{self.host}:{self._server.port}"
+        """Where senders rendezvous with this worker (give it to them in a KVPeer)."""
+        return f"{self.host}:{self._serve().port}"
 
     def send_blocks(self, peer: KVPeer, kv_caches: KVCaches, block_ids: list[int],
                     timeout_s: float = 30.0, transfer_id: int = 0) -> int:
@@ -169,7 +180,7 @@ class KVTransport(ABC):
     def recv_blocks(self, peer: str, kv_caches: KVCaches, block_ids: list[int],
                     timeout_s: float = 30.0, transfer_id: int = 0) -> int:
         """Receive blocks from the prefill worker `peer` into these block ids. Returns bytes."""
-        self.store_addr                                          # the sender cannot find us without it
+        self._serve()
         return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None)
 
     def close(self, peer: str) -> None:
@@ -184,6 +195,14 @@ class KVTransport(ABC):
         self._server = None
 
     # -- internals -----------------------------------------------------------------------------
+    def _serve(self) -> dist.TCPStore:
+        """The store senders rendezvous in, started on first use on a free port."""
+        with self._mutex:
+            if self._server is None:
+                self._server = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=_STORE_TIMEOUT_S),
+                                             wait_for_workers=False)
+            return self._server
+
     def _lock_for(self, key: tuple[str, int]) -> threading.Lock:
         with self._mutex:
             return self._locks.setdefault(key, threading.Lock())
@@ -219,8 +238,8 @@ class KVTransport(ABC):
                 self._drop(key, failed=True)
                 elapsed = time.monotonic() - start
                 me, arrow = self.worker_id, "->" if rank == _SENDER else "<-"
-                if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower() \
-                        or "timeout" in str(e).lower():
+                message = str(e).lower()
+                if time.monotonic() >= deadline - 0.01 or "timed out" in message or "timeout" in message:
                     raise KVTransferTimeout(
                         f"KV transfer {me} {arrow} {peer} timed out after {elapsed:.2f}s "
                         f"(timeout {timeout_s}s): is {peer} alive and calling its side?") from e
@@ -232,7 +251,9 @@ class KVTransport(ABC):
     def _connect(self, peer: str, rank: int, layout: KVLayout, addr: str | None, deadline: float) -> _Pair:
         if rank == _SENDER:
             host, port = addr.rsplit(":", 1)
+            _wait_listening(host, int(port), deadline)
             store = dist.TCPStore(host, int(port), None, False, _remaining(deadline), wait_for_workers=False)
+            store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))   # later reads (NCCL's) are not ours
             base = dist.PrefixStore(f"kv/{self.worker_id}->{peer}", store)
             gen = base.add("gen", 1)        # each connect opens a fresh generation of keys
         else:
@@ -263,52 +284,60 @@ class KVTransport(ABC):
         other, group, layout = 1 - rank, pair.group, pair.layout
         n = len(block_ids)
         nbytes = n * layout.bytes_per_block
-        t0 = time.perf_counter()
-        mine = torch.tensor([n, nbytes, transfer_id], dtype=torch.int64, device=self.device)
-        theirs = torch.empty_like(mine)
-        # NCCL runs p2p ops in issue order, so the sides mirror each other; both sending first
-        # would leave both blocked in send.
-        if rank == _SENDER:
-            group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
-            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
-        else:
-            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
-            group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
-        (sn, _, sid), (rn, _, rid) = (mine if rank == _SENDER else theirs).tolist(), \
-                                     (theirs if rank == _SENDER else mine).tolist()
-        if (sn, sid) != (rn, rid):
-            raise KVTransferMismatch(f"sender has {sn} blocks for transfer {sid}, receiver expects {rn} "
-                                     f"for transfer {rid}: reserve one block per sent block and issue "
-                                     "transfers in the same order on both sides")
         if pair.staging.numel() < nbytes:
             pair.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         buf = pair.staging[:nbytes]
         packed = buf.view(layout.torch_dtype).view(layout.num_layers, 2, n, layout.block_size,
                                                    layout.num_kv_heads, layout.head_dim)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        mine = torch.tensor([n, transfer_id], dtype=torch.int64, device=self.device)
+        theirs = torch.empty_like(mine)
+        t0 = time.perf_counter()
         pack_s = unpack_s = 0.0
-        if n and rank == _SENDER:
-            t1 = time.perf_counter()
-            for layer, (k, v) in enumerate(kv_caches):
-                torch.index_select(k, 0, idx, out=packed[layer, 0])
-                torch.index_select(v, 0, idx, out=packed[layer, 1])
-            self._sync()
-            pack_s = time.perf_counter() - t1
-            group.send([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
-        elif n:
-            group.recv([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
-            t1 = time.perf_counter()
-            for layer, (k, v) in enumerate(kv_caches):
-                k.index_copy_(0, idx, packed[layer, 0])
-                v.index_copy_(0, idx, packed[layer, 1])
-            self._sync()
-            unpack_s = time.perf_counter() - t1
+        # NCCL runs p2p ops in issue order, so the two sides' sequences mirror each other
+        # (both sending first would leave both blocked in send).
+        if rank == _SENDER:
+            header = group.send([mine], other, _TAG_HEADER)
+            if n:                                               # hidden under the header's round trip
+                pack_s = self._copy_blocks(kv_caches, idx, packed, pack=True)
+            header.wait(_remaining(deadline))
+            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
+            _check_headers(mine, theirs)
+            if n:
+                group.send([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
+        else:
+            group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
+            group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
+            _check_headers(theirs, mine)
+            if n:
+                group.recv([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
+                unpack_s = self._copy_blocks(kv_caches, idx, packed, pack=False)
         wire_s = time.perf_counter() - t0 - pack_s - unpack_s
         return TransferStats(n, nbytes, connect_s, pack_s, wire_s, unpack_s)
+
+    def _copy_blocks(self, kv_caches: KVCaches, idx: torch.Tensor, packed: torch.Tensor, pack: bool) -> float:
+        """Gather the blocks into the buffer (pack) or scatter the buffer into them; seconds."""
+        t0 = time.perf_counter()
+        for layer, (k, v) in enumerate(kv_caches):
+            for cache, part in ((k, packed[layer, 0]), (v, packed[layer, 1])):
+                if pack:
+                    torch.index_select(cache, 0, idx, out=part)
+                else:
+                    cache.index_copy_(0, idx, part)
+        self._sync()
+        return time.perf_counter() - t0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _check_headers(sender: torch.Tensor, receiver: torch.Tensor) -> None:
+    (sn, sid), (rn, rid) = sender.tolist(), receiver.tolist()
+    if (sn, sid) != (rn, rid):
+        raise KVTransferMismatch(f"sender has {sn} blocks for transfer {sid}, receiver expects {rn} "
+                                 f"for transfer {rid}: reserve one block per sent block and issue "
+                                 "transfers in the same order on both sides")
 
 
 def _check_block_ids(kv_caches: KVCaches, block_ids: list[int], unique: bool) -> None:
@@ -324,7 +353,7 @@ class GlooTransport(KVTransport):
     backend = "gloo"
     device_type = "cpu"
 
-    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> Group:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         # Bind to the address we advertise, not whatever the hostname resolves to (often a
@@ -341,11 +370,14 @@ class NcclTransport(KVTransport):
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise ValueError("the nccl KV transport needs CUDA and a torch build with NCCL: "
                              "use --kv-transport gloo (or auto) on CPU")
+        # NCCL's default on an async error is to kill the process; a decode worker must outlive
+        # a prefill peer that died mid-transfer, so only abort the communicator (read per group).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         device = torch.device(device or "cuda")
         super().__init__(worker_id, torch.device("cuda", device.index if device.index is not None
                                                  else torch.cuda.current_device()), host)
 
-    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> dist.Backend:
+    def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> Group:
         # The communicator itself is created by the first send/recv (the header), right after
         # this rendezvous; each op then waits with its own deadline, under the watchdog's bound.
         opts = dist.ProcessGroupNCCL.Options()

@@ -27,19 +27,23 @@ from workers.sequence import Sequence, SequenceStatus
 class PreemptionCostModel:
     """Chooses swap or recompute for a victim by estimated seconds of each.
 
-    swap:      2 * kv_bytes_per_token * n / copy_bytes_per_s          (out now, in later)
-    recompute: (2 * num_params * n + 4 * layers * hidden * n^2 / 2) / flops_per_s
-    Both grow with the sequence length n, but recompute has the quadratic attention term, so
-    long sequences favour swap and short ones recompute; with no host room, recompute.
+    swap:      copy_ops * overhead + 2 * kv_bytes_per_token * n / copy_bytes_per_s
+               (out now and in later: per layer a K and a V copy each way, each with a fixed cost)
+    recompute: (2 * num_params * n + attn_flops_per_token_pair * n^2 / 2) / flops_per_s
+    Swap pays a fixed cost, so the shortest victims recompute; recompute grows faster
+    (the quadratic attention term), so long victims swap. With no host room, recompute.
     """
     kv_bytes_per_token: int
     num_params: int
     attn_flops_per_token_pair: int      # 4 * layers * num_heads * head_dim
+    num_layers: int
     copy_bytes_per_s: float = 5e9
     flops_per_s: float = 5e10
+    copy_overhead_s: float = 20e-6      # dispatch / launch cost of one indexed copy
 
     def prefers_swap(self, num_tokens: int) -> bool:
-        swap_s = 2 * self.kv_bytes_per_token * num_tokens / self.copy_bytes_per_s
+        swap_s = (4 * self.num_layers * self.copy_overhead_s
+                  + 2 * self.kv_bytes_per_token * num_tokens / self.copy_bytes_per_s)
         recompute_s = (2 * self.num_params * num_tokens
                        + self.attn_flops_per_token_pair * num_tokens * num_tokens / 2) / self.flops_per_s
         return swap_s < recompute_s

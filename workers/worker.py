@@ -25,7 +25,7 @@ import torch
 
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
-from workers.sequence import SamplingParams, SequenceStatus
+from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.worker")
 ROLES = ("prefill", "decode", "colocated")
@@ -143,8 +143,7 @@ class Worker:
         for o in outputs:
             ev = {"rid": o.request_id, "tokens": o.new_token_ids, "finished": o.finished,
                   "reason": o.finish_reason}
-            seq_status = self.engine._seqs.get(o.request_id)
-            if seq_status is not None and seq_status.status is SequenceStatus.HELD:
+            if o.held:
                 ev["held"] = True
                 self._leases[o.request_id] = time.monotonic() + self.lease_s
             if o.new_logprobs is not None:
