@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -35,6 +36,7 @@ class ClusterSpec:
     ready_timeout_s: float = 300.0
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
 
     def __post_init__(self):
         if self.mode not in ("disaggregated", "colocated"):
@@ -72,10 +74,10 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
         engine.setdefault("device", "cuda")
     handles = []
     for worker_id, role in spec.roles():
-        opts = dict(name=actor_name(worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
+        opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
                     num_gpus=gpus, max_concurrency=32, max_restarts=0)
         h = ray.remote(Worker).options(**opts).remote(
-            worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s)
+            worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id)
         handles.append((worker_id, role, h))
     refs = [h.ready.remote() for _, _, h in handles]
     t0 = time.monotonic()

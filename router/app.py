@@ -26,28 +26,35 @@ from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
 
 
 class Detokenizer:
-    """Incremental text: emits only complete characters, and holds back a tail that could
-    still grow into a stop string."""
+    """Incremental text in O(new tokens) per push: decodes a short window of recent tokens,
+    emits only complete characters, and holds back a tail that could still grow into a stop
+    string (the text a client sees never contains one)."""
+    MAX_PENDING = 8                        # invalid bytes stay invalid: emit after this many
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]):
         self.tok, self.stop = tokenizer, stop
         self.ids: list[int] = []
+        self.prefix = self.read = 0        # window start; end of what is already in `text`
+        self.text = ""
         self.sent = 0                      # characters already emitted
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids += ids
-        text = self.tok.decode(self.ids)
-        for s in self.stop:                # the engine stopped on it: the text ends before it
-            at = text.find(s)
-            if at >= 0:
-                text, final = text[:at], True
-        end = len(text) if final else len(text) - self.holdback
-        if not final and text.endswith("\ufffd"):      # a multi-byte character is incomplete
-            end = min(end, len(text) - 1)
-        if end <= self.sent:
-            return ""
-        out, self.sent = text[self.sent:end], end
+        if not self.stopped:
+            before = self.tok.decode(self.ids[self.prefix:self.read])
+            after = self.tok.decode(self.ids[self.prefix:])
+            if final or not after.endswith("\ufffd") or len(self.ids) - self.read > self.MAX_PENDING:
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(self.ids)
+            for s in self.stop:            # the engine stopped on it: the text ends before it
+                at = self.text.find(s, max(0, self.sent - len(s)))
+                if at >= 0:
+                    self.text, self.stopped = self.text[:at], True
+        final = final or self.stopped
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
+        out, self.sent = self.text[self.sent:end], end
         return out
 
 
@@ -310,7 +317,7 @@ async def _stream(server, req: GenerationRequest, rid: str, created: int):
                                      "finish_reason": None}]})
         async for delta, tok, fin, lp in server.run(req):
             n_out += len(tok)
-            if not delta and fin is None:
+            if not delta and not tok and fin is None:
                 continue
             if req.kind == "completion":
                 choice = {"index": 0, "text": delta, "finish_reason": fin, "token_ids": tok}

@@ -55,3 +55,15 @@ def hf_greedy(hf_model):
         return out
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session (starting one costs seconds); actors ask for
+    fractions of these 4 CPUs."""
+    import ray
+
+    from cluster.launcher import NAMESPACE
+    ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -40,11 +40,12 @@ def engine_config_from_dict(d: dict) -> EngineConfig:
 
 class Worker:
     def __init__(self, worker_id: str, role: str, engine_cfg: dict, transport: str = "auto",
-                 num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0):
+                 num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
+                 cluster_id: str = "default"):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         torch.set_num_threads(num_threads)
-        self.worker_id, self.role = worker_id, role
+        self.worker_id, self.role, self.cluster_id = worker_id, role, cluster_id
         self.engine = LLMEngine(engine_config_from_dict(engine_cfg))
         self.lease_s, self.transfer_timeout_s = lease_s, transfer_timeout_s
         self._transport_kind = transport
@@ -56,6 +57,9 @@ class Worker:
         self._pending: deque[dict] = deque()         # decode requests waiting for room
         self._params: dict[str, SamplingParams] = {}
         self._stop = False
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._transfer_ids = 0
+        self._transfer_stats = {"bytes": 0, "count": 0, "seconds": 0.0, "failures": 0}
         self.steps = 0
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
@@ -92,11 +96,13 @@ class Worker:
             self._cv.notify_all()
 
     # -- KV handoff: the prefill side ---------------------------------------------------------
-    def send_kv(self, request_id: str, peer_id: str, store_addr: str) -> int:
-        """Send a held request's prompt KV to a decode worker that asked for it."""
+    def send_kv(self, request_id: str, peer_id: str, store_addr: str, transfer_id: int) -> int:
+        """Send a held request's prompt KV to the decode worker that asked for it (it waits in
+        recv with the same transfer id)."""
+        from workers.kv_transfer import KVPeer
         block_ids = self._in_loop(lambda: self.engine.held_block_ids(request_id))
-        return self._get_transport().send_blocks(peer_id, store_addr, self.engine.runner.kv_caches,
-                                                 block_ids, self.transfer_timeout_s)
+        return self._get_transport().send_blocks(KVPeer(peer_id, store_addr), self.engine.runner.kv_caches,
+                                                 block_ids, self.transfer_timeout_s, transfer_id)
 
     def release_kv(self, request_id: str) -> None:
         """The decode worker has the KV (or gave up): free our copy (full blocks stay cached)."""
@@ -128,13 +134,16 @@ class Worker:
                         fn()
                     except Exception:
                         log.exception("worker %s: command failed", self.worker_id)
-                idle = not self.engine.has_unfinished() and not self._inbox
-                if idle:
-                    self._cv.wait(0.05)
             self._expire_leases()
             self._admit_pending()
             if self.engine.has_unfinished():
                 self._step()
+                continue
+            with self._cv:
+                if not self._inbox:
+                    # Idle: a command wakes us; the timeout only paces lease expiry and retries
+                    # of pending reservations (room appears through commands: aborts, commits).
+                    self._cv.wait(0.05)
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -165,7 +174,7 @@ class Worker:
                 "pending": len(self._pending), "queued_prefill_tokens": queued_prefill,
                 "kv_blocks_used": self.engine.kv.pool.num_blocks - self.engine.kv.num_free_blocks,
                 "kv_blocks_total": self.engine.kv.pool.num_blocks, "held": len(self._leases),
-                "steps": self.steps}
+                "steps": self.steps, "kv_transfer": dict(self._transfer_stats)}
 
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, msg: dict) -> None:
@@ -222,17 +231,25 @@ class Worker:
 
     def _pull(self, msg: dict, dst: list[int]) -> None:
         """Transfer thread: ask the prefill worker to send, receive into the reserved blocks."""
-        rid = msg["rid"]
-        prefill = _peer(msg["prefill_id"])
+        rid, prefill_id = msg["rid"], msg["prefill_id"]
+        prefill = _peer(self.cluster_id, prefill_id)
         try:
             transport = self._get_transport()
-            store_addr = transport.listen_addr()
-            sent = prefill.send_kv.remote(rid, self.worker_id, store_addr)
-            transport.recv_blocks(msg["prefill_id"], store_addr, self.engine.runner.kv_caches, dst,
-                                  self.transfer_timeout_s)
-            _wait_ref(sent, self.transfer_timeout_s)
+            # One pull at a time per prefill peer, and a shared id: both sides run the pair's
+            # transfers in the same order, and a mix-up fails loudly instead of swapping KV.
+            with self._peer_lock(prefill_id):
+                self._transfer_ids += 1
+                tid = self._transfer_ids
+                t0 = time.monotonic()
+                sent = prefill.send_kv.remote(rid, self.worker_id, transport.store_addr, tid)
+                nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
+                                               self.transfer_timeout_s, tid)
+                _wait_ref(sent, self.transfer_timeout_s)
+                self._record_transfer(nbytes, time.monotonic() - t0)
         except Exception as e:
             log.warning("worker %s: KV pull of %s failed: %s", self.worker_id, rid, e)
+            with self._cv:
+                self._transfer_stats["failures"] += 1
             prefill.release_kv.remote(rid)
             self._call_in_loop(lambda: (self.engine.abort(rid), self._emit(
                 [{"rid": rid, "tokens": [], "finished": True, "reason": "error",
@@ -241,20 +258,37 @@ class Worker:
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
         self._call_in_loop(lambda: self.engine.commit_received(rid))
 
+    def _peer_lock(self, peer_id: str) -> threading.Lock:
+        with self._cv:
+            return self._peer_locks.setdefault(peer_id, threading.Lock())
+
+    def _record_transfer(self, nbytes: int, seconds: float) -> None:
+        with self._cv:
+            self._transfer_stats["bytes"] += nbytes
+            self._transfer_stats["count"] += 1
+            self._transfer_stats["seconds"] += seconds
+
     def _get_transport(self):
-        if self._transport is None:
-            from workers.kv_transfer import make_transport
-            self._transport = make_transport(self._transport_kind, self.engine.device, self.worker_id)
-        return self._transport
+        with self._cv:
+            if self._transport is None:
+                from workers.kv_transfer import make_transport
+                self._transport = make_transport(self._transport_kind, self.engine.device, self.worker_id,
+                                                 host=_node_ip())
+            return self._transport
 
 
-def actor_name(worker_id: str) -> str:
-    return f"pdcluster-worker-{worker_id}"
+def actor_name(cluster_id: str, worker_id: str) -> str:
+    return f"pdcluster-{cluster_id}-{worker_id}"
 
 
-def _peer(worker_id: str):
+def _peer(cluster_id: str, worker_id: str):
     import ray                     # peers are named actors in the cluster's namespace
-    return ray.get_actor(actor_name(worker_id))
+    return ray.get_actor(actor_name(cluster_id, worker_id), namespace="pdcluster")
+
+
+def _node_ip() -> str:
+    import ray
+    return ray.util.get_node_ip_address()
 
 
 def _wait_ref(ref, timeout_s: float):

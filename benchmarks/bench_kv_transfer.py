@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""KV handoff bandwidth and latency between two processes, beside this machine's memcpy.
+
+    .venv/bin/python benchmarks/bench_kv_transfer.py [--iters 7] [--threads 1]
+
+This process is the prefill side (sender); a spawned child is the decode side (receiver), as
+in the cluster. For each layout and prompt length, the prompt's ceil(tokens / block_size)
+blocks are sent from scattered block ids into different scattered block ids (one transfer =
+header round trip + one packed buffer). Per transfer:
+
+    latency  = receiver's end of unpack - sender's start (one CLOCK_MONOTONIC on one host)
+    pack     = sender's index_select of every layer's K and V into the buffer (it runs while
+               the header makes its round trip, so part of it can hide there)
+    unpack   = receiver's index_copy_ into its cache
+    wire     = latency - pack - unpack: what is left of the header round trip, and the payload
+               through Gloo (user -> kernel socket -> user on loopback, plus Gloo's framing)
+    GB/s     = KV bytes / latency (1 GB = 1e9 bytes), and that as a fraction of memcpy
+
+memcpy = bytes / time of `y.copy_(x)` on 256 MiB of fp32 (best of 5), measured in this run with
+the same torch thread count; `x.clone()` is printed too, but it also pays a page fault per
+fresh 4 KiB page, which the transport's reused staging buffers do not. A handoff has at least four such copies on one host
+(pack, into the socket, out of the socket, unpack), so ~25% of memcpy is the ceiling here.
+Medians over --iters transfers after one warm-up (the warm-up also builds the pair's group).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers.kv_transfer import GlooTransport, KVLayout, KVPeer  # noqa: E402
+
+LAYOUTS = {   # num_layers, block_size, num_kv_heads, head_dim (fp32), as the built-in models
+    "tiny": (4, 16, 4, 32),
+    "small": (12, 16, 4, 64),
+}
+PROMPTS = [128, 512, 1024, 2048, 4096]
+NUM_BLOCKS = 320                           # > 4096 / 16, so every prompt fits with room to scatter
+HOST = "127.0.0.1"
+REPLY_S = 120
+
+
+def make_caches(layout: tuple[int, int, int, int], seed: int):
+    layers, block_size, heads, dim = layout
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, block_size, heads, dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(layers)]
+
+
+def scattered(n: int, seed: int) -> list[int]:
+    return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+
+
+def receiver_main(conn, threads: int) -> None:
+    """The decode side: answers `setup` with its store address, `recv` with (end time, stats)."""
+    torch.set_num_threads(threads)
+    transport = GlooTransport("decode-0", "cpu", HOST)
+    caches = None
+    while (msg := conn.recv()) is not None:
+        op, args = msg
+        if op == "setup":
+            caches = make_caches(*args)
+            conn.send(transport.store_addr)
+        elif op == "recv":
+            block_ids, = args
+            conn.send("ready")
+            transport.recv_blocks("prefill-0", caches, block_ids, timeout_s=60.0)
+            conn.send((time.perf_counter(), transport.last_stats))
+
+
+def copy_gbps() -> tuple[float, float]:
+    """(copy_ into a preallocated tensor, clone) in GB/s, best of 5 on 256 MiB of fp32.
+    clone also pays for fresh pages (a new mmap each time), so copy_ is the memcpy bound."""
+    x = torch.randn(64 * 2**20)
+    y = torch.empty_like(x)
+    y.copy_(x)                                              # touch the destination pages once
+    best = {"copy_": math.inf, "clone": math.inf}
+    for _ in range(5):
+        for name, fn in (("copy_", lambda: y.copy_(x)), ("clone", x.clone)):
+            t0 = time.perf_counter()
+            out = fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            del out
+    nbytes = x.numel() * x.element_size()
+    return nbytes / best["copy_"] / 1e9, nbytes / best["clone"] / 1e9
+
+
+def reply(conn):
+    if not conn.poll(REPLY_S):
+        raise SystemExit(f"receiver did not answer within {REPLY_S}s")
+    return conn.recv()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (workers use 1)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=receiver_main, args=(child_conn, args.threads), daemon=True)
+    child.start()
+    sender = GlooTransport("prefill-0", "cpu", HOST)
+
+    copy_bw, clone_bw = copy_gbps()
+    print(f"memcpy: {copy_bw:.2f} GB/s copy_ into a preallocated tensor, {clone_bw:.2f} GB/s clone "
+          f"(256 MiB fp32, best of 5, {args.threads} torch thread(s)); the bound below is copy_")
+    print(f"torch {torch.__version__}, gloo over loopback, {os.cpu_count()} CPUs, "
+          f"medians of {args.iters} transfers\n")
+    header = (f"{'layout':<6} {'tokens':>6} {'blocks':>6} {'MiB':>7} {'latency ms':>10} {'GB/s':>6} "
+              f"{'of memcpy':>9} {'pack ms':>8} {'wire ms':>8} {'unpack ms':>9}  time share pack/wire/unpack")
+    print(header)
+    print("-" * len(header))
+    for name, layout in LAYOUTS.items():
+        conn.send(("setup", (layout, 2)))
+        addr = reply(conn)
+        caches = make_caches(layout, 1)
+        peer = KVPeer("decode-0", addr)
+        bytes_per_block = KVLayout.of(caches).bytes_per_block
+        for tokens in [0] + PROMPTS:        # 0 tokens: the header round trip alone
+            n = math.ceil(tokens / layout[1])
+            src, dst = scattered(n, tokens), scattered(n, tokens + 1)
+            rows = []
+            for i in range(args.iters + 1):
+                conn.send(("recv", (dst,)))
+                assert reply(conn) == "ready"
+                t0 = time.perf_counter()
+                sender.send_blocks(peer, caches, src, timeout_s=60.0)
+                pack_s = sender.last_stats.pack_s
+                t_end, rstats = reply(conn)
+                if i:                       # the first one is a warm-up (and may connect)
+                    rows.append((t_end - t0, pack_s, rstats.unpack_s))
+                else:
+                    connect_s = sender.last_stats.connect_s
+            lat = statistics.median(r[0] for r in rows)
+            pack = statistics.median(r[1] for r in rows)
+            unpack = statistics.median(r[2] for r in rows)
+            wire = lat - pack - unpack
+            nbytes = n * bytes_per_block
+            if not n:
+                print(f"{name:<6} {'header round trip alone':>21} {lat * 1e3:>10.3f}   "
+                      f"(first transfer built the pair's group in {connect_s * 1e3:.1f} ms)")
+                continue
+            gbps = nbytes / lat / 1e9
+            print(f"{name:<6} {tokens:>6} {n:>6} {nbytes / 2**20:>7.2f} {lat * 1e3:>10.3f} {gbps:>6.2f} "
+                  f"{gbps / copy_bw:>9.0%} {pack * 1e3:>8.3f} {wire * 1e3:>8.3f} {unpack * 1e3:>9.3f}  "
+                  f"{pack / lat:>4.0%} / {wire / lat:>4.0%} / {unpack / lat:>4.0%}")
+        sender.close("decode-0")            # the next layout reconnects: a new handshake
+    conn.send(None)
+    child.join(10)
+
+
+if __name__ == "__main__":
+    main()
