@@ -68,7 +68,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t num_items = cup[S] * Hkv;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores;             // g-major: scores[g * num_keys + t]
     std::vector<float> acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / Hkv, h = item % Hkv;
@@ -78,34 +78,43 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const int64_t* table = btp + s * W;
       const float* qrow = qp + (row * Hq + h * G) * D;
       scores.resize(num_keys * G);
-      float maxv[64];
-      for (int64_t g = 0; g < G; ++g) maxv[g] = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const float* krow = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float sc = dot(qrow + g * D, krow, D) * fscale;
-          scores[t * G + g] = sc;
-          maxv[g] = std::max(maxv[g], sc);
+      float* sc = scores.data();
+      // Pass 1: scores, walking the block table block by block (no per-key division).
+      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+        const float* kb = kp + table[b] * block_stride + h * D;
+        const int64_t n = std::min(block_size, num_keys - t);
+        for (int64_t j = 0; j < n; ++j, ++t) {
+          const float* krow = kb + j * token_stride;
+          for (int64_t g = 0; g < G; ++g) sc[g * num_keys + t] = dot(qrow + g * D, krow, D) * fscale;
         }
       }
-      float denom[64];
-      for (int64_t g = 0; g < G; ++g) denom[g] = 0.f;
-      for (int64_t t = 0; t < num_keys; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-          const float e = std::exp(scores[t * G + g] - maxv[g]);
-          scores[t * G + g] = e;
-          denom[g] += e;
+      // Pass 2: softmax per query head over contiguous scores (vectorizes, exp included).
+      float inv[64];
+      for (int64_t g = 0; g < G; ++g) {
+        float* x = sc + g * num_keys;
+        float m = x[0];
+        for (int64_t t = 1; t < num_keys; ++t) m = std::max(m, x[t]);
+        float denom = 0.f;
+#pragma omp simd reduction(+ : denom)
+        for (int64_t t = 0; t < num_keys; ++t) {
+          x[t] = std::exp(x[t] - m);
+          denom += x[t];
         }
+        inv[g] = 1.f / denom;
+      }
+      // Pass 3: weighted sum of values, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const float* vrow = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[t * G + g], vrow, acc.data() + g * D, D);
+      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+        const float* vb = vp + table[b] * block_stride + h * D;
+        const int64_t n = std::min(block_size, num_keys - t);
+        for (int64_t j = 0; j < n; ++j, ++t) {
+          const float* vrow = vb + j * token_stride;
+          for (int64_t g = 0; g < G; ++g) axpy(sc[g * num_keys + t], vrow, acc.data() + g * D, D);
+        }
       }
       float* orow = op + (row * Hq + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv[g];
     }
   });
   return out;
