@@ -170,7 +170,7 @@ class LLMEngine:
         self.kv.allocate(seq, num_prompt_tokens, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
         sched.num_receiving += 1
-        return self.kv.block_ids(seq)
+        return list(self.kv.block_ids(seq))
 
     def commit_received(self, request_id: str) -> None:
         """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""

@@ -41,6 +41,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.host = HostSwapSpace(num_host_blocks)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}    # the block table, kept beside the blocks
         self._host_blocks: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}   # how many of a seq's blocks are indexed
 
@@ -53,7 +54,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self._blocks[seq.seq_id]]
+        """The sequence's block table (live: do not mutate)."""
+        return self._block_ids[seq.seq_id]
 
     def num_blocks_of(self, seq: Sequence) -> int:
         return len(self._blocks.get(seq.seq_id, ()))
@@ -115,6 +117,7 @@ class KVCacheManager:
         self.pool.touch(computed)
         blocks = computed + self.pool.allocate(cdiv(total, self.block_size) - len(computed))
         self._blocks[seq.seq_id] = blocks
+        self._block_ids[seq.seq_id] = [b.block_id for b in blocks]
         self._num_cached_blocks[seq.seq_id] = len(computed)
         if index:
             self._cache_full_blocks(seq, total)
@@ -133,11 +136,14 @@ class KVCacheManager:
         total = seq.num_computed_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            new = self.pool.allocate(need)
+            blocks.extend(new)
+            self._block_ids[seq.seq_id].extend(b.block_id for b in new)
         self._cache_full_blocks(seq, total)
 
     def free(self, seq: Sequence) -> None:
         blocks = self._blocks.pop(seq.seq_id, None)
+        self._block_ids.pop(seq.seq_id, None)
         self._num_cached_blocks.pop(seq.seq_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
@@ -152,6 +158,7 @@ class KVCacheManager:
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move a sequence's blocks to host memory; returns (device, host) copies to run."""
         blocks = self._blocks.pop(seq.seq_id)
+        self._block_ids.pop(seq.seq_id)
         self._num_cached_blocks.pop(seq.seq_id, None)
         host = self.host.allocate(len(blocks))
         self._host_blocks[seq.seq_id] = host
@@ -168,6 +175,7 @@ class KVCacheManager:
         host = self._host_blocks.pop(seq.seq_id)
         blocks = self.pool.allocate(len(host))
         self._blocks[seq.seq_id] = blocks
+        self._block_ids[seq.seq_id] = [b.block_id for b in blocks]
         self._num_cached_blocks[seq.seq_id] = 0
         self._cache_full_blocks(seq, seq.num_computed_tokens)
         self.host.free(host)

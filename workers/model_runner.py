@@ -119,7 +119,12 @@ class ModelRunner:
         bt = lens = cu = None
         if paged_tables:
             width = max(map(len, paged_tables))
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in paged_tables], dtype=torch.long, device=dev)
+            flat: list[int] = []                  # one flat list: torch.tensor on nested lists is slow
+            pad = [0] * width
+            for t in paged_tables:
+                flat += t
+                flat += pad[:width - len(t)]
+            bt = torch.tensor(flat, dtype=torch.long, device=dev).view(len(paged_tables), width)
             lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
             cu = torch.tensor(cu_q, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
