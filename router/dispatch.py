@@ -134,12 +134,13 @@ class Dispatcher:
             q: asyncio.Queue = asyncio.Queue()
             self._queues[rid] = q
             involved: list[WorkerState] = []
+            finished = retry = False
             try:
-                retry = False
                 async for ev in self._attempt(req, rid, q, involved):
                     if ev is None:
                         retry = True
                         break
+                    finished = ev.finished
                     yield ev
                 if not retry:
                     return
@@ -147,8 +148,9 @@ class Dispatcher:
                 self._queues.pop(rid, None)
                 for w in involved:
                     w.assigned.discard(rid)
-                    if w.alive:
-                        # Idempotent on the worker: frees whatever the request still holds there.
+                    if w.alive and not finished:
+                        # Cancelled, failed or retried: free whatever it still holds there
+                        # (idempotent on the worker). A finished request holds nothing.
                         w.handle.submit.remote(msgpack.packb({"op": "abort", "rid": rid}))
             log.warning("request %s: retrying from prefill (attempt %d)", base, attempt + 1)
         raise RequestFailed(f"request failed after {self.max_retries + 1} attempts")

@@ -61,14 +61,15 @@ class TorchAttention:
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
 
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+        """Store this step's keys and values at their slots (before anyone attends)."""
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
-        num_blocks, block_size = k_cache.shape[:2]
-        flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -121,9 +122,7 @@ class CpuPagedAttention(TorchAttention):
         self._kernel = kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        num_blocks, block_size = k_cache.shape[:2]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         npr = meta.num_paged_rows
         if npr:
@@ -150,9 +149,7 @@ class FlashAttention(TorchAttention):
         self._varlen = varlen_fn
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        num_blocks, block_size = k_cache.shape[:2]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         fa = meta.flash
         return self._varlen(q=q, k=k_cache, v=v_cache, cu_seqlens_q=fa["cu_seqlens_q"],
                             max_seqlen_q=fa["max_seqlen_q"], seqused_k=fa["seqused_k"],

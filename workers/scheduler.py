@@ -169,13 +169,10 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq))
+            self.add_running(seq)
             if not self.kv.can_append(seq, n):     # came back, but its next tokens must wait
-                seq.status = SequenceStatus.RUNNING
-                self._insert(self.running, seq)
                 break
             self.kv.append_slots(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self._insert(self.running, seq)
             out.scheduled.append((seq, n))
             budget -= n
         return budget
@@ -196,8 +193,7 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_cached
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self._insert(self.running, seq)
+            self.add_running(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return budget
