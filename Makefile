@@ -6,14 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test bench clean
 
+# torch goes first, on its own line: the local CPU wheel (anything else pulls CUDA builds).
+# The C++ paged-attention kernel is built here rather than inside the first run; without a
+# compiler the engine falls back to the torch backend and says so.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, on its own line: the local CPU wheel; anything else pulls CUDA builds.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# Build the C++ paged-attention kernel now rather than inside the first run (optional:
-	# without a compiler the engine falls back to the torch backend and says so).
 	$(PY) -c "from workers import cpu_kernels; cpu_kernels.load()"
 	touch $(STAMP)
 
