@@ -4,6 +4,7 @@ A build failure is not fatal: `load()` returns None and the engine keeps the tor
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -19,10 +20,14 @@ _SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 def load():
     if os.environ.get("PDCLUSTER_NO_CPU_KERNEL"):
         return None
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"]
+    # Named by content: checkouts with the same source share one cached build, and a changed
+    # source never finds a stale one.
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as build
-        return build(name="pdcluster_paged_attention", sources=[str(_SRC)],
-                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
+        return build(name=f"pdcluster_paged_attention_{digest}", sources=[str(_SRC)],
+                     extra_cflags=flags, verbose=False)
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
