@@ -190,7 +190,6 @@ class Dispatcher:
         while True:
             ev = await q.get()
             if ev.get("error"):
-                self.metrics.kv_transfer_failures.inc()
                 if ev.get("retryable"):
                     yield None
                     return

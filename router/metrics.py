@@ -40,9 +40,29 @@ class Metrics:
                                              buckets=TRANSFER_BUCKETS)
         self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV handoffs", registry=r)
         self.pool_size = Gauge(P + "pool_workers", "Workers per role", ["role"], registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                                   labels, registry=r)
+        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted", labels + ["mode"], registry=r)
+        self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     def observe_load(self, report: dict) -> None:
         w, role = report["worker_id"], report["role"]
         self.w_running.labels(w, role).set(report["running"])
         self.w_waiting.labels(w, role).set(report["waiting"] + report.get("pending", 0))
         self.w_kv_usage.labels(w, role).set(report["kv_blocks_used"] / max(1, report["kv_blocks_total"]))
+        # Workers report cumulative totals; count what grew since their last report.
+        self._grow(self.prefix_queries.labels(w, role), (w, "pq"), report.get("prefix_cache_queries", 0))
+        self._grow(self.prefix_hits.labels(w, role), (w, "ph"), report.get("prefix_cache_hits", 0))
+        for mode, n in report.get("preemptions", {}).items():
+            self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), n)
+        xfer = report.get("kv_transfer", {})
+        self._grow(self.kv_transfer_bytes, (w, "xb"), xfer.get("bytes", 0))
+        self._grow(self.kv_transfer_failures, (w, "xf"), xfer.get("failures", 0))
+
+    def _grow(self, counter, key: tuple, total: float) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = total

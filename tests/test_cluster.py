@@ -218,3 +218,30 @@ def test_disconnect_between_prefill_and_decode_frees_blocks(ray_session):
             # The second client is gone; the occupant keeps streaming.
             assert next(line for line in lines if line.startswith("data: {"))
         wait_pools_clean(c)
+
+
+def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
+    prefix = list(range(10, 74))                      # 4 full blocks, shared by both requests
+    for tail in ([1, 2, 3], [4, 5, 6]):
+        r = httpx.post(f"{disaggregated.base_url}/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 4})
+        assert r.status_code == 200
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{disaggregated.base_url.removesuffix('/v1')}/metrics").text
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pdcluster:"):
+                name, value = line.rsplit(" ", 1)
+                base = name.split("{", 1)[0]
+                totals[base] = totals.get(base, 0.0) + float(value)
+        return totals
+
+    m = wait_for(scrape, lambda m: m.get("pdcluster:prefix_cache_hits_total", 0) >= 64
+                 and m.get("pdcluster:kv_transfer_bytes_total", 0) > 0)
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "num_requests_running", "num_requests_waiting",
+                 "kv_cache_usage_perc", "prefix_cache_queries_total", "generation_tokens_total",
+                 "request_success_total", "pool_workers"):
+        assert f"pdcluster:{name}" in m, name
+    assert m["pdcluster:prefix_cache_queries_total"] >= m["pdcluster:prefix_cache_hits_total"]

@@ -174,7 +174,11 @@ class Worker:
                 "pending": len(self._pending), "queued_prefill_tokens": queued_prefill,
                 "kv_blocks_used": self.engine.kv.pool.num_blocks - self.engine.kv.num_free_blocks,
                 "kv_blocks_total": self.engine.kv.pool.num_blocks, "held": len(self._leases),
-                "steps": self.steps, "kv_transfer": dict(self._transfer_stats)}
+                "steps": self.steps, "kv_transfer": dict(self._transfer_stats),
+                # Cumulative counters; the router turns their growth into Prometheus counters.
+                "prefix_cache_queries": s.stats.prefix_cache_queries,
+                "prefix_cache_hits": s.stats.prefix_cache_hits,
+                "preemptions": dict(s.stats.num_preemptions)}
 
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, msg: dict) -> None:
