@@ -245,3 +245,23 @@ def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
                  "request_success_total", "pool_workers"):
         assert f"pdcluster:{name}" in m, name
     assert m["pdcluster:prefix_cache_queries_total"] >= m["pdcluster:prefix_cache_hits_total"]
+
+
+def test_admission_queue_full_gives_429_with_retry_after(ray_session):
+    spec = ClusterSpec(model="tiny", mode="colocated", num_colocated=1, engine=engine_cfg(),
+                       num_cpus_per_worker=0.5)
+    with ServingCluster(spec, port=free_port(), max_pending=1) as c:
+        url = f"{c.base_url}/completions"
+        long_body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long_body) as busy:
+            lines = busy.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            r = client.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+        # The slot frees when the first client leaves.
+        ok = wait_for(lambda: httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code,
+                      lambda status: status == 200)
+        assert ok == 200
+        wait_pools_clean(c)
