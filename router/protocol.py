@@ -1,7 +1,7 @@
 """OpenAI request validation: JSON bodies in, a typed request or an `APIError` out."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from workers.sequence import SamplingParams
 
@@ -31,9 +31,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
-    echo_prompt: str | None = None
     priority: int = 0
-    messages: list = field(default_factory=list)
 
 
 _SAMPLING = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
@@ -41,21 +39,26 @@ _SAMPLING = {"max_tokens": int, "temperature": (int, float), "top_p": (int, floa
 
 
 def _typed(body: dict, name: str, types, default=None):
+    """body[name] if it has one of `types` (a JSON true is not an integer here), else a 400."""
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) and types is not bool and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise bad_request(f"'{name}' must be {_type_name(types)}, got a boolean", name)
-    if not isinstance(v, types):
-        raise bad_request(f"'{name}' must be {_type_name(types)}, got {type(v).__name__}", name)
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+        raise bad_request(f"'{name}' must be {_type_name(types)}, got {json_type(v)}", name)
     return v
 
 
+def json_type(v) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
 def _type_name(types) -> str:
+    if types == (int, float):
+        return "a number"
     names = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", str: "a string"}
-    if isinstance(types, tuple):
-        return " or ".join(names.get(t, t.__name__) for t in types)
-    return names.get(types, types.__name__)
+    return names.get(types, getattr(types, "__name__", str(types)))
 
 
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
