@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,9 +24,10 @@ from workers.sequence import SamplingParams, Sequence, SequenceStatus
 log = logging.getLogger("pdcluster.engine")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request (new tokens), and whether it has ended."""
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (new tokens), and whether it has ended.
+    (A NamedTuple: one is built per sequence per step, and it builds several times faster
+    than a frozen dataclass.)"""
     request_id: str
     new_token_ids: list[int]
     num_output_tokens: int

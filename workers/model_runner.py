@@ -85,28 +85,26 @@ class ModelRunner:
         decodes, on_context, fresh = [], [], []
         for s, n in out.scheduled:
             (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n))
-        paged = decodes + on_context
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        seqs = [s for s, _ in decodes]
+        # Decodes (the common rows) in comprehensions: one token each at position num_computed.
+        positions = [s.num_computed_tokens for s in seqs]
+        paged_tables = [block_tables[s.seq_id] for s in seqs]
+        input_ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(paged_tables, positions)]
+        context_lens = [p + 1 for p in positions]
+        cu_q = list(range(len(seqs) + 1))
+        sample_rows = [i for i, (s, p) in enumerate(zip(seqs, context_lens)) if p == s.num_tokens]
+        sample_seqs = [seqs[i] for i in sample_rows]
         chunks: list[tuple[int, int, int, int]] = []       # (row0, n, num_context, paged index)
-        paged_tables, context_lens, cu_q = [], [], [0]
-        for s, n in paged + fresh:
+        for s, n in on_context + fresh:
             start = s.num_computed_tokens
             table = block_tables[s.seq_id]
             row0 = len(input_ids)
-            if n == 1:
-                input_ids.append(s.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(s.token_ids[start:start + n])
-                positions.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                chunks.append((row0, n, start, len(paged_tables) if start else -1))
-            if start or n == 1:
+            input_ids.extend(s.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            chunks.append((row0, n, start, len(paged_tables) if start else -1))
+            if start:
                 paged_tables.append(table)
                 context_lens.append(start + n)
                 cu_q.append(cu_q[-1] + n)
@@ -133,7 +131,7 @@ class ModelRunner:
             num_paged_rows=cu_q[-1], paged_block_tables=bt, paged_context_lens=lens, paged_cu_seqlens_q=cu,
             prefills=[PrefillChunk(r, r + n, c, bt[i] if i >= 0 else None) for r, n, c, i in chunks])
         if self.backend.name == "flash":
-            meta.flash = self._flash_args(block_tables, paged + fresh)
+            meta.flash = self._flash_args(block_tables, decodes + on_context + fresh)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)

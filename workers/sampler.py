@@ -1,15 +1,14 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from workers.sequence import Sequence
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
+class SampledToken(NamedTuple):          # one per sequence per step: cheap to build
     token_id: int
     logprobs: dict | None = None    # {"logprob": float, "top": {token_id: logprob}}
 
