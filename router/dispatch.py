@@ -167,11 +167,9 @@ class Dispatcher:
         first_tokens: list[int] = []
         while True:
             ev = await q.get()
-            if ev.get("error"):
-                if ev.get("retryable"):
-                    yield None
-                    return
-                raise APIError(400, ev["error"])
+            if _wants_retry(ev):
+                yield None
+                return
             if ev["tokens"] or ev["finished"]:
                 first_tokens += ev["tokens"]
                 yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
@@ -189,17 +187,24 @@ class Dispatcher:
         transferred = False
         while True:
             ev = await q.get()
-            if ev.get("error"):
-                if ev.get("retryable"):
-                    yield None
-                    return
-                raise APIError(400, ev["error"])
+            if _wants_retry(ev):
+                yield None
+                return
             if not transferred:
                 transferred = True
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
             yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
             if ev["finished"]:
                 return
+
+
+def _wants_retry(ev: dict) -> bool:
+    """A retryable failure (handoff, dead worker) asks for a retry; any other error is final."""
+    if not ev.get("error"):
+        return False
+    if ev.get("retryable"):
+        return True
+    raise APIError(400, ev["error"])
 
 
 def _params_dict(p) -> dict:
