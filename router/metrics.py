@@ -30,7 +30,6 @@ class Metrics:
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
         self.errors = Counter(P + "request_errors", "Failed requests", ["reason"], registry=r)
         self.running = Gauge(P + "router_requests_running", "Requests in flight in the router", registry=r)
-        self.waiting = Gauge(P + "router_requests_waiting", "Requests admitted, not yet prefilling", registry=r)
         labels = ["worker", "role"]
         self.w_running = Gauge(P + "num_requests_running", "Sequences in the running batch", labels, registry=r)
         self.w_waiting = Gauge(P + "num_requests_waiting", "Sequences waiting for a slot", labels, registry=r)

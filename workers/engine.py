@@ -260,15 +260,17 @@ class LLMEngine:
             seq.stop_reason = token_id
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            # Only the tail can hold a new match: the last token adds a few characters.
-            window = max(len(s) for s in p.stop) + 16
-            for s in p.stop:
-                at = text.find(s, max(0, len(text) - window))
-                if at >= 0:
-                    seq.stop_reason = s
-                    seq.text = text[:at]
-                    return "stop"
+            # Only the tail can hold a new match: decode a window of recent tokens (a stop
+            # string of n characters spans at most 4n byte-level tokens), not the whole output
+            # every step; the full text is decoded once, on a match.
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(seq.output_token_ids[-(4 * longest + 4):])
+            hit = next((s for s in p.stop if s in tail), None)
+            if hit is not None:
+                text = self.tokenizer.decode(seq.output_token_ids)
+                seq.stop_reason = hit
+                seq.text = text[:text.find(hit)]
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -120,10 +120,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and return its blocks."""
-        for queue in (self.running, self.waiting, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-                break
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        if queue is not None:                    # held or receiving ones sit in no queue
+            queue.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
