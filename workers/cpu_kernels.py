@@ -20,14 +20,18 @@ _SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 def load():
     if os.environ.get("PDCLUSTER_NO_CPU_KERNEL"):
         return None
-    flags = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"]
+    # -fopenmp makes at::parallel_for real (without it the header runs the loop serially); the
+    # extension then links libgomp.so.1, which resolves to the copy torch already loaded, so
+    # it shares torch's thread pool and obeys torch.set_num_threads.
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+    ldflags = ["-fopenmp"]
     # Named by content: checkouts with the same source share one cached build, and a changed
     # source never finds a stale one.
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + ldflags).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as build
         return build(name=f"pdcluster_paged_attention_{digest}", sources=[str(_SRC)],
-                     extra_cflags=flags, verbose=False)
+                     extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
