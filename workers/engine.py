@@ -37,6 +37,13 @@ class RequestOutput(NamedTuple):
     held: bool = False              # prefill-only: its KV is held for a decode worker to pull
 
 
+class StepStats(NamedTuple):
+    """The shape of the last step, for the worker's metrics."""
+    num_seqs: int                       # sequences in the batch
+    num_tokens: int                     # tokens computed (prefill chunks + one per decoding row)
+    queue_times_s: tuple[float, ...]    # arrival -> first scheduled, for sequences starting now
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionResult:
     request_id: str
@@ -111,6 +118,7 @@ class LLMEngine:
                                   cfg.attention_backend)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.last_step = StepStats(0, 0, ())
         self.eos_token_ids = set(mcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -220,6 +228,12 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        # A sequence's first chunk starts where the prefix cache left it, before any output
+        # (later chunks, decode rows and received sequences all start further on).
+        t = time.monotonic()
+        self.last_step = StepStats(len(out.scheduled), out.num_batched_tokens, tuple(
+            t - s.arrival_time for s, _ in out.scheduled
+            if s.num_computed_tokens == s.num_cached_tokens and not s.num_preemptions and not s.num_output_tokens))
         if out.is_empty:
             return []
         block_tables = {s.seq_id: self.kv.block_ids(s) for s, _ in out.scheduled}
