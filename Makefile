@@ -19,8 +19,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: a local cluster (1 prefill + 1 decode worker on the built-in model) under a
+# Poisson load test; prints the latency/goodput report and saves JSON + plots in out/demo.
 run: $(STAMP)
-	$(VENV)/bin/pdcluster demo
+	$(VENV)/bin/pdcluster bench --launch --dataset-name random --num-prompts 64 \
+	  --random-input-len 128 --random-output-len 64 --random-range-ratio 0.5 --random-prefix-len 32 \
+	  --request-rate 8 --ignore-eos --goodput ttft:1000 tpot:100 \
+	  --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+	  --save-result --result-dir out/demo --result-filename demo.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -81,6 +81,11 @@ def cmd_serve(a) -> int:
                                         a.served_model_name))
 
 
+def cmd_bench(a) -> int:
+    from cluster.bench import cmd_bench as run
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Disaggregated prefill/decode LLM serving on Ray")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -116,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 on GPU clusters, else 0")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from cluster.bench import add_bench_args
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput",
+                       description="Load-test an OpenAI-compatible server (pdcluster, vLLM, SGLang) with "
+                       "streaming requests; flags follow `vllm bench serve`. --launch starts a local "
+                       "pdcluster first.")
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="run the engine on the built-in model with a mixed workload and report")
     d.add_argument("--num-prompts", type=int, default=64)

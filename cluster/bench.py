@@ -1,0 +1,407 @@
+"""`pdcluster bench`: load tests that report latency and SLO-attainment goodput.
+
+One run sends `--num-prompts` requests at `--request-rate` and reports TTFT, TPOT, ITL and E2E
+latency. With `--goodput`, requests meeting every SLO count as good; `--sweep` runs several
+rates and reports the highest one at which at least `--slo-attainment` of requests are good
+(DistServe's goodput), per worker and per GPU when the server says how many it has.
+`--launch` starts a local pdcluster on the built-in model first, and shuts it down after.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from cluster import loadgen
+from cluster.bench_data import (BenchRequest, load_custom, sample_prefix_repetition, sample_random,
+                                sample_sharegpt)
+
+ATTAINMENT = 0.9
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("target (flags as in `vllm bench serve`)")
+    t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: that, "
+                   "or the launched cluster)")
+    t.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    t.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models; "
+                   "with --launch, the model to serve, default tiny)")
+    t.add_argument("--tokenizer", default=None, help="built-in name or a directory with tokenizer.json, for "
+                   "building prompts (default: --model when it is one)")
+    t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: OPENAI_API_KEY)")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix-repetition", "custom"])
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, or JSONL for custom")
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--random-prefix-len", type=int, default=0)
+    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's extension)")
+    d.add_argument("--seed", type=int, default=0)
+
+    r = p.add_argument_group("load")
+    r.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:5000; a request is good if it meets all")
+    r.add_argument("--sweep", action="store_true", help="run several rates and report the highest with "
+                   "enough SLO attainment (needs --goodput)")
+    r.add_argument("--sweep-rates", default=None, help="comma-separated rates; default: found by doubling, "
+                   "then bisection")
+    r.add_argument("--sweep-start", type=float, default=1.0, help="first rate of the automatic search")
+    r.add_argument("--sweep-steps", type=int, default=3, help="bisection steps after the doubling")
+    r.add_argument("--slo-attainment", type=float, default=ATTAINMENT, help="fraction of requests that must "
+                   "be good (default 0.9)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    o.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    o.add_argument("--save-result", action="store_true", help="write the JSON result (and PNG plots)")
+    o.add_argument("--result-dir", default=".")
+    o.add_argument("--result-filename", default=None)
+    o.add_argument("--no-plots", action="store_true", help="with --save-result, skip the PNG plots")
+    o.add_argument("--disable-tqdm", action="store_true")
+
+    c = p.add_argument_group("local cluster (--launch)")
+    c.add_argument("--launch", action="store_true", help="start a local pdcluster first, stop it after")
+    c.add_argument("--launch-mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    c.add_argument("--launch-prefill", type=int, default=1)
+    c.add_argument("--launch-decode", type=int, default=1)
+    c.add_argument("--launch-workers", type=int, default=2, help="colocated workers")
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    percentile_metrics: tuple[str, ...]
+    percentiles: tuple[float, ...]
+    slos: dict[str, float]
+
+
+def parse_options(a: argparse.Namespace) -> BenchOptions:
+    metrics = tuple(m.strip() for m in a.percentile_metrics.split(",") if m.strip())
+    for m in metrics:
+        if m not in loadgen.METRICS:
+            raise ValueError(f"--percentile-metrics: unknown metric {m!r}; use {', '.join(loadgen.METRICS)}")
+    try:
+        pcts = tuple(float(x) for x in a.metric_percentiles.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be numbers, got {a.metric_percentiles!r}") from None
+    if not pcts or any(not 0 < p <= 100 for p in pcts):
+        raise ValueError("--metric-percentiles must be in (0, 100]")
+    if a.num_prompts < 1:
+        raise ValueError("--num-prompts must be at least 1")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if not 0 < a.slo_attainment <= 1:
+        raise ValueError("--slo-attainment must be in (0, 1]")
+    if a.dataset_name in ("sharegpt", "custom") and not a.dataset_path:
+        raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path")
+    slos = loadgen.parse_goodput(a.goodput)
+    if a.sweep and not slos:
+        raise ValueError("--sweep needs --goodput (the SLOs that define a good request)")
+    loadgen.arrival_gaps(0, a.request_rate, a.burstiness)           # validates both
+    return BenchOptions(metrics, pcts, slos)
+
+
+def server_info(base_url: str, api_key: str | None) -> dict:
+    """The first entry of /v1/models (pdcluster adds num_workers, workers_by_role, num_gpus)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url + "/v1/models", headers=headers, timeout=30, trust_env=False)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach {base_url}/v1/models: {e}") from None
+    if resp.status_code != 200:
+        raise RuntimeError(f"{base_url}/v1/models answered HTTP {resp.status_code}: {resp.text[:200]}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return data[0]
+
+
+def build_requests(a: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+    name = a.dataset_name
+    if tokenizer is None and name != "custom":
+        raise ValueError(f"--dataset-name {name} needs a tokenizer to size prompts: pass --tokenizer "
+                         "(a built-in model name or a directory with tokenizer.json)")
+    if name == "random":
+        return sample_random(tokenizer, a.num_prompts, a.random_input_len, a.random_output_len,
+                             a.random_range_ratio, a.random_prefix_len, a.seed)
+    if name == "prefix-repetition":
+        return sample_prefix_repetition(tokenizer, a.num_prompts, a.prefix_repetition_prefix_len,
+                                        a.prefix_repetition_suffix_len, a.prefix_repetition_num_prefixes,
+                                        a.prefix_repetition_output_len, a.seed)
+    if name == "sharegpt":
+        return sample_sharegpt(a.dataset_path, tokenizer, a.num_prompts, a.sharegpt_output_len, a.seed)
+    return load_custom(a.dataset_path, tokenizer, a.num_prompts, a.custom_output_len)
+
+
+def _tokenizer(a: argparse.Namespace, model: str):
+    from workers.checkpoint import load_tokenizer
+    source = a.tokenizer or model
+    try:
+        tok = load_tokenizer(source)
+    except (OSError, ValueError) as e:
+        if a.tokenizer:
+            raise ValueError(f"--tokenizer {a.tokenizer}: {e}") from None
+        return None
+    if tok is None and a.tokenizer:
+        raise ValueError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
+    return tok
+
+
+class Progress:
+    """tqdm on stderr, one tick per finished request (failures shown in the postfix)."""
+
+    def __init__(self, total: int, desc: str, disable: bool):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=disable,
+                        dynamic_ncols=True, leave=False)
+        self.failed = 0
+
+    def __call__(self, r: loadgen.RequestResult) -> None:
+        if not r.success:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, a, opts: BenchOptions,
+             desc: str) -> dict:
+    progress = Progress(len(requests), desc, a.disable_tqdm)
+    try:
+        results, duration = asyncio.run(loadgen.run_load(target, requests, rate, a.burstiness,
+                                                         a.max_concurrency, a.seed, progress))
+    finally:
+        progress.close()
+    out = loadgen.summarize(results, duration, opts.slos, opts.percentile_metrics, opts.percentiles)
+    out.update(request_rate=rate if math.isfinite(rate) else "inf", burstiness=a.burstiness,
+               max_concurrency=a.max_concurrency, num_prompts=len(requests))
+    return out
+
+
+def _ms(x) -> str:
+    return f"{x:.2f}"
+
+
+def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Result") -> str:
+    w = 50
+    lines = [f"{' ' + title + ' ':=^{w}}"]
+
+    def row(k, v):
+        lines.append(f"{k:<40}{v:>10}")
+
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    row("Request rate (req/s):", result["request_rate"] if isinstance(result["request_rate"], str)
+        else f"{result['request_rate']:.2f}")
+    row("Benchmark duration (s):", f"{result['duration']:.2f}")
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", f"{result['request_throughput']:.2f}")
+    if result["request_goodput"] is not None:
+        row("Request goodput (req/s):", f"{result['request_goodput']:.2f}")
+        row("SLO attainment:", f"{result['slo_attainment']:.1%}")
+    row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}")
+    names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for m in opts.percentile_metrics:
+        lines.append(f"{' ' + names[m] + ' ':-^{w}}")
+        row(f"Mean {m.upper()} (ms):", _ms(result[f"mean_{m}_ms"]))
+        row(f"Median {m.upper()} (ms):", _ms(result[f"median_{m}_ms"]))
+        for p in opts.percentiles:
+            row(f"P{p:g} {m.upper()} (ms):", _ms(result[f"p{p:g}_{m}_ms"]))
+    errors = [e for e in result["errors"] if e]
+    if errors:
+        lines.append(f"{' Errors ':-^{w}}")
+        counts: dict[str, int] = {}
+        for e in errors:
+            counts[e] = counts.get(e, 0) + 1
+        for e, n in sorted(counts.items(), key=lambda kv: -kv[1])[:10]:
+            lines.append(f"  {n} x {e[:200]}")
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def search_rate(meets_slo, start: float, steps: int, max_probes: int = 12) -> float | None:
+    """The highest rate where `meets_slo(rate)` holds, assuming it holds below some threshold:
+    double from `start` until a rate misses (halve while it misses), then bisect the bracket
+    `steps` times. Returns None if no probed rate meets it."""
+    lo = hi = None
+    rate = start
+    for _ in range(max_probes):
+        if meets_slo(rate):
+            lo = rate
+            if hi is not None:
+                break
+            rate *= 2
+        else:
+            hi = rate
+            if lo is not None:
+                break
+            rate /= 2
+    if lo is None or hi is None:
+        return lo
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if meets_slo(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def sweep(target, requests, a, opts: BenchOptions) -> tuple[list[dict], float | None]:
+    """Runs at several rates; returns the points (sorted by rate) and the highest rate with
+    attainment >= a.slo_attainment (None if even the lowest misses)."""
+    points: dict[float, dict] = {}
+
+    def at(rate: float) -> bool:
+        if rate not in points:
+            points[rate] = run_once(target, requests, rate, a, opts, f"rate {rate:g}/s")
+            p = points[rate]
+            print(f"  rate {rate:8.3g} req/s: attainment {p['slo_attainment']:6.1%}, goodput "
+                  f"{p['request_goodput']:.2f} req/s, {p['output_throughput']:.0f} tok/s, p99 TTFT "
+                  f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):.0f} ms, failed {p['failed']}", flush=True)
+        return points[rate]["slo_attainment"] >= a.slo_attainment
+
+    if a.sweep_rates:
+        try:
+            rates = sorted(float(x) for x in a.sweep_rates.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--sweep-rates must be comma-separated numbers, got {a.sweep_rates!r}") from None
+        if not rates or rates[0] <= 0:
+            raise ValueError("--sweep-rates must be positive")
+        for r in rates:
+            at(r)
+    else:
+        search_rate(at, a.sweep_start, a.sweep_steps)
+    ordered = [points[r] for r in sorted(points)]
+    good = [r for r in sorted(points) if points[r]["slo_attainment"] >= a.slo_attainment]
+    return ordered, (max(good) if good else None)
+
+
+def save(result: dict, a) -> Path:
+    out_dir = Path(a.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = a.result_filename or (f"pdcluster-bench-{result['model_id']}-"
+                                 f"{datetime.datetime.now():%Y%m%d-%H%M%S}.json").replace("/", "_")
+    path = out_dir / name
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    opts = parse_options(a)
+    with _maybe_launch(a) as base_url:
+        api_key = a.api_key or _env_key()
+        info = server_info(base_url, api_key)
+        model = a.model if (a.model and not a.launch) else info["id"]
+        tokenizer = _tokenizer(a, model if not a.launch else (a.model or "tiny"))
+        requests = build_requests(a, tokenizer)
+        target = loadgen.Target(base_url, a.endpoint, model, api_key, a.ignore_eos, a.request_timeout)
+        header = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai",
+                  "base_url": base_url, "endpoint": a.endpoint, "model_id": model,
+                  "tokenizer_id": a.tokenizer or model, "dataset_name": a.dataset_name,
+                  "num_workers": info.get("num_workers"), "num_gpus": info.get("num_gpus"),
+                  "workers_by_role": info.get("workers_by_role")}
+        print(f"pdcluster bench: {len(requests)} requests ({a.dataset_name}) to {base_url}{a.endpoint}, "
+              f"model {model!r}" + (f", {info['num_workers']} workers" if info.get("num_workers") else ""),
+              flush=True)
+        if a.sweep:
+            points, best = sweep(target, requests, a, opts)
+            result = {**header, **_sweep_summary(points, best, info, a)}
+            print(sweep_report(result, a))
+        else:
+            result = {**header, **run_once(target, requests, a.request_rate, a, opts, "requests")}
+            print(report(result, opts))
+    if a.save_result:
+        plots = [] if a.no_plots else _plots(result, a)
+        path = save(result, a)
+        print(f"result: {path}" + "".join(f"\nplot:   {p}" for p in plots))
+    return 0
+
+
+def _env_key() -> str | None:
+    import os
+    return os.environ.get("OPENAI_API_KEY")
+
+
+def _sweep_summary(points: list[dict], best: float | None, info: dict, a) -> dict:
+    workers, gpus = info.get("num_workers"), info.get("num_gpus")
+    return {"slo_attainment_target": a.slo_attainment, "max_goodput_rate": best,
+            "max_goodput_rate_per_worker": best / workers if best is not None and workers else None,
+            "max_goodput_rate_per_gpu": best / gpus if best is not None and gpus else None,
+            "sweep": points}
+
+
+def sweep_report(result: dict, a) -> str:
+    lines = [f"{' Goodput sweep ':=^72}",
+             f"{'rate req/s':>10} {'attain':>8} {'goodput':>9} {'req/s':>8} {'out tok/s':>10} "
+             f"{'p99 TTFT ms':>12} {'failed':>7}"]
+    for p in result["sweep"]:
+        lines.append(f"{float(p['request_rate']):>10.3g} {p['slo_attainment']:>8.1%} {p['request_goodput']:>9.2f} "
+                     f"{p['request_throughput']:>8.2f} {p['output_throughput']:>10.1f} "
+                     f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):>12.1f} {p['failed']:>7}")
+    best = result["max_goodput_rate"]
+    slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["sweep"][0]["goodput_slos_ms"].items())
+    if best is None:
+        lines.append(f"no rate tried reached {a.slo_attainment:.0%} attainment of {slos}")
+    else:
+        lines.append(f"goodput: {best:.3g} req/s at >= {a.slo_attainment:.0%} attainment of {slos}")
+        if result["max_goodput_rate_per_worker"] is not None:
+            lines.append(f"         {result['max_goodput_rate_per_worker']:.3g} req/s per worker "
+                         f"({result['num_workers']} workers)")
+        if result["max_goodput_rate_per_gpu"] is not None:
+            lines.append(f"         {result['max_goodput_rate_per_gpu']:.3g} req/s per GPU ({result['num_gpus']} GPUs)")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def _plots(result: dict, a) -> list[Path]:
+    from cluster.bench_plots import plot_distributions, plot_sweep
+    out_dir = Path(a.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = Path(a.result_filename or "pdcluster-bench").stem
+    if "sweep" in result:
+        return [plot_sweep(result, out_dir / f"{stem}-sweep.png")]
+    return [plot_distributions(result, out_dir / f"{stem}-latency.png")]
+
+
+@contextlib.contextmanager
+def _maybe_launch(a: argparse.Namespace):
+    if not a.launch:
+        yield (a.base_url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
+        return
+    if a.base_url:
+        raise ValueError("--launch starts its own server; drop --base-url")
+    from cluster.launcher import ClusterSpec
+    from cluster.serve import ServingCluster, free_port
+    spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
+                       num_decode=a.launch_decode, num_colocated=a.launch_workers)
+    print(f"pdcluster bench: launching a local cluster ({spec.mode}: "
+          + (f"{spec.num_prefill} prefill + {spec.num_decode} decode" if spec.mode == "disaggregated"
+             else f"{spec.num_colocated} workers") + f") on {spec.model!r}", flush=True)
+    with ServingCluster(spec, port=free_port(), api_key=a.api_key) as c:
+        yield f"http://{c.host}:{c.port}"

@@ -1,0 +1,291 @@
+"""The load generator under `pdcluster bench`: open-loop arrivals, streaming requests, per-request
+latencies from the stream's arrival times, and the summary with vLLM's field names.
+
+Works against any OpenAI-compatible server (pdcluster, vLLM, SGLang): it speaks only
+`/v1/completions` and `/v1/chat/completions` with `stream: true`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from cluster.bench_data import BenchRequest
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int = 0
+    output_len: int = 0          # tokens: the server's usage when reported, else counted from chunks
+    ttft: float = 0.0            # s, send -> first chunk with content
+    itl: list[float] = field(default_factory=list)   # s, gaps between content chunks
+    latency: float = 0.0         # s, send -> end of stream
+    start: float = 0.0           # perf_counter at send
+    success: bool = False
+    error: str = ""
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Seconds between consecutive sends. Gamma(shape=burstiness, scale=1/(rate*burstiness)): the
+    mean is 1/rate at every burstiness; the coefficient of variation is 1/sqrt(burstiness), so
+    1 is Poisson arrivals, below 1 burstier, above 1 more regular. rate=inf sends all at once."""
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness must be positive, got {burstiness}")
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be positive, got {rate}")
+    if math.isinf(rate):
+        return np.zeros(num)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num)
+
+
+@dataclass(slots=True)
+class Target:
+    base_url: str                      # http://host:port (no /v1)
+    endpoint: str = "/v1/completions"
+    model: str = ""
+    api_key: str | None = None
+    ignore_eos: bool = False
+    timeout_s: float = 600.0
+    extra_body: dict = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    def headers(self) -> dict:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def body(self, req: BenchRequest) -> dict:
+        body = {"model": self.model, "max_tokens": req.output_len, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.0}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.extra_body)
+        return body
+
+
+def _error_text(status: int, raw: bytes) -> str:
+    try:
+        msg = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = raw.decode(errors="replace")[:200]
+    return f"HTTP {status}: {msg}"
+
+
+class _Stream:
+    """Folds one SSE stream into a RequestResult. `feed` takes each network read with its
+    arrival time: events that arrive in one read share its timestamp, as they should."""
+
+    def __init__(self, r: RequestResult, chat: bool):
+        self.r, self.chat = r, chat
+        self.buf, self.parts = b"", []
+        self.chunks, self.counted, self.usage_out, self.last = 0, 0, None, r.start
+        self.done = False
+
+    def feed(self, data: bytes, now: float) -> None:
+        *events, self.buf = (self.buf + data).replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self._event(line[5:].strip(), now)
+
+    def _event(self, data: bytes, now: float) -> None:
+        if data == b"[DONE]" or self.done:
+            self.done = True
+            return
+        msg = json.loads(data)
+        if "error" in msg:
+            err = msg["error"]
+            raise _StreamError(err.get("message", err) if isinstance(err, dict) else err)
+        if msg.get("usage"):
+            self.usage_out = msg["usage"].get("completion_tokens")
+            self.r.prompt_len = msg["usage"].get("prompt_tokens") or self.r.prompt_len
+        choices = msg.get("choices")
+        if not choices:
+            return
+        c = choices[0]
+        piece = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
+        if not piece and not c.get("token_ids"):
+            return                                 # role-only or finish-only chunks carry no token
+        if self.chunks == 0:
+            self.r.ttft = now - self.r.start
+        else:
+            self.r.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+        self.parts.append(piece or "")
+        # A chunk may carry several tokens (servers coalesce under load); without token ids
+        # or usage, one chunk counts as one token.
+        self.counted += len(c.get("token_ids") or ()) or 1
+
+    def finish(self, now: float) -> None:
+        r = self.r
+        r.latency = now - r.start
+        r.output_len = self.usage_out if self.usage_out is not None else self.counted
+        r.text = "".join(self.parts)
+        r.success = r.output_len > 0
+        if not r.success:
+            r.error = "the stream ended without a token"
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest) -> RequestResult:
+    """One streaming request; every failure ends up in `error`, never raised."""
+    r = RequestResult(prompt_len=req.prompt_len)
+    r.start = time.perf_counter()
+    try:
+        async with asyncio.timeout(target.timeout_s):
+            async with session.post(target.base_url + target.endpoint, json=target.body(req),
+                                    headers=target.headers()) as resp:
+                if resp.status != 200:
+                    r.error = _error_text(resp.status, await resp.read())
+                    return r
+                stream = _Stream(r, target.chat)
+                async for data in resp.content.iter_any():
+                    stream.feed(data, time.perf_counter())
+                    if stream.done:
+                        break
+                stream.finish(time.perf_counter())
+    except TimeoutError:
+        r.error = f"timed out after {target.timeout_s:g} s"
+    except _StreamError as e:
+        r.error = f"stream error: {e}"
+    except aiohttp.ClientError as e:
+        r.error = f"{type(e).__name__}: {e}"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        r.error = f"malformed stream: {type(e).__name__}: {e}"
+    return r
+
+
+async def run_load(target: Target, requests: list[BenchRequest], rate: float = math.inf,
+                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                   on_done=None) -> tuple[list[RequestResult], float]:
+    """Send `requests` open-loop at `rate` (gamma gaps), at most `max_concurrency` in flight;
+    returns the results in request order and the wall duration (first send to last finish)."""
+    gaps = arrival_gaps(len(requests), rate, burstiness, seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+        async def one(req: BenchRequest) -> RequestResult:
+            if limit is None:
+                res = await send(session, target, req)
+            else:
+                async with limit:
+                    res = await send(session, target, req)
+            if on_done is not None:
+                on_done(res)
+            return res
+
+        t0 = time.perf_counter()
+        due, tasks = t0, []
+        for req, gap in zip(requests, gaps):
+            due += gap
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput: unknown metric {name!r} in {item!r}; use ttft, tpot or e2el")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {item!r} needs a number of milliseconds, like ttft:500") from None
+        if ms <= 0:
+            raise ValueError(f"--goodput: {item!r} must be positive")
+        slos[name] = ms / 1000
+    return slos
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    """A request is good when it succeeded and meets every SLO given (TPOT of a one-token
+    reply is vacuous)."""
+    if not r.success:
+        return False
+    tpot = r.tpot
+    return (r.ttft <= slos.get("ttft", math.inf) and (tpot is None or tpot <= slos.get("tpot", math.inf))
+            and r.latency <= slos.get("e2el", math.inf))
+
+
+def _values(results: list[RequestResult], metric: str) -> list[float]:
+    ok = [r for r in results if r.success]
+    if metric == "ttft":
+        return [r.ttft for r in ok]
+    if metric == "tpot":
+        return [t for r in ok if (t := r.tpot) is not None]
+    if metric == "itl":
+        return [x for r in ok for x in r.itl]
+    return [r.latency for r in ok]
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float] | None = None,
+              percentile_metrics=("ttft", "tpot", "itl"), percentiles=(99.0,)) -> dict:
+    """The result JSON: vLLM's field names, plus `slo_attainment` (good / all requests sent)."""
+    slos = slos or {}
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    good = sum(meets(r, slos) for r in results) if slos else len(ok)
+    out = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "request_goodput": good / duration if slos and duration > 0 else None,
+        "output_throughput": total_out / duration if duration > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
+        "slo_attainment": good / len(results) if slos and results else None,
+        "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
+    }
+    for m in percentile_metrics:
+        xs = np.asarray(_values(results, m)) * 1000
+        has = xs.size > 0
+        out[f"mean_{m}_ms"] = float(xs.mean()) if has else 0.0
+        out[f"median_{m}_ms"] = float(np.median(xs)) if has else 0.0
+        out[f"std_{m}_ms"] = float(xs.std()) if has else 0.0
+        for p in percentiles:
+            out[f"p{p:g}_{m}_ms"] = float(np.percentile(xs, p)) if has else 0.0
+    out.update({
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "generated_texts": [r.text for r in results],
+        "errors": [r.error for r in results],
+    })
+    return out

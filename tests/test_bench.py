@@ -1,0 +1,236 @@
+"""`pdcluster bench`: latency arithmetic against a server with known injected delays, arrival
+statistics against the gamma distribution, failure accounting, the goodput search, and a run
+against the real cluster through `--launch`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster import loadgen
+from cluster.bench import search_rate
+from cluster.bench_data import sample_random
+from cluster.cli import main
+from cluster.serve import free_port
+from workers.checkpoint import load_tokenizer
+
+# The injected server: "fast" prompts get their first token after FAST_MS, "slow" ones after
+# SLOW_MS, then one token every ITL_MS, scheduled on absolute times so that jitter does not
+# accumulate. Arrival times at the client can only be later than these, never earlier.
+FAST_MS, SLOW_MS, ITL_MS, TOKENS = 60.0, 400.0, 25.0, 12
+
+
+def injected_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "num_workers": 4, "num_gpus": 2}]}
+
+    async def stream(first_s: float, n: int, chat: bool):
+        t0 = time.perf_counter()
+        if chat:           # a role-only chunk first, as OpenAI and vLLM send: it carries no token
+            yield 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        for k in range(n):
+            await asyncio.sleep(max(0.0, t0 + first_s + k * ITL_MS / 1000 - time.perf_counter()))
+            piece = {"delta": {"content": f"t{k} "}} if chat else {"text": f"t{k} "}
+            yield f"data: {json.dumps({'choices': [{'index': 0, **piece, 'finish_reason': None}]})}\n\n"
+        yield f'data: {json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        if prompt.startswith("fail"):
+            return JSONResponse({"error": {"message": "injected failure", "type": "server_error",
+                                           "param": None, "code": None}}, status_code=500)
+        if prompt.startswith("hang"):
+            await asyncio.sleep(30)
+        first = (SLOW_MS if prompt.startswith("slow") else FAST_MS) / 1000
+        return StreamingResponse(stream(first, body["max_tokens"], chat), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def injected_url():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(injected_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the injected server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def write_custom(path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": TOKENS}) + "\n" for p in prompts))
+    return str(path)
+
+
+def run_bench(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["bench", "--disable-tqdm", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_latencies_match_injected_delays(injected_url, tmp_path, capsys, endpoint):
+    prompts = ["slow question" if i % 4 == 3 else "fast question" for i in range(16)]   # 12 fast, 4 slow
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--endpoint", endpoint, "--dataset-name", "custom",
+        "--dataset-path", write_custom(tmp_path / "p.jsonl", prompts), "--num-prompts", "16",
+        "--request-rate", "40", "--goodput", "ttft:200", f"tpot:{ITL_MS * 2:g}",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "r.json").read_text())
+    tol = 0.060                      # s: a busy 2-core box schedules late, never early
+    ttft = np.asarray(r["ttfts"])
+    slow = np.asarray([p.startswith("slow") for p in prompts])
+    assert np.all(ttft[~slow] >= FAST_MS / 1000 - 0.002) and np.median(ttft[~slow]) <= FAST_MS / 1000 + tol
+    assert np.all(ttft[slow] >= SLOW_MS / 1000 - 0.002) and np.median(ttft[slow]) <= SLOW_MS / 1000 + tol
+    assert FAST_MS - 2 <= r["median_ttft_ms"] <= FAST_MS + tol * 1000        # 12 of 16 are fast
+    assert SLOW_MS - 2 <= r["p99_ttft_ms"] <= SLOW_MS + tol * 1000
+    # Tokens on an absolute schedule: the gaps average ITL_MS exactly; single gaps jitter.
+    assert abs(r["mean_tpot_ms"] - ITL_MS) <= 5 and abs(r["median_itl_ms"] - ITL_MS) <= 8
+    assert abs(r["mean_itl_ms"] - ITL_MS) <= 5
+    itl_count = sum(len(x) for x in r["itls"])
+    assert itl_count == 16 * (TOKENS - 1)               # the role-only chat chunk is not a token
+    e2e_expected = np.where(slow, SLOW_MS, FAST_MS) + (TOKENS - 1) * ITL_MS
+    assert abs(r["mean_e2el_ms"] - e2e_expected.mean()) <= tol * 1000
+    # Goodput: exactly the fast requests meet TTFT <= 200 ms; TPOT is 25 ms against 50.
+    assert r["completed"] == 16 and r["failed"] == 0
+    assert r["slo_attainment"] == pytest.approx(12 / 16)
+    assert r["request_goodput"] == pytest.approx(12 / r["duration"])
+    assert r["output_lens"] == [TOKENS] * 16 and r["input_lens"] == [7] * 16     # from `usage`
+    assert r["total_output_tokens"] == 16 * TOKENS
+    assert r["output_throughput"] == pytest.approx(16 * TOKENS / r["duration"])
+    assert "Request goodput (req/s):" in out and "SLO attainment:" in out and "75.0%" in out
+    assert (tmp_path / "r-latency.png").stat().st_size > 10_000
+
+
+def test_failures_and_timeouts_are_counted_with_their_error(injected_url, tmp_path, capsys):
+    prompts = ["fast a", "fail b", "hang c", "fast d", "fail e"]
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path",
+        write_custom(tmp_path / "p.jsonl", prompts), "--num-prompts", "5", "--request-timeout", "1.5",
+        "--goodput", "ttft:1000", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+        "f.json", "--no-plots")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "f.json").read_text())
+    assert (r["completed"], r["failed"]) == (2, 3)
+    assert len(r["errors"]) == len(r["ttfts"]) == len(r["output_lens"]) == 5
+    assert r["errors"][1] == r["errors"][4] == "HTTP 500: injected failure"
+    assert "timed out after 1.5 s" in r["errors"][2]
+    assert r["errors"][0] == r["errors"][3] == ""
+    assert r["slo_attainment"] == pytest.approx(2 / 5)       # failures count against attainment
+    assert "Failed requests:" in out and "2 x HTTP 500: injected failure" in out
+
+
+def test_arrival_gaps_follow_the_gamma_distribution():
+    n, rate = 4000, 8.0
+    for burstiness in (1.0, 0.5, 4.0):
+        gaps = loadgen.arrival_gaps(n, rate, burstiness, seed=1)
+        mean, cv = gaps.mean(), gaps.std() / gaps.mean()
+        # Standard errors over 4000 gaps: mean ~ cv/sqrt(n) relative (<= 2.3 %), cv ~ 3 %; 4 sigma.
+        assert mean == pytest.approx(1 / rate, rel=4 * (1 / math.sqrt(burstiness)) / math.sqrt(n))
+        assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.12)
+    # Poisson arrivals: the gaps are exponential, so P(gap > mean) = 1/e.
+    gaps = loadgen.arrival_gaps(n, rate, 1.0, seed=2)
+    assert (gaps > 1 / rate).mean() == pytest.approx(math.exp(-1), abs=0.03)
+    assert np.array_equal(gaps, loadgen.arrival_gaps(n, rate, 1.0, seed=2))      # seeded
+    assert not loadgen.arrival_gaps(5, math.inf).any()
+
+
+def test_goodput_search_brackets_the_threshold():
+    for threshold in (0.3, 1.0, 7.3, 40.0):
+        probes = []
+
+        def meets(rate, t=threshold):
+            probes.append(rate)
+            return rate <= t
+
+        best = search_rate(meets, start=1.0, steps=4)
+        # The bracket [lo, 2 lo] from the doubling is halved 4 times: within lo / 16 below.
+        assert best is not None and 0 <= threshold - best <= best / 16 + 1e-9
+        assert len(probes) <= 12 + 4
+    assert search_rate(lambda r: False, 1.0, 3) is None
+
+
+def test_sweep_reports_goodput_per_worker_and_gpu(injected_url, tmp_path, capsys):
+    prompts = ["fast q"] * 6 + ["slow q"] * 2
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path",
+        write_custom(tmp_path / "p.jsonl", prompts), "--num-prompts", "8", "--sweep", "--sweep-rates", "20,40",
+        "--goodput", "ttft:200", "--slo-attainment", "0.7", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "s.json")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert [p["request_rate"] for p in r["sweep"]] == [20.0, 40.0]
+    assert all(p["slo_attainment"] == pytest.approx(6 / 8) for p in r["sweep"])
+    assert r["max_goodput_rate"] == 40.0
+    assert r["max_goodput_rate_per_worker"] == 10.0 and r["max_goodput_rate_per_gpu"] == 20.0
+    assert "goodput: 40 req/s" in out and "per GPU (2 GPUs)" in out
+    assert (tmp_path / "s-sweep.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--goodput", "latency:5"], "unknown metric 'latency'"),
+    (["--goodput", "ttft:abc"], "needs a number of milliseconds"),
+    (["--sweep"], "--sweep needs --goodput"),
+    (["--burstiness", "0"], "--burstiness must be positive"),
+    (["--percentile-metrics", "ttft,foo"], "unknown metric 'foo'"),
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
+])
+def test_bad_bench_input_gets_one_clear_line(capsys, args, message):
+    rc = main(["bench", "--disable-tqdm", "--base-url", "http://127.0.0.1:9", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_launch_runs_the_real_cluster(ray_session, tmp_path, capsys):
+    rc, out, err = run_bench(
+        capsys, "--launch", "--dataset-name", "random", "--num-prompts", "12", "--random-input-len", "40",
+        "--random-output-len", "10", "--random-range-ratio", "0.5", "--ignore-eos", "--request-rate", "30",
+        "--goodput", "ttft:30000", "tpot:10000", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "c.json", "--no-plots")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "c.json").read_text())
+    for key in ("duration", "completed", "failed", "request_throughput", "request_goodput", "output_throughput",
+                "total_token_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                "input_lens", "output_lens", "ttfts", "itls", "errors"):
+        assert key in r, key
+    assert (r["completed"], r["failed"]) == (12, 0) and r["errors"] == [""] * 12
+    assert r["total_output_tokens"] == sum(r["output_lens"])
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
+    assert r["request_throughput"] == pytest.approx(12 / r["duration"])
+    # The dataset is the oracle: with ignore_eos every request got the tokens it asked for, and
+    # the server's prompt count (usage) equals the client tokenizer's.
+    asked = sample_random(load_tokenizer("tiny"), 12, 40, 10, 0.5, 0, seed=0)
+    assert r["output_lens"] == [q.output_len for q in asked]
+    assert r["input_lens"] == [q.prompt_len for q in asked]
+    assert all(len(x) <= n - 1 for x, n in zip(r["itls"], r["output_lens"]))   # chunks may carry >1 token
+    assert r["num_workers"] == 2 and r["workers_by_role"]["prefill"] == 1
+    assert "Serving Benchmark Result" in out and "launching a local cluster" in out
