@@ -234,3 +234,33 @@ def test_launch_runs_the_real_cluster(ray_session, tmp_path, capsys):
     assert all(len(x) <= n - 1 for x, n in zip(r["itls"], r["output_lens"]))   # chunks may carry >1 token
     assert r["num_workers"] == 2 and r["workers_by_role"]["prefill"] == 1
     assert "Serving Benchmark Result" in out and "launching a local cluster" in out
+
+
+def test_datasets_size_prompts_in_the_tokenizer(tmp_path):
+    from cluster.bench_data import load_custom, sample_prefix_repetition, sample_sharegpt
+    tok = load_tokenizer("tiny")
+    reqs = sample_random(tok, 40, 64, 20, range_ratio=0.25, prefix_len=16, seed=3)
+    assert all(len(tok.encode(q.prompt)) == q.prompt_len for q in reqs)
+    assert all(16 + 48 <= q.prompt_len <= 16 + 80 for q in reqs) and all(15 <= q.output_len <= 25 for q in reqs)
+    prefix = tok.decode(tok.encode(reqs[0].prompt)[:12])
+    assert all(q.prompt.startswith(prefix) for q in reqs)                  # --random-prefix-len is shared
+    assert len({q.prompt_len for q in reqs}) > 5                            # lengths do vary
+
+    reps = sample_prefix_repetition(tok, 30, prefix_len=40, suffix_len=10, num_prefixes=3, output_len=7, seed=1)
+    heads = {tok.decode(tok.encode(q.prompt)[:30]) for q in reps}
+    assert len(heads) == 3 and all(q.output_len == 7 for q in reps)
+    assert all(len(tok.encode(q.prompt)) == q.prompt_len for q in reps)
+
+    convs = [{"conversations": [{"from": "human", "value": f"question number {i} " * 3},
+                                {"from": "gpt", "value": "an answer " * (i + 1)}]} for i in range(20)]
+    convs.append({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "short"}]})
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    sg = sample_sharegpt(str(tmp_path / "sg.json"), tok, 20)
+    assert len(sg) == 20 and all(q.prompt_len >= 4 for q in sg)            # "hi" is filtered out
+    assert sorted(q.output_len for q in sg) == sorted(len(tok.encode("an answer " * (i + 1))) for i in range(20))
+    with pytest.raises(ValueError, match="only 20 usable conversations"):
+        sample_sharegpt(str(tmp_path / "sg.json"), tok, 21)
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: needs a non-empty string 'prompt'"):
+        load_custom(str(tmp_path / "bad.jsonl"), tok, 10, 8)
