@@ -71,6 +71,8 @@ def cmd_serve(a) -> int:
 
     from cluster.launcher import ClusterSpec
     from cluster.serve import ServingCluster, serve_forever
+    from router.slo import SLOTargets
+    slo = SLOTargets(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s)
     engine = dataclasses.asdict(engine_config_from_args(a))
     engine.pop("model")
     spec = ClusterSpec(model=a.model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode,
@@ -78,7 +80,7 @@ def cmd_serve(a) -> int:
                        address=a.address, num_cpus_per_worker=a.cpus_per_worker,
                        num_gpus_per_worker=a.gpus_per_worker)
     return serve_forever(ServingCluster(spec, a.host, a.port, a.api_key, a.policy, a.max_pending,
-                                        a.served_model_name))
+                                        a.served_model_name, slo=slo))
 
 
 def cmd_bench(a) -> int:
@@ -119,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
     s.add_argument("--cpus-per-worker", type=float, default=0.5)
     s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 on GPU clusters, else 0")
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+                   help="TTFT target: requests are judged against it in the SLO metrics")
+    s.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT (time per output token) target")
+    s.add_argument("--slo-window-s", type=float, default=60.0,
+                   help="window of the router's pdcluster:slo_attainment gauge")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -14,6 +14,7 @@ from cluster.launcher import ClusterSpec, connect, launch, shutdown
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
+from router.slo import SLOTargets
 from workers.checkpoint import load_tokenizer
 
 log = logging.getLogger("pdcluster.serve")
@@ -31,8 +32,10 @@ class ServingCluster:
 
     def __init__(self, spec: ClusterSpec, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, policy: str = "p2c", max_pending: int = 512,
-                 model_name: str | None = None, ray_num_cpus: int | None = None):
+                 model_name: str | None = None, ray_num_cpus: int | None = None,
+                 slo: SLOTargets | None = None):
         self.spec, self.host, self.port = spec, host, port
+        self.slo = slo or SLOTargets()
         self.api_key, self.policy, self.max_pending = api_key, policy, max_pending
         self.model_name = model_name or spec.model
         self.ray_num_cpus = ray_num_cpus
@@ -50,7 +53,7 @@ class ServingCluster:
             raise ValueError(f"model {self.spec.model!r} has no tokenizer.json; the HTTP API needs one")
         connect(self.spec.address, self.ray_num_cpus)
         self.workers, infos = launch(self.spec)
-        metrics = Metrics()
+        metrics = Metrics(self.slo)
         dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, self.policy)
         roles = {r: sum(i["role"] == r for i in infos) for r in ("prefill", "decode", "colocated")}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),

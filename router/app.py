@@ -172,43 +172,54 @@ class Server:
                            "retry shortly", "rate_limit_exceeded", code="overloaded",
                            headers={"Retry-After": "1"})
         self.pending += 1
-        self.metrics.running.set(self.pending)
 
     def _done(self) -> None:
         self.pending -= 1
-        self.metrics.running.set(self.pending)
 
     async def run(self, req: GenerationRequest):
-        """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics."""
+        """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics.
+        The request counts as waiting until its first token, then as running."""
         detok = Detokenizer(self.tokenizer, req.params.stop)
         t0 = last = time.monotonic()
+        ttft = 0.0
         n_out = 0
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        m = self.metrics
+        m.prompt_tokens.inc(len(req.prompt_token_ids))
+        m.waiting.inc()
         try:
             async for ev in self.dispatcher.generate(req):
                 now = time.monotonic()
                 if ev.token_ids:
                     if n_out == 0:
-                        self.metrics.ttft.observe(now - t0)
+                        ttft = now - t0
+                        m.ttft.observe(ttft)
+                        m.waiting.dec()
+                        m.running.inc()
                     else:
                         for _ in ev.token_ids:
-                            self.metrics.itl.observe((now - last) / len(ev.token_ids))
+                            m.itl.observe((now - last) / len(ev.token_ids))
                     n_out += len(ev.token_ids)
                     last = now
-                    self.metrics.generation_tokens.inc(len(ev.token_ids))
+                    m.generation_tokens.inc(len(ev.token_ids))
                 text = detok.push(ev.token_ids, ev.finished)
                 yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
                 if ev.finished:
-                    self.metrics.e2e.observe(time.monotonic() - t0)
-                    self.metrics.success.labels(ev.finish_reason or "stop").inc()
+                    e2e = time.monotonic() - t0
+                    m.observe_finished(ttft if n_out else e2e, e2e, n_out)
+                    m.success.labels(ev.finish_reason or "stop").inc()
                     return
         except RequestFailed as e:
-            self.metrics.errors.labels("worker_failure").inc()
+            m.errors.labels("worker_failure").inc()
             raise APIError(503, f"the request could not be served: {e}", "server_error",
                            code="service_unavailable") from None
-        except asyncio.CancelledError:
-            self.metrics.errors.labels("client_disconnect").inc()
+        except APIError:                                 # a worker refused it (e.g. bad params)
+            m.errors.labels("invalid_request").inc()
             raise
+        except asyncio.CancelledError:
+            m.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            (m.running if n_out else m.waiting).dec()
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -247,17 +258,25 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        server._check_auth(request)
-        req = server.completion_request(await server._body(request))
+        req = await _validated(server, request, server.completion_request)
         return await _respond(server, request, req)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        server._check_auth(request)
-        req = server.chat_request(await server._body(request))
+        req = await _validated(server, request, server.chat_request)
         return await _respond(server, request, req)
 
     return app
+
+
+async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
+    """Authentication and validation; a request refused here counts as an invalid_request error."""
+    try:
+        server._check_auth(request)
+        return parse(await server._body(request))
+    except APIError:
+        server.metrics.errors.labels("invalid_request").inc()
+        raise
 
 
 async def _respond(server: Server, request: Request, req: GenerationRequest):

@@ -75,8 +75,11 @@ class Dispatcher:
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._pumps: list[asyncio.Task] = []
+        self._count_pools()
+
+    def _count_pools(self) -> None:
         for role in ("prefill", "decode", "colocated"):
-            metrics.pool_size.labels(role).set(sum(w.role == role for w in workers))
+            self.metrics.pool_size.labels(role).set(len(self._alive(role)))
 
     def start(self) -> None:
         self._pumps = [asyncio.get_running_loop().create_task(self._pump(w)) for w in self.workers.values()]
@@ -97,12 +100,14 @@ class Dispatcher:
             except Exception as e:                       # the actor died: fail over its requests
                 log.error("worker %s is gone: %s", w.worker_id, e)
                 w.alive = False
+                self._count_pools()
                 for rid in list(w.assigned):
                     self._deliver(rid, {"rid": rid, "tokens": [], "finished": True, "reason": "error",
                                         "error": f"worker {w.worker_id} failed", "retryable": True})
                 return
             w.reported(reply["load"], polled_at)
             self.metrics.observe_load(w.report)
+            self.metrics.observe_samples(w.worker_id, w.role, reply.get("samples", {}))
             for ev in reply["events"]:
                 self._deliver(ev["rid"], ev)
 
@@ -181,18 +186,13 @@ class Dispatcher:
         d = self._pick("decode")
         involved.append(d)
         d.sent(rid, 1)
-        t0 = time.monotonic()
         d.handle.submit.remote(msgpack.packb({**body, "op": "decode", "first_tokens": first_tokens,
                                               "prefill_id": w.worker_id}))
-        transferred = False
         while True:
             ev = await q.get()
             if _wants_retry(ev):
                 yield None
                 return
-            if not transferred:
-                transferred = True
-                self.metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
             yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
             if ev["finished"]:
                 return

@@ -1,67 +1,170 @@
 """Prometheus metrics of the router and, from their load reports, of the workers.
 
-Names follow vLLM's where the meaning is the same, under the `pdcluster:` prefix.
+Names follow vLLM's where the meaning is the same, under the `pdcluster:` prefix; counters
+are declared without `_total` (prometheus_client appends it). Workers are Ray actors with no
+HTTP endpoint of their own: the router exports their metrics with `worker` and `role` labels,
+so one scrape of the router's /metrics sees the whole cluster. docs/metrics.md lists them all.
+
+Every labelled series a dashboard reads is created at 0 up front (finish reasons, error
+reasons, preemption modes, SLOs, a worker's counters on its first report), so queries return
+data before the first event of their kind.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from router.slo import SLOTargets, SLOWindow, judge
 
 P = "pdcluster:"
+ROLES = ("prefill", "decode", "colocated")
+FINISH_REASONS = ("stop", "length")
+ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect")
+PREEMPTION_MODES = ("recompute", "swap")
+ROLE_FLIPS = (("prefill", "decode"), ("decode", "prefill"))
+
+# Request latencies: 1 ms .. 80 s (TTFT of a long prompt under load, E2E of a long answer).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# One engine step: sub-millisecond (tiny model, CPU) to seconds (a long prefill chunk).
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # as vLLM
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, slo: SLOTargets | None = None):
         r = self.registry = CollectorRegistry()
+        self.slo = slo or SLOTargets()
+        # -- requests, as the router sees them ------------------------------------------------
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens",
                              registry=r, buckets=ITL_BUCKETS)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, arrival to last token",
                              registry=r, buckets=LATENCY_BUCKETS)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling",
+        self.queue_time = Histogram(P + "request_queue_time_seconds",
+                                    "Time a request waits in a worker's queue before its first scheduling",
                                     registry=r, buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
         self.errors = Counter(P + "request_errors", "Failed requests", ["reason"], registry=r)
-        self.running = Gauge(P + "router_requests_running", "Requests in flight in the router", registry=r)
+        self.running = Gauge(P + "router_requests_running", "Requests streaming tokens (first token sent)",
+                             registry=r)
+        self.waiting = Gauge(P + "router_requests_waiting", "Admitted requests not yet at their first token",
+                             registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
+        for reason in ERROR_REASONS:
+            self.errors.labels(reason)
+        # -- SLOs --------------------------------------------------------------------------------
+        Gauge(P + "slo_ttft_target_seconds", "Configured TTFT target", registry=r).set(self.slo.ttft_s)
+        Gauge(P + "slo_tpot_target_seconds", "Configured TPOT target", registry=r).set(self.slo.tpot_s)
+        self.slo_requests = Counter(P + "slo_requests", "Finished requests judged against the SLOs", registry=r)
+        self.slo_met = Counter(P + "slo_met", "Finished requests that met the SLO", ["slo"], registry=r)
+        for name in ("ttft", "tpot", "both"):
+            self.slo_met.labels(name)
+        self.slo_window = SLOWindow(self.slo.window_s)
+        r.register(_SLOWindowCollector(self.slo_window))
+        # -- workers, from their load reports and samples ------------------------------------
         labels = ["worker", "role"]
         self.w_running = Gauge(P + "num_requests_running", "Sequences in the running batch", labels, registry=r)
-        self.w_waiting = Gauge(P + "num_requests_waiting", "Sequences waiting for a slot", labels, registry=r)
+        self.w_waiting = Gauge(P + "num_requests_waiting", "Sequences waiting for a slot (decode: for KV room)",
+                               labels, registry=r)
         self.w_kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV blocks in use", labels, registry=r)
-        self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes handed off", registry=r)
-        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "KV handoff latency", registry=r,
-                                             buckets=TRANSFER_BUCKETS)
-        self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV handoffs", registry=r)
-        self.pool_size = Gauge(P + "pool_workers", "Workers per role", ["role"], registry=r)
         self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                    labels, registry=r)
         self.preemptions = Counter(P + "num_preemptions", "Sequences preempted", labels + ["mode"], registry=r)
+        self.step_seconds = Histogram(P + "engine_step_duration_seconds", "Duration of one engine step",
+                                      labels, registry=r, buckets=STEP_BUCKETS)
+        self.batch_size = Histogram(P + "engine_step_batch_size", "Sequences in one engine step", labels,
+                                    registry=r, buckets=BATCH_SIZE_BUCKETS)
+        self.step_tokens = Histogram(P + "iteration_tokens_total", "Tokens computed in one engine step",
+                                     labels, registry=r, buckets=STEP_TOKEN_BUCKETS)
+        # -- the KV handoff (reported by the decode worker that pulls) ---------------------------
+        self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes received", labels, registry=r)
+        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Duration of one KV pull", labels,
+                                             registry=r, buckets=TRANSFER_BUCKETS)
+        self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls", labels, registry=r)
+        self.kv_in_flight = Gauge(P + "kv_transfers_in_flight", "KV pulls under way", labels, registry=r)
+        # -- pools -----------------------------------------------------------------------------
+        self.pool_size = Gauge(P + "pool_workers", "Live workers per role", ["role"], registry=r)
+        self.role_changes = Counter(P + "pool_role_changes", "Workers moved from one pool to another",
+                                    ["from_role", "to_role"], registry=r)
+        for role in ROLES:
+            self.pool_size.labels(role)
+        for a, b in ROLE_FLIPS:
+            self.role_changes.labels(a, b)
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
+    # -- router side -----------------------------------------------------------------------------
+    def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
+        """A request ended normally: E2E, and its verdict against the SLOs."""
+        self.e2e.observe(e2e_s)
+        verdict = judge(self.slo, ttft_s, e2e_s, num_output_tokens)
+        self.slo_requests.inc()
+        for name, met in (("ttft", verdict.ttft), ("tpot", verdict.tpot), ("both", verdict.both)):
+            if met:
+                self.slo_met.labels(name).inc()
+        self.slo_window.record(verdict)
+
+    def role_changed(self, from_role: str, to_role: str) -> None:
+        self.role_changes.labels(from_role, to_role).inc()
+
+    # -- worker side -----------------------------------------------------------------------------
     def observe_load(self, report: dict) -> None:
         w, role = report["worker_id"], report["role"]
         self.w_running.labels(w, role).set(report["running"])
         self.w_waiting.labels(w, role).set(report["waiting"] + report.get("pending", 0))
         self.w_kv_usage.labels(w, role).set(report["kv_blocks_used"] / max(1, report["kv_blocks_total"]))
+        self.kv_in_flight.labels(w, role).set(report.get("receiving", 0))
         # Workers report cumulative totals; count what grew since their last report.
         self._grow(self.prefix_queries.labels(w, role), (w, "pq"), report.get("prefix_cache_queries", 0))
         self._grow(self.prefix_hits.labels(w, role), (w, "ph"), report.get("prefix_cache_hits", 0))
-        for mode, n in report.get("preemptions", {}).items():
-            self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), n)
+        for mode in PREEMPTION_MODES:
+            self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode),
+                       report.get("preemptions", {}).get(mode, 0))
         xfer = report.get("kv_transfer", {})
-        self._grow(self.kv_transfer_bytes, (w, "xb"), xfer.get("bytes", 0))
-        self._grow(self.kv_transfer_failures, (w, "xf"), xfer.get("failures", 0))
+        self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), xfer.get("bytes", 0))
+        self._grow(self.kv_transfer_failures.labels(w, role), (w, "xf"), xfer.get("failures", 0))
+
+    def observe_samples(self, worker: str, role: str, samples: dict) -> None:
+        """Per-step and per-transfer samples a worker buffered since its last poll."""
+        for histogram, kind in ((self.step_seconds, "step_s"), (self.batch_size, "batch_size"),
+                                (self.step_tokens, "step_tokens"), (self.kv_transfer_seconds, "kv_transfer_s")):
+            child = histogram.labels(worker, role)
+            for v in samples.get(kind, ()):
+                child.observe(v)
+        for v in samples.get("queue_s", ()):
+            self.queue_time.observe(v)
 
     def _grow(self, counter, key: tuple, total: float) -> None:
         delta = total - self._last.get(key, 0)
         if delta > 0:
             counter.inc(delta)
         self._last[key] = total
+
+
+class _SLOWindowCollector:
+    """`slo_attainment{slo}`: the router's own sliding-window view, computed at scrape time."""
+
+    def __init__(self, window: SLOWindow):
+        self.window = window
+
+    def collect(self):
+        g = GaugeMetricFamily(P + "slo_attainment", f"Fraction of requests finished in the last "
+                              f"{self.window.window_s:g}s that met the SLO (NaN: none finished)", labels=["slo"])
+        for name, value in self.window.attainment().items():
+            g.add_metric([name], value)
+        yield g
+        n = GaugeMetricFamily(P + "slo_window_requests", "Requests finished in the SLO window")
+        n.add_metric([], len(self.window))
+        yield n

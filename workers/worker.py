@@ -4,6 +4,10 @@
                                             │  (steps while there is work)
     decode worker ──send_kv()──▶ transfer thread reads held blocks ──▶ transport ──▶ peer
 
+Metrics: the load report carries gauges and cumulative counters; per-step and per-transfer
+samples (step time, batch size, tokens, queue times, KV transfer seconds) wait in a bounded
+buffer until the next poll drains them, and the router turns them into Prometheus histograms.
+
 Roles: `prefill` runs requests to their first token and holds the KV under a lease;
 `decode` reserves blocks (only when it has room), pulls the KV from the prefill worker,
 then decodes; `colocated` runs whole requests (chunked prefill mixes into decode steps).
@@ -29,6 +33,8 @@ from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.worker")
 ROLES = ("prefill", "decode", "colocated")
+SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s")
+MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
 
 
 def engine_config_from_dict(d: dict) -> EngineConfig:
@@ -60,6 +66,7 @@ class Worker:
         self._peer_locks: dict[str, threading.Lock] = {}
         self._transfer_ids = 0
         self._transfer_stats = {"bytes": 0, "count": 0, "seconds": 0.0, "failures": 0}
+        self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
         self.steps = 0
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
@@ -76,7 +83,8 @@ class Worker:
         self._call_in_loop(lambda: self._handle(msgpack.unpackb(payload, strict_map_key=False)))
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
-        """Long poll: the events since the last call (msgpack), plus a fresh load report."""
+        """Long poll: the events since the last call (msgpack), plus a fresh load report and
+        the metric samples since the last call."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while not self._events and not self._stop:
@@ -85,7 +93,10 @@ class Worker:
                     break
                 self._cv.wait(left)
             events, self._events = self._events, []
-        return msgpack.packb({"events": events, "load": self._load})
+            samples = {k: list(q) for k, q in self._samples.items()}
+            for q in self._samples.values():
+                q.clear()
+        return msgpack.packb({"events": events, "load": self._load, "samples": samples})
 
     def stats(self) -> dict:
         return dict(self._load)
@@ -146,8 +157,17 @@ class Worker:
                     self._cv.wait(0.05)
 
     def _step(self) -> None:
+        t0 = time.monotonic()
         outputs = self.engine.step()
+        step_s = time.monotonic() - t0
         self.steps += 1
+        shape = self.engine.last_step
+        if shape.num_seqs:
+            with self._cv:
+                self._samples["step_s"].append(step_s)
+                self._samples["batch_size"].append(shape.num_seqs)
+                self._samples["step_tokens"].append(shape.num_tokens)
+                self._samples["queue_s"].extend(shape.queue_times_s)
         events = []
         for o in outputs:
             ev = {"rid": o.request_id, "tokens": o.new_token_ids, "finished": o.finished,
@@ -271,6 +291,7 @@ class Worker:
             self._transfer_stats["bytes"] += nbytes
             self._transfer_stats["count"] += 1
             self._transfer_stats["seconds"] += seconds
+            self._samples["kv_transfer_s"].append(seconds)
 
     def _get_transport(self):
         with self._cv:

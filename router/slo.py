@@ -1,0 +1,77 @@
+"""Service-level objectives: does a finished request meet its TTFT and TPOT targets, and what
+fraction of recent requests did (plain Python: the router's metrics and a controller share it).
+
+    TPOT (time per output token) = (e2e - ttft) / (output tokens - 1), as DistServe and
+    `vllm bench` define it; a request with one output token meets any TPOT target.
+
+A request is *good* when it meets both targets; attainment is the good fraction, and DistServe's
+goodput is the highest request rate at which attainment stays >= 90%.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True, slots=True)
+class SLOTargets:
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+    window_s: float = 60.0           # the sliding window of `SLOWindow`
+
+    def __post_init__(self):
+        for name in ("ttft_s", "tpot_s", "window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SLO {name} must be > 0, got {getattr(self, name)} "
+                                 "(pdcluster serve: --slo-ttft-ms, --slo-tpot-ms, --slo-window-s)")
+
+
+class SLOVerdict(NamedTuple):
+    ttft: bool
+    tpot: bool
+
+    @property
+    def both(self) -> bool:
+        return self.ttft and self.tpot
+
+
+def judge(targets: SLOTargets, ttft_s: float, e2e_s: float, num_output_tokens: int) -> SLOVerdict:
+    tpot_s = (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+    return SLOVerdict(ttft_s <= targets.ttft_s, tpot_s <= targets.tpot_s)
+
+
+class SLOWindow:
+    """Attainment over the last `window_s` seconds of finished requests (O(1) amortized)."""
+
+    def __init__(self, window_s: float, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._events: deque[tuple[float, SLOVerdict]] = deque()
+        self._met = {"ttft": 0, "tpot": 0, "both": 0}
+
+    def record(self, verdict: SLOVerdict) -> None:
+        self._expire()
+        self._events.append((self.clock(), verdict))
+        self._count(verdict, +1)
+
+    def attainment(self) -> dict[str, float]:
+        """{"ttft", "tpot", "both"} -> fraction met; NaN when no request finished in the window."""
+        self._expire()
+        n = len(self._events)
+        return {k: v / n if n else math.nan for k, v in self._met.items()}
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._events)
+
+    def _expire(self) -> None:
+        horizon = self.clock() - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._count(self._events.popleft()[1], -1)
+
+    def _count(self, v: SLOVerdict, sign: int) -> None:
+        self._met["ttft"] += sign * v.ttft
+        self._met["tpot"] += sign * v.tpot
+        self._met["both"] += sign * v.both
