@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,10 +316,10 @@ def save(result: dict, a) -> Path:
 def cmd_bench(a: argparse.Namespace) -> int:
     opts = parse_options(a)
     with _maybe_launch(a) as base_url:
-        api_key = a.api_key or _env_key()
+        api_key = a.api_key or os.environ.get("OPENAI_API_KEY")
         info = server_info(base_url, api_key)
-        model = a.model if (a.model and not a.launch) else info["id"]
-        tokenizer = _tokenizer(a, model if not a.launch else (a.model or "tiny"))
+        model = a.model if a.model and not a.launch else info["id"]     # launched: the served name
+        tokenizer = _tokenizer(a, model)
         requests = build_requests(a, tokenizer)
         target = loadgen.Target(base_url, a.endpoint, model, api_key, a.ignore_eos, a.request_timeout)
         header = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai",
@@ -341,11 +342,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         path = save(result, a)
         print(f"result: {path}" + "".join(f"\nplot:   {p}" for p in plots))
     return 0
-
-
-def _env_key() -> str | None:
-    import os
-    return os.environ.get("OPENAI_API_KEY")
 
 
 def _sweep_summary(points: list[dict], best: float | None, info: dict, a) -> dict:
