@@ -17,7 +17,6 @@ from workers.checkpoint import load_model
 from workers.config import EngineConfig
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_runner import ModelRunner
-from workers.sampler import SampledToken
 from workers.scheduler import PreemptionCostModel, Scheduler
 from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -236,34 +235,29 @@ class LLMEngine:
             if s.num_computed_tokens == s.num_cached_tokens and not s.num_preemptions and not s.num_output_tokens))
         if out.is_empty:
             return []
-        block_tables = {s.seq_id: self.kv.block_ids(s) for s, _ in out.scheduled}
-        sampled = self.runner.execute(out, block_tables)
-        outputs = []
-        now = time.monotonic()
+        seqs, sampled = self.runner.execute(out, [self.kv.block_ids(s) for s, _ in out.scheduled])
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            tok = sampled.get(seq.seq_id)
-            if tok is None:
-                continue
+        # Per sampled sequence, every step: kept flat (no helper call, no object per token),
+        # since it is a good part of the step's Python time.
+        outputs = []
+        now = time.monotonic()
+        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs or [None] * len(seqs)):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._append_token(seq, tok)
-            if seq.is_finished:
+            seq.token_ids.append(token_id)
+            if seq.output_logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.seq_id, None)
+            elif seq.prefill_only:
+                self.scheduler.hold(seq)
             outputs.append(RequestOutput(
-                seq.seq_id, [tok.token_id], seq.num_output_tokens, seq.is_finished, seq.finish_reason,
-                [tok.logprobs] if tok.logprobs is not None else None, seq.status is SequenceStatus.HELD))
+                seq.seq_id, [token_id], seq.num_output_tokens, reason is not None, reason,
+                None if logprobs is None else [logprobs], reason is None and seq.prefill_only))
         return outputs
-
-    def _append_token(self, seq: Sequence, tok: SampledToken) -> None:
-        seq.token_ids.append(tok.token_id)
-        if seq.output_logprobs is not None:
-            seq.output_logprobs.append(tok.logprobs)
-        reason = self._check_stop(seq, tok.token_id)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        elif seq.prefill_only:
-            self.scheduler.hold(seq)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params

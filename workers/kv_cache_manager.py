@@ -1,8 +1,8 @@
 """Block tables per sequence over the block pool, prefix-cache lookups, and swap space.
 
 The scheduler speaks to memory only through these verbs: `get_computed_blocks`,
-`can_allocate` / `allocate` (a new sequence), `can_append` / `append_slots` (a running one),
-`free`, and `can_swap_out` / `swap_out` / `can_swap_in` / `swap_in`. Swap verbs return copy
+`can_allocate` / `allocate` (a new sequence), `append_slots` (a running one; False when it
+does not fit), `free`, and `can_swap_out` / `swap_out` / `can_swap_in` / `swap_in`. Swap verbs return copy
 lists (device block, host block) that the model runner executes before the step's forward.
 """
 from __future__ import annotations
@@ -54,7 +54,9 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        """The sequence's block table (live: do not mutate)."""
+        """The sequence's block table (live: do not mutate). While the sequence keeps its
+        blocks the list only grows; allocation and swap-in make a new one (the model runner's
+        block-table buffer relies on both)."""
         return self._block_ids[seq.seq_id]
 
     def num_blocks_of(self, seq: Sequence) -> int:
@@ -127,19 +129,21 @@ class KVCacheManager:
         self._cache_full_blocks(seq, num_tokens)
 
     # -- running sequences -----------------------------------------------------------------
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(self._blocks[seq.seq_id])
-        return need <= self.pool.num_free
-
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Slots for a running sequence's next tokens. False, with nothing changed, when the
+        pool lacks the blocks (the scheduler then preempts and tries again): one verb, not a
+        check and an append, because it runs for every running sequence every step."""
         blocks = self._blocks[seq.seq_id]
         total = seq.num_computed_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks)
         if need > 0:
+            if need > self.pool.num_free:
+                return False
             new = self.pool.allocate(need)
             blocks.extend(new)
             self._block_ids[seq.seq_id].extend(b.block_id for b in new)
         self._cache_full_blocks(seq, total)
+        return True
 
     def free(self, seq: Sequence) -> None:
         blocks = self._blocks.pop(seq.seq_id, None)

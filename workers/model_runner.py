@@ -1,15 +1,17 @@
 """Tensors for one worker: the preallocated KV cache, batch preparation, forward, sampling."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention import AttentionMetadata, PrefillChunk, select_backend
 from workers.model import LlamaForCausalLM
-from workers.sampler import SampledToken, sample
+from workers.sampler import SampledTokens, sample
 from workers.scheduler import SchedulerOutput
 from workers.sequence import Sequence
 
@@ -21,6 +23,51 @@ class StepTimes:
     prepare_s: float = 0.0
     model_s: float = 0.0
     sample_s: float = 0.0
+
+
+class BlockTableBuffer:
+    """The paged rows' block tables, in one host array kept from step to step.
+
+    Rebuilding a [rows, max_blocks] table from Python lists every step is slow (torch.tensor
+    over 64 x 16 ids: ~0.14 ms on the 2-core box, a seventh of the whole per-step budget). But
+    a running sequence mostly keeps its row from one step to the next, and its table only grows
+    (a block every `block_size` tokens), so only what changed is written. A row remembers the list it was copied from: the KV cache
+    manager's live table, which only grows while the sequence holds its blocks (allocation and
+    swap-in give it a new list). The same list, no shorter than what was copied: only the tail
+    is new; anything else: the row is rewritten. Past its table's end a row holds zeros.
+    """
+
+    def __init__(self):
+        self._rows = np.zeros((0, 0), dtype=np.int64)
+        self._sources: list[list[int] | None] = []   # the list each row was copied from
+        self._lens: list[int] = []                   # how much of it
+
+    def update(self, tables: list[list[int]]) -> np.ndarray:
+        """The tables as the buffer's first len(tables) rows, [n, width >= longest table]
+        (a view: valid until the next update)."""
+        n = len(tables)
+        width = max(map(len, tables))
+        if n > self._rows.shape[0] or width > self._rows.shape[1]:
+            self._grow(n, width)
+        rows, sources, lens = self._rows, self._sources, self._lens
+        for i, table in enumerate(tables):
+            done = lens[i]
+            if sources[i] is not table or len(table) < done:
+                rows[i, :len(table)] = table
+                rows[i, len(table):done] = 0
+                sources[i], lens[i] = table, len(table)
+            elif done < len(table):
+                rows[i, done:len(table)] = table[done:]
+                lens[i] = len(table)
+        return rows[:n]
+
+    def _grow(self, n: int, width: int) -> None:
+        old = self._rows
+        self._rows = np.zeros((max(n, 2 * old.shape[0]), max(width, 2 * old.shape[1])), dtype=np.int64)
+        self._rows[:old.shape[0], :old.shape[1]] = old
+        extra = self._rows.shape[0] - old.shape[0]
+        self._sources += [None] * extra
+        self._lens += [0] * extra
 
 
 class ModelRunner:
@@ -43,6 +90,7 @@ class ModelRunner:
                              torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
                             for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
         self.last_times = StepTimes()
+        self._block_tables = BlockTableBuffer()
 
     # -- swapping ------------------------------------------------------------------------------
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -61,9 +109,10 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
-        """Run the scheduled tokens; returns a sampled token for each sequence whose scheduled
-        chunk reaches its last token (partial prefill chunks sample nothing)."""
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Sequence], SampledTokens]:
+        """Run the scheduled tokens (`block_tables[i]` is the table of `out.scheduled[i]`).
+        Returns the sequences whose scheduled chunk reaches their last token (partial prefill
+        chunks sample nothing), decoding rows first, and a token for each."""
         t0 = time.perf_counter()
         self.swap(out.swap_out, out.swap_in)
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(out, block_tables)
@@ -73,22 +122,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        tokens = sample(logits, sample_seqs) if sample_seqs else []
+        sampled = sample(logits, sample_seqs) if sample_seqs else SampledTokens([])
         t3 = time.perf_counter()
         self.last_times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
-        return {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
+        return sample_seqs, sampled
 
-    def _prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]):
+    def _prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
         """Flatten the step into rows: decodes, then chunks on cached context (together the
         paged rows), then fresh prefills. See attention.py for the layout."""
         bs = self.block_size
         decodes, on_context, fresh = [], [], []
-        for s, n in out.scheduled:
-            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n))
-        seqs = [s for s, _ in decodes]
+        for (s, n), table in zip(out.scheduled, block_tables):
+            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n, table))
+        seqs = [s for s, _, _ in decodes]
+        paged_tables = [t for _, _, t in decodes]
         # Decodes (the common rows) in comprehensions: one token each at position num_computed.
         positions = [s.num_computed_tokens for s in seqs]
-        paged_tables = [block_tables[s.seq_id] for s in seqs]
         input_ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(paged_tables, positions)]
         context_lens = [p + 1 for p in positions]
@@ -96,9 +145,8 @@ class ModelRunner:
         sample_rows = [i for i, (s, p) in enumerate(zip(seqs, context_lens)) if p == s.num_tokens]
         sample_seqs = [seqs[i] for i in sample_rows]
         chunks: list[tuple[int, int, int, int]] = []       # (row0, n, num_context, paged index)
-        for s, n in on_context + fresh:
+        for s, n, table in on_context + fresh:
             start = s.num_computed_tokens
-            table = block_tables[s.seq_id]
             row0 = len(input_ids)
             input_ids.extend(s.token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -112,36 +160,37 @@ class ModelRunner:
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(s)
 
-        dev = self.device
         nd = len(decodes)
-        bt = lens = cu = None
+        input_ids, positions, slots, lens, cu, sample_rows = self._int64_tensors(
+            input_ids, positions, slots, context_lens, cu_q, sample_rows)
+        bt = None
         if paged_tables:
-            width = max(map(len, paged_tables))
-            flat: list[int] = []                  # one flat list: torch.tensor on nested lists is slow
-            pad = [0] * width
-            for t in paged_tables:
-                flat += t
-                flat += pad[:width - len(t)]
-            bt = torch.tensor(flat, dtype=torch.long, device=dev).view(len(paged_tables), width)
-            lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-            cu = torch.tensor(cu_q, dtype=torch.long, device=dev)
+            bt = torch.from_numpy(self._block_tables.update(paged_tables)).to(self.device)
+        else:
+            lens = cu = None
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=nd, decode_max_context=max(context_lens[:nd], default=0),
+            slot_mapping=slots, num_decodes=nd, decode_max_context=max(context_lens[:nd], default=0),
             num_paged_rows=cu_q[-1], paged_block_tables=bt, paged_context_lens=lens, paged_cu_seqlens_q=cu,
-            prefills=[PrefillChunk(r, r + n, c, bt[i] if i >= 0 else None) for r, n, c, i in chunks])
+            prefills=[PrefillChunk(r, r + n, c, bt[i, :-(-(c + n) // bs)] if i >= 0 else None)
+                      for r, n, c, i in chunks])
         if self.backend.name == "flash":
-            meta.flash = self._flash_args(block_tables, decodes + on_context + fresh)
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)
+            meta.flash = self._flash_args(decodes + on_context + fresh)
+        return input_ids, positions, meta, sample_rows, sample_seqs
 
-    def _flash_args(self, block_tables, seqs) -> dict:
-        """Varlen arguments over all rows (seqs in row order)."""
-        q_lens = [n for _, n in seqs]
-        k_lens = [s.num_computed_tokens + n for s, n in seqs]
-        width = max(len(block_tables[s.seq_id]) for s, _ in seqs)
-        bt = [block_tables[s.seq_id] + [0] * (width - len(block_tables[s.seq_id])) for s, _ in seqs]
+    def _int64_tensors(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """The lists as int64 tensors on the device, through one host array and one copy:
+        torch.tensor on a Python list is slow (six of 64 ints: ~0.1 ms on the 2-core box; one
+        fromiter over all of them and views: ~0.03 ms), and on a GPU each tensor would be a
+        transfer of its own."""
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(map(len, lists)))
+        return torch.from_numpy(flat).to(self.device).split_with_sizes([len(x) for x in lists])
+
+    def _flash_args(self, rows: list[tuple[Sequence, int, list[int]]]) -> dict:
+        """Varlen arguments over all rows ((seq, num_tokens, block table) in row order)."""
+        q_lens = [n for _, n, _ in rows]
+        k_lens = [s.num_computed_tokens + n for s, n, _ in rows]
+        width = max(len(t) for _, _, t in rows)
+        bt = [t + [0] * (width - len(t)) for _, _, t in rows]
         cu_q = [0]
         for n in q_lens:
             cu_q.append(cu_q[-1] + n)

@@ -8,12 +8,14 @@ import torch
 from workers.sequence import Sequence
 
 
-class SampledToken(NamedTuple):          # one per sequence per step: cheap to build
-    token_id: int
-    logprobs: dict | None = None    # {"logprob": float, "top": {token_id: logprob}}
+class SampledTokens(NamedTuple):
+    """One step's draws, row by row: a batch rather than an object per token (it runs every step)."""
+    token_ids: list[int]
+    logprobs: list[dict | None] | None = None   # per row {"logprob": float, "top": {token_id: logprob}}
+    #                                              (None for a row that did not ask); None if none did
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     """logits: [len(seqs), vocab] float32, one row per sequence that needs a token."""
     if all(s.params.greedy for s in seqs):
         token_ids = logits.argmax(dim=-1)
@@ -21,19 +23,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         token_ids = _sample_random(logits, seqs)
     ids = token_ids.tolist()
     if all(s.params.logprobs is None for s in seqs):
-        return [SampledToken(t) for t in ids]
+        return SampledTokens(ids)
     logprobs = torch.log_softmax(logits, dim=-1)
     out = []
     for row, (s, t) in enumerate(zip(seqs, ids)):
         if s.params.logprobs is None:
-            out.append(SampledToken(t))
+            out.append(None)
             continue
         top = {}
         if s.params.logprobs:
             vals, idx = logprobs[row].topk(s.params.logprobs)
             top = dict(zip(idx.tolist(), vals.tolist()))
-        out.append(SampledToken(t, {"logprob": logprobs[row, t].item(), "top": top}))
-    return out
+        out.append({"logprob": logprobs[row, t].item(), "top": top})
+    return SampledTokens(ids, out)
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

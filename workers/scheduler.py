@@ -146,13 +146,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.can_append(seq, n):
+            while not self.kv.append_slots(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self.kv.append_slots(seq, n)
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -170,9 +169,8 @@ class Scheduler:
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq))
             self.add_running(seq)
-            if not self.kv.can_append(seq, n):     # came back, but its next tokens must wait
+            if not self.kv.append_slots(seq, n):   # came back, but its next tokens must wait
                 break
-            self.kv.append_slots(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
         return budget
