@@ -131,11 +131,14 @@ class ModelRunner:
         """Flatten the step into rows: decodes, then chunks on cached context (together the
         paged rows), then fresh prefills. See attention.py for the layout."""
         bs = self.block_size
-        decodes, on_context, fresh = [], [], []
+        seqs, paged_tables = [], []                  # decoding rows, and their tables
+        on_context, fresh = [], []                   # (seq, n, table) of multi-token chunks
         for (s, n), table in zip(out.scheduled, block_tables):
-            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n, table))
-        seqs = [s for s, _, _ in decodes]
-        paged_tables = [t for _, _, t in decodes]
+            if n == 1:
+                seqs.append(s)
+                paged_tables.append(table)
+            else:
+                (on_context if s.num_computed_tokens else fresh).append((s, n, table))
         # Decodes (the common rows) in comprehensions: one token each at position num_computed.
         positions = [s.num_computed_tokens for s in seqs]
         input_ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
@@ -160,7 +163,7 @@ class ModelRunner:
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(s)
 
-        nd = len(decodes)
+        nd = len(seqs)
         input_ids, positions, slots, lens, cu, sample_rows = self._int64_tensors(
             input_ids, positions, slots, context_lens, cu_q, sample_rows)
         bt = None
@@ -174,7 +177,7 @@ class ModelRunner:
             prefills=[PrefillChunk(r, r + n, c, bt[i, :-(-(c + n) // bs)] if i >= 0 else None)
                       for r, n, c, i in chunks])
         if self.backend.name == "flash":
-            meta.flash = self._flash_args(decodes + on_context + fresh)
+            meta.flash = self._flash_args([(s, 1, t) for s, t in zip(seqs, paged_tables)] + on_context + fresh)
         return input_ids, positions, meta, sample_rows, sample_seqs
 
     def _int64_tensors(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
