@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from cluster.bench_data import (BenchRequest, load_custom, sample_prefix_repetit
                                 sample_sharegpt)
 
 ATTAINMENT = 0.9
+KEEP_PACE = 0.5        # a sweep point must complete at least this fraction of its offered rate
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "then bisection")
     r.add_argument("--sweep-start", type=float, default=1.0, help="first rate of the automatic search")
     r.add_argument("--sweep-steps", type=int, default=3, help="bisection steps after the doubling")
+    r.add_argument("--sweep-duration", type=float, default=30.0, help="seconds of arrivals per sweep rate at "
+                   "least (more than --num-prompts requests where needed), so that overload shows as queueing")
     r.add_argument("--slo-attainment", type=float, default=ATTAINMENT, help="fraction of requests that must "
                    "be good (default 0.9)")
 
@@ -118,6 +122,8 @@ def parse_options(a: argparse.Namespace) -> BenchOptions:
     slos = loadgen.parse_goodput(a.goodput)
     if a.sweep and not slos:
         raise ValueError("--sweep needs --goodput (the SLOs that define a good request)")
+    if a.sweep_duration < 0:
+        raise ValueError("--sweep-duration must be non-negative")
     loadgen.arrival_gaps(0, a.request_rate, a.burstiness)           # validates both
     return BenchOptions(metrics, pcts, slos)
 
@@ -137,21 +143,25 @@ def server_info(base_url: str, api_key: str | None) -> dict:
     return data[0]
 
 
-def build_requests(a: argparse.Namespace, tokenizer) -> list[BenchRequest]:
-    name = a.dataset_name
+def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None) -> list[BenchRequest]:
+    """`num` requests (default --num-prompts): random workloads draw that many; a file-based
+    dataset with fewer rows than asked is cycled."""
+    name, want = a.dataset_name, num or a.num_prompts
     if tokenizer is None and name != "custom":
         raise ValueError(f"--dataset-name {name} needs a tokenizer to size prompts: pass --tokenizer "
                          "(a built-in model name or a directory with tokenizer.json)")
     if name == "random":
-        return sample_random(tokenizer, a.num_prompts, a.random_input_len, a.random_output_len,
+        return sample_random(tokenizer, want, a.random_input_len, a.random_output_len,
                              a.random_range_ratio, a.random_prefix_len, a.seed)
     if name == "prefix-repetition":
-        return sample_prefix_repetition(tokenizer, a.num_prompts, a.prefix_repetition_prefix_len,
+        return sample_prefix_repetition(tokenizer, want, a.prefix_repetition_prefix_len,
                                         a.prefix_repetition_suffix_len, a.prefix_repetition_num_prefixes,
                                         a.prefix_repetition_output_len, a.seed)
     if name == "sharegpt":
-        return sample_sharegpt(a.dataset_path, tokenizer, a.num_prompts, a.sharegpt_output_len, a.seed)
-    return load_custom(a.dataset_path, tokenizer, a.num_prompts, a.custom_output_len)
+        base = sample_sharegpt(a.dataset_path, tokenizer, a.num_prompts, a.sharegpt_output_len, a.seed)
+    else:
+        base = load_custom(a.dataset_path, tokenizer, a.num_prompts, a.custom_output_len)
+    return [base[i % len(base)] for i in range(want)] if want > len(base) else base
 
 
 def _tokenizer(a: argparse.Namespace, model: str):
@@ -273,19 +283,25 @@ def search_rate(meets_slo, start: float, steps: int, max_probes: int = 12) -> fl
     return lo
 
 
-def sweep(target, requests, a, opts: BenchOptions) -> tuple[list[dict], float | None]:
-    """Runs at several rates; returns the points (sorted by rate) and the highest rate with
-    attainment >= a.slo_attainment (None if even the lowest misses)."""
+def sweep(target, requests_for, a, opts: BenchOptions) -> tuple[list[dict], float | None]:
+    """Runs at several rates; returns the points (sorted by rate) and the highest rate that
+    passes (None if none does). Each point sends at least `--sweep-duration` seconds of
+    arrivals, so an overloaded server shows it as queueing that breaks the SLOs; and a point
+    passes only if the server also kept pace (completed at least KEEP_PACE of the offered
+    rate): a burst that merely queues and drains inside the SLOs is not a sustained rate."""
     points: dict[float, dict] = {}
 
     def at(rate: float) -> bool:
         if rate not in points:
-            points[rate] = run_once(target, requests, rate, a, opts, f"rate {rate:g}/s")
-            p = points[rate]
-            print(f"  rate {rate:8.3g} req/s: attainment {p['slo_attainment']:6.1%}, goodput "
-                  f"{p['request_goodput']:.2f} req/s, {p['output_throughput']:.0f} tok/s, p99 TTFT "
-                  f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):.0f} ms, failed {p['failed']}", flush=True)
-        return points[rate]["slo_attainment"] >= a.slo_attainment
+            n = max(a.num_prompts, math.ceil(rate * a.sweep_duration))
+            p = points[rate] = run_once(target, requests_for(n), rate, a, opts, f"rate {rate:g}/s")
+            p["kept_pace"] = p["request_throughput"] >= KEEP_PACE * rate
+            p["passed"] = p["kept_pace"] and p["slo_attainment"] >= a.slo_attainment
+            print(f"  rate {rate:8.3g} req/s, {n} requests: attainment {p['slo_attainment']:6.1%}, goodput "
+                  f"{p['request_goodput']:.2f} req/s, {p['request_throughput']:.2f} req/s done"
+                  + ("" if p["kept_pace"] else " (did not keep pace)")
+                  + f", p99 TTFT {p.get('p99_ttft_ms', p['mean_ttft_ms']):.0f} ms, failed {p['failed']}", flush=True)
+        return points[rate]["passed"]
 
     if a.sweep_rates:
         try:
@@ -299,7 +315,7 @@ def sweep(target, requests, a, opts: BenchOptions) -> tuple[list[dict], float | 
     else:
         search_rate(at, a.sweep_start, a.sweep_steps)
     ordered = [points[r] for r in sorted(points)]
-    good = [r for r in sorted(points) if points[r]["slo_attainment"] >= a.slo_attainment]
+    good = [r for r in sorted(points) if points[r]["passed"]]
     return ordered, (max(good) if good else None)
 
 
@@ -321,6 +337,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         model = a.model if a.model and not a.launch else info["id"]     # launched: the served name
         tokenizer = _tokenizer(a, model)
         requests = build_requests(a, tokenizer)
+        requests_for = functools.lru_cache(maxsize=None)(lambda n: requests if n == len(requests)
+                                                         else build_requests(a, tokenizer, n))
         target = loadgen.Target(base_url, a.endpoint, model, api_key, a.ignore_eos, a.request_timeout)
         header = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai",
                   "base_url": base_url, "endpoint": a.endpoint, "model_id": model,
@@ -331,7 +349,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
               f"model {model!r}" + (f", {info['num_workers']} workers" if info.get("num_workers") else ""),
               flush=True)
         if a.sweep:
-            points, best = sweep(target, requests, a, opts)
+            points, best = sweep(target, requests_for, a, opts)
             result = {**header, **_sweep_summary(points, best, info, a)}
             print(sweep_report(result, a))
         else:
@@ -355,15 +373,16 @@ def _sweep_summary(points: list[dict], best: float | None, info: dict, a) -> dic
 def sweep_report(result: dict, a) -> str:
     lines = [f"{' Goodput sweep ':=^72}",
              f"{'rate req/s':>10} {'attain':>8} {'goodput':>9} {'req/s':>8} {'out tok/s':>10} "
-             f"{'p99 TTFT ms':>12} {'failed':>7}"]
+             f"{'p99 TTFT ms':>12} {'failed':>7}  pass"]
     for p in result["sweep"]:
         lines.append(f"{float(p['request_rate']):>10.3g} {p['slo_attainment']:>8.1%} {p['request_goodput']:>9.2f} "
                      f"{p['request_throughput']:>8.2f} {p['output_throughput']:>10.1f} "
-                     f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):>12.1f} {p['failed']:>7}")
+                     f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):>12.1f} {p['failed']:>7}  "
+                     + ("yes" if p["passed"] else "no" if p["kept_pace"] else "no (pace)"))
     best = result["max_goodput_rate"]
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["sweep"][0]["goodput_slos_ms"].items())
     if best is None:
-        lines.append(f"no rate tried reached {a.slo_attainment:.0%} attainment of {slos}")
+        lines.append(f"no rate tried reached {a.slo_attainment:.0%} attainment of {slos} while keeping pace")
     else:
         lines.append(f"goodput: {best:.3g} req/s at >= {a.slo_attainment:.0%} attainment of {slos}")
         if result["max_goodput_rate_per_worker"] is not None:

@@ -54,8 +54,17 @@ def injected_app() -> FastAPI:
                                            "param": None, "code": None}}, status_code=500)
         if prompt.startswith("hang"):
             await asyncio.sleep(30)
+        if prompt.startswith("limited"):       # a server with a capacity: 2 at a time, 20 ms each
+            return StreamingResponse(limited(body["max_tokens"]), media_type="text/event-stream")
         first = (SLOW_MS if prompt.startswith("slow") else FAST_MS) / 1000
         return StreamingResponse(stream(first, body["max_tokens"], chat), media_type="text/event-stream")
+
+    seats = asyncio.Semaphore(2)
+
+    async def limited(n: int):
+        async with seats:
+            async for chunk in stream(0.005, n, False):
+                yield chunk
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -178,20 +187,27 @@ def test_goodput_search_brackets_the_threshold():
     assert search_rate(lambda r: False, 1.0, 3) is None
 
 
-def test_sweep_reports_goodput_per_worker_and_gpu(injected_url, tmp_path, capsys):
-    prompts = ["fast q"] * 6 + ["slow q"] * 2
+def test_sweep_finds_the_rate_a_limited_server_sustains(injected_url, tmp_path, capsys):
+    # The server takes 2 requests at a time, ~60 ms each (4 tokens after 5 ms): ~30 req/s.
+    # At 5 req/s it keeps up within the SLO; at 400 req/s it queues: 0.3 s of arrivals is 120
+    # requests, which take ~4 s to drain, so TTFTs blow the SLO and it completes ~30 req/s,
+    # far under the offered rate.
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "limited", "output_tokens": 4}) + "\n" for _ in range(6)))
     rc, out, err = run_bench(
-        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path",
-        write_custom(tmp_path / "p.jsonl", prompts), "--num-prompts", "8", "--sweep", "--sweep-rates", "20,40",
-        "--goodput", "ttft:200", "--slo-attainment", "0.7", "--save-result", "--result-dir", str(tmp_path),
-        "--result-filename", "s.json")
+        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path", str(path),
+        "--num-prompts", "6", "--sweep", "--sweep-rates", "400,5", "--sweep-duration", "0.3",
+        "--goodput", "ttft:300", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "s.json")
     assert rc == 0, err
     r = json.loads((tmp_path / "s.json").read_text())
-    assert [p["request_rate"] for p in r["sweep"]] == [20.0, 40.0]
-    assert all(p["slo_attainment"] == pytest.approx(6 / 8) for p in r["sweep"])
-    assert r["max_goodput_rate"] == 40.0
-    assert r["max_goodput_rate_per_worker"] == 10.0 and r["max_goodput_rate_per_gpu"] == 20.0
-    assert "goodput: 40 req/s" in out and "per GPU (2 GPUs)" in out
+    low, high = r["sweep"]
+    assert (low["request_rate"], low["num_prompts"], high["request_rate"], high["num_prompts"]) == (5.0, 6, 400.0, 120)
+    assert low["slo_attainment"] == 1.0 and low["kept_pace"] and low["passed"]
+    assert high["completed"] == 120 and not high["kept_pace"] and not high["passed"]
+    assert high["request_throughput"] < 60 and high["slo_attainment"] < 0.5
+    assert r["max_goodput_rate"] == 5.0
+    assert r["max_goodput_rate_per_worker"] == 5.0 / 4 and r["max_goodput_rate_per_gpu"] == 5.0 / 2
+    assert "goodput: 5 req/s" in out and "per GPU (2 GPUs)" in out and "no (pace)" in out
     assert (tmp_path / "s-sweep.png").stat().st_size > 10_000
 
 
