@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import functools
 import json
 import math
 import os
@@ -143,22 +142,24 @@ def server_info(base_url: str, api_key: str | None) -> dict:
     return data[0]
 
 
-def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None) -> list[BenchRequest]:
-    """`num` requests (default --num-prompts): random workloads draw that many; a file-based
-    dataset with fewer rows than asked is cycled."""
+def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
+                   seed: int | None = None) -> list[BenchRequest]:
+    """`num` requests (default --num-prompts) drawn with `seed` (default --seed): random
+    workloads draw that many; a file-based dataset with fewer rows than asked is cycled."""
     name, want = a.dataset_name, num or a.num_prompts
+    seed = a.seed if seed is None else seed
     if tokenizer is None and name != "custom":
         raise ValueError(f"--dataset-name {name} needs a tokenizer to size prompts: pass --tokenizer "
                          "(a built-in model name or a directory with tokenizer.json)")
     if name == "random":
         return sample_random(tokenizer, want, a.random_input_len, a.random_output_len,
-                             a.random_range_ratio, a.random_prefix_len, a.seed)
+                             a.random_range_ratio, a.random_prefix_len, seed)
     if name == "prefix-repetition":
         return sample_prefix_repetition(tokenizer, want, a.prefix_repetition_prefix_len,
                                         a.prefix_repetition_suffix_len, a.prefix_repetition_num_prefixes,
-                                        a.prefix_repetition_output_len, a.seed)
+                                        a.prefix_repetition_output_len, seed)
     if name == "sharegpt":
-        base = sample_sharegpt(a.dataset_path, tokenizer, a.num_prompts, a.sharegpt_output_len, a.seed)
+        base = sample_sharegpt(a.dataset_path, tokenizer, a.num_prompts, a.sharegpt_output_len, seed)
     else:
         base = load_custom(a.dataset_path, tokenizer, a.num_prompts, a.custom_output_len)
     return [base[i % len(base)] for i in range(want)] if want > len(base) else base
@@ -294,7 +295,7 @@ def sweep(target, requests_for, a, opts: BenchOptions) -> tuple[list[dict], floa
     def at(rate: float) -> bool:
         if rate not in points:
             n = max(a.num_prompts, math.ceil(rate * a.sweep_duration))
-            p = points[rate] = run_once(target, requests_for(n), rate, a, opts, f"rate {rate:g}/s")
+            p = points[rate] = run_once(target, requests_for(n, len(points)), rate, a, opts, f"rate {rate:g}/s")
             p["kept_pace"] = p["request_throughput"] >= KEEP_PACE * rate
             p["passed"] = p["kept_pace"] and p["slo_attainment"] >= a.slo_attainment
             print(f"  rate {rate:8.3g} req/s, {n} requests: attainment {p['slo_attainment']:6.1%}, goodput "
@@ -337,8 +338,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         model = a.model if a.model and not a.launch else info["id"]     # launched: the served name
         tokenizer = _tokenizer(a, model)
         requests = build_requests(a, tokenizer)
-        requests_for = functools.lru_cache(maxsize=None)(lambda n: requests if n == len(requests)
-                                                         else build_requests(a, tokenizer, n))
+
+        def requests_for(n: int, k: int) -> list[BenchRequest]:
+            # Sweep point k draws its own prompts: replaying the same ones at every rate would
+            # let the server's prefix cache flatter the later points.
+            return build_requests(a, tokenizer, n, a.seed + k)
         target = loadgen.Target(base_url, a.endpoint, model, api_key, a.ignore_eos, a.request_timeout)
         header = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai",
                   "base_url": base_url, "endpoint": a.endpoint, "model_id": model,
