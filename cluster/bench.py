@@ -343,6 +343,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             # Sweep point k draws its own prompts: replaying the same ones at every rate would
             # let the server's prefix cache flatter the later points.
             return build_requests(a, tokenizer, n, a.seed + k)
+
         target = loadgen.Target(base_url, a.endpoint, model, api_key, a.ignore_eos, a.request_timeout)
         header = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai",
                   "base_url": base_url, "endpoint": a.endpoint, "model_id": model,
