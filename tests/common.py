@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 VOCAB = 258                 # the byte-level tokenizer: 256 bytes + <s> + </s>
 MAX_NEW_TOKENS = 64
@@ -43,3 +44,17 @@ def assert_all_blocks_free(engine) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert len(list(kv.pool.free_queue)) == kv.pool.num_blocks
     assert kv.host.num_free == kv.host.num_blocks
+
+
+def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float = 0.02):
+    """probe() until ok(value), then the value; past the deadline an AssertionError naming
+    the last value (and describe(), if given). Conditions with deadlines, never bare sleeps."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = probe()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {deadline_s}s: "
+                                 f"{describe() if describe else ''} (last: {value})")
+        time.sleep(poll_s)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterSpec
+from common import wait_for
 from cluster.serve import ServingCluster, free_port
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -85,17 +85,6 @@ def wait_pools_clean(cluster: ServingCluster, deadline_s: float = 30.0) -> list[
                     lambda stats: all(s["kv_blocks_used"] == 0 and s["held"] == 0 and s["running"] == 0
                                       and s["waiting"] == 0 and s["pending"] == 0 and s["receiving"] == 0
                                       for s in stats), deadline_s)
-
-
-def wait_for(probe, ok, deadline_s: float = 20.0):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = probe()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {deadline_s}s: {value}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import math
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from cluster.launcher import ClusterSpec
+from common import wait_for
 from cluster.serve import ServingCluster, free_port
 from router.metrics import Metrics
 
@@ -249,23 +249,24 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
                            num_cpus_per_worker=0.5, lease_s=20, transfer_timeout_s=20)
         with ServingCluster(spec, port=router_port) as cluster:
             wait_for(lambda: _get(f"{api}/-/ready"), lambda r: r is not None and r.status_code == 200, 30,
-                     lambda: f"Prometheus is not ready; its log:\n{(tmp_path / 'prometheus.log').read_text()}")
+                     lambda: f"Prometheus is not ready; its log:\n{(tmp_path / 'prometheus.log').read_text()}",
+                     poll_s=0.1)
             # Two scrapes of every worker's series before the traffic: a counter's rate needs a
             # sample from before it grew.
             wait_for(lambda: query(api, "count_over_time(pdcluster:prefix_cache_queries_total[1m])"),
                      lambda r: len(r) == len(spec.roles()) and all(int(x["value"][1]) >= 2 for x in r), 30,
-                     lambda: "Prometheus does not scrape the router")
+                     lambda: "Prometheus does not scrape the router", poll_s=0.1)
             asyncio.run(drive_traffic(cluster.base_url))
             # The router's totals once the workers' last reports are in, then the same in Prometheus.
             metrics_url = f"http://127.0.0.1:{router_port}/metrics"
             final = wait_for(lambda: scrape(metrics_url),
                              lambda m: m.get("pdcluster:kv_transfer_bytes_total", 0) > 0
                              and m.get("pdcluster:prefix_cache_hits_total", 0) > 0
-                             and m.get("pdcluster:num_requests_running", 1) == 0, 30)
+                             and m.get("pdcluster:num_requests_running", 1) == 0, 30, poll_s=0.1)
             tokens = final["pdcluster:generation_tokens_total"]
             wait_for(lambda: query(api, "sum(pdcluster:generation_tokens_total)"),
                      lambda r: r and float(r[0]["value"][1]) == tokens, 30,
-                     lambda: "Prometheus has not scraped the router since the traffic")
+                     lambda: "Prometheus has not scraped the router since the traffic", poll_s=0.1)
             # Every series the dashboard reads now holds post-traffic samples.
             empty = []
             for title, expr in exprs:
@@ -348,15 +349,3 @@ def _get(url: str):
         return httpx.get(url, timeout=2)
     except httpx.HTTPError:
         return None
-
-
-def wait_for(probe, ok, deadline_s: float, describe=None):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = probe()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {deadline_s}s: "
-                                 f"{describe() if describe else ''} (last: {value})")
-        time.sleep(0.1)
