@@ -59,7 +59,6 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False
     timeout_s: float = 600.0
-    extra_body: dict = field(default_factory=dict)
 
     @property
     def chat(self) -> bool:
@@ -80,7 +79,6 @@ class Target:
             body["prompt"] = req.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
-        body.update(self.extra_body)
         return body
 
 
@@ -173,7 +171,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
         r.error = f"timed out after {target.timeout_s:g} s"
     except _StreamError as e:
         r.error = f"stream error: {e}"
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, OSError) as e:
         r.error = f"{type(e).__name__}: {e}"
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         r.error = f"malformed stream: {type(e).__name__}: {e}"
