@@ -227,6 +227,8 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
     row("Failed requests:", result["failed"])
     row("Request rate (req/s):", result["request_rate"] if isinstance(result["request_rate"], str)
         else f"{result['request_rate']:.2f}")
+    row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
+    row("Max concurrency:", result["max_concurrency"] or "none")
     row("Benchmark duration (s):", f"{result['duration']:.2f}")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
