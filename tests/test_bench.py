@@ -120,7 +120,7 @@ def test_latencies_match_injected_delays(injected_url, tmp_path, capsys, endpoin
     assert np.all(ttft[~slow] >= FAST_MS / 1000 - 0.002) and np.median(ttft[~slow]) <= FAST_MS / 1000 + tol
     assert np.all(ttft[slow] >= SLOW_MS / 1000 - 0.002) and np.median(ttft[slow]) <= SLOW_MS / 1000 + tol
     assert FAST_MS - 2 <= r["median_ttft_ms"] <= FAST_MS + tol * 1000        # 12 of 16 are fast
-    assert SLOW_MS - 2 <= r["p99_ttft_ms"] <= SLOW_MS + tol * 1000
+    assert SLOW_MS - 2 <= r["p99_ttft_ms"] <= SLOW_MS + 2 * tol * 1000        # the latest of 4: more slack
     # Tokens on an absolute schedule: the gaps average ITL_MS exactly; single gaps jitter.
     assert abs(r["mean_tpot_ms"] - ITL_MS) <= 5 and abs(r["median_itl_ms"] - ITL_MS) <= 8
     assert abs(r["mean_itl_ms"] - ITL_MS) <= 5
