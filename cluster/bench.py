@@ -142,6 +142,68 @@ def server_info(base_url: str, api_key: str | None) -> dict:
     return data[0]
 
 
+SERVER_TOTALS = ("pdcluster:kv_transfer_seconds_count", "pdcluster:kv_transfer_seconds_sum",
+                 "pdcluster:kv_transfer_bytes_total", "pdcluster:kv_transfer_failures_total",
+                 "pdcluster:prefix_cache_queries_total", "pdcluster:prefix_cache_hits_total",
+                 "pdcluster:num_preemptions_total", "pdcluster:engine_step_batch_size_sum",
+                 "pdcluster:engine_step_batch_size_count")
+
+
+def server_totals(base_url: str) -> dict[str, float] | None:
+    """pdcluster's own counters from the server's /metrics, summed over workers (batch sizes per
+    role); None when it has none (vLLM, SGLang, or no /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        resp = httpx.get(base_url + "/metrics", timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    totals: dict[str, float] = {}
+    ours = False
+    for family in text_string_to_metric_families(resp.text):
+        ours = ours or family.name.startswith("pdcluster:")
+        for s in family.samples:
+            if s.name in SERVER_TOTALS:
+                key = s.name + (f"/{s.labels.get('role')}" if "batch_size" in s.name else "")
+                totals[key] = totals.get(key, 0.0) + s.value
+    return totals if ours else None
+
+
+def server_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the cluster did during the run: KV handoffs, prefix-cache hits, preemptions, and
+    the mean batch per role (differences of its counters)."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    n = d.get("pdcluster:kv_transfer_seconds_count", 0.0)
+    queries = d.get("pdcluster:prefix_cache_queries_total", 0.0)
+    roles = sorted(k.split("/")[1] for k in d if k.startswith("pdcluster:engine_step_batch_size_count/"))
+    return {
+        "kv_transfers": int(n),
+        "kv_transfer_bytes": int(d.get("pdcluster:kv_transfer_bytes_total", 0)),
+        "kv_transfer_mean_ms": 1000 * d.get("pdcluster:kv_transfer_seconds_sum", 0.0) / n if n else None,
+        "kv_transfer_failures": int(d.get("pdcluster:kv_transfer_failures_total", 0)),
+        "prefix_cache_hit_rate": d.get("pdcluster:prefix_cache_hits_total", 0.0) / queries if queries else None,
+        "preemptions": int(d.get("pdcluster:num_preemptions_total", 0)),
+        "mean_batch_size": {r: d[f"pdcluster:engine_step_batch_size_sum/{r}"] / c for r in roles
+                            if (c := d[f"pdcluster:engine_step_batch_size_count/{r}"])},
+    }
+
+
+def server_report(s: dict) -> str:
+    w = 50
+    lines = [f"{' Cluster, from its /metrics ':-^{w}}"]
+    xfer = (f"{s['kv_transfers']} ({s['kv_transfer_bytes'] / 2**20:.1f} MiB, mean {s['kv_transfer_mean_ms']:.1f} ms)"
+            if s["kv_transfers"] else "0")
+    lines.append(f"{'KV handoffs:':<22}{xfer:>28}")
+    lines.append(f"{'KV handoff failures:':<40}{s['kv_transfer_failures']:>10}")
+    if s["prefix_cache_hit_rate"] is not None:
+        lines.append(f"{'Prefix cache hit rate:':<40}{s['prefix_cache_hit_rate']:>10.1%}")
+    lines.append(f"{'Preemptions:':<40}{s['preemptions']:>10}")
+    for role, b in s["mean_batch_size"].items():
+        lines.append(f"{f'Mean batch ({role}):':<40}{b:>10.1f}")
+    return "\n".join(lines + ["=" * w])
+
+
 def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
                    seed: int | None = None) -> list[BenchRequest]:
     """`num` requests (default --num-prompts) drawn with `seed` (default --seed): random
@@ -360,8 +422,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
             result = {**header, **_sweep_summary(points, best, info, a)}
             print(sweep_report(result, a))
         else:
+            before = server_totals(base_url)
             result = {**header, **run_once(target, requests, a.request_rate, a, opts, "requests")}
             print(report(result, opts))
+            after = server_totals(base_url) if before is not None else None
+            if after is not None:
+                result["server"] = server_summary(before, after)
+                print(server_report(result["server"]))
     if a.save_result:
         plots = [] if a.no_plots else _plots(result, a)
         path = save(result, a)
