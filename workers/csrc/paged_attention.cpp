@@ -33,6 +33,19 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// Calls f(t, row) for tokens t = 0..num_keys-1 of one sequence, `row` pointing at the token's
+// K (or V) for all kv heads: block by block through its table, prefetching the next block.
+template <class F>
+inline void for_each_token(const float* cache, const int64_t* table, int64_t num_keys, int64_t block_size,
+                           int64_t block_stride, int64_t token_stride, F&& f) {
+  for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+    const float* block = cache + table[b] * block_stride;
+    const int64_t n = std::min(block_size, num_keys - t);
+    if (t + n < num_keys) prefetch_block(cache + table[b + 1] * block_stride, block_stride);
+    for (int64_t j = 0; j < n; ++j, ++t) f(t, block + j * token_stride);
+  }
+}
+
 }  // namespace
 
 // q:            [T, Hq, D]  float32, rows of all sequences back to back
@@ -86,19 +99,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       scores.resize(num_keys * Hq);
       float* sc = scores.data();
       // Pass 1: scores, block by block (no per-key division).
-      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-        const float* kb = kp + table[b] * block_stride;
-        const int64_t n = std::min(block_size, num_keys - t);
-        if (t + n < num_keys) prefetch_block(kp + table[b + 1] * block_stride, block_stride);
-        for (int64_t j = 0; j < n; ++j, ++t) {
-          const float* ktok = kb + j * token_stride;
-          for (int64_t h = 0; h < Hkv; ++h)
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t qh = h * G + g;
-              sc[qh * num_keys + t] = dot(qrow + qh * D, ktok + h * D, D) * fscale;
-            }
-        }
-      }
+      for_each_token(kp, table, num_keys, block_size, block_stride, token_stride,
+                     [&](int64_t t, const float* ktok) {
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t qh = h * G + g;
+            sc[qh * num_keys + t] = dot(qrow + qh * D, ktok + h * D, D) * fscale;
+          }
+      });
       // Pass 2: softmax per query head over contiguous scores (vectorizes, exp included).
       float inv[1024];
       for (int64_t qh = 0; qh < Hq; ++qh) {
@@ -115,19 +123,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
       // Pass 3: weighted sum of values, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-        const float* vb = vp + table[b] * block_stride;
-        const int64_t n = std::min(block_size, num_keys - t);
-        if (t + n < num_keys) prefetch_block(vp + table[b + 1] * block_stride, block_stride);
-        for (int64_t j = 0; j < n; ++j, ++t) {
-          const float* vtok = vb + j * token_stride;
-          for (int64_t h = 0; h < Hkv; ++h)
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t qh = h * G + g;
-              axpy(sc[qh * num_keys + t], vtok + h * D, acc.data() + qh * D, D);
-            }
-        }
-      }
+      for_each_token(vp, table, num_keys, block_size, block_stride, token_stride,
+                     [&](int64_t t, const float* vtok) {
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t qh = h * G + g;
+            axpy(sc[qh * num_keys + t], vtok + h * D, acc.data() + qh * D, D);
+          }
+      });
       float* orow = op + row * Hq * D;
       for (int64_t qh = 0; qh < Hq; ++qh)
         for (int64_t d = 0; d < D; ++d) orow[qh * D + d] = acc[qh * D + d] * inv[qh];
