@@ -3,7 +3,7 @@
 Names follow vLLM's where the meaning is the same, under the `pdcluster:` prefix; counters
 are declared without `_total` (prometheus_client appends it). Workers are Ray actors with no
 HTTP endpoint of their own: the router exports their metrics with `worker` and `role` labels,
-so one scrape of the router's /metrics sees the whole cluster. docs/metrics.md lists them all.
+so one scrape of the router's /metrics sees the whole cluster. The README's metrics table lists them all.
 
 Every labelled series a dashboard reads is created at 0 up front (finish reasons, error
 reasons, preemption modes, SLOs, a worker's counters on its first report), so queries return
