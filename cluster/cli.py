@@ -2,43 +2,154 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
+from typing import NamedTuple
+
+from cluster.spec import PLACEMENTS, ClusterSpec
+from router.config import RouterConfig
+from router.slo import SLOTargets
+from workers.config import EngineConfig
+from workers.names import (ATTENTION_BACKENDS, MODES, PICKING_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES,
+                           TRANSPORTS)
 
 PROG = "pdcluster"
+MiB = 2**20
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="tiny", help="built-in model (tiny, small) or a HF checkpoint directory")
-    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory-mib", type=int, default=256, help="memory budget of the KV cache")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory budget)")
-    g.add_argument("--swap-space-mib", type=int, default=256, help="host memory for swapped-out blocks")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="cap on running sequences")
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flash"])
-    g.add_argument("--seed", type=int, default=0)
+class Flag(NamedTuple):
+    """One command-line flag bound to a config field; its default is the field's default."""
+    flag: str
+    field: str                        # "name" on the flag's dataclass, or "section.name"
+    help: str
+    type: type = int
+    choices: tuple | None = None
+    unit: int = 1                     # the field holds flag value x unit (MiB -> bytes)
+    negate: bool = False              # a store_true flag that turns a boolean field off
 
 
-def engine_config_from_args(a: argparse.Namespace):
-    from workers.config import CacheConfig, EngineConfig, SchedulerConfig
-    return EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, seed=a.seed,
-        attention_backend=a.attention_backend,
-        cache=CacheConfig(block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory_mib * 2**20,
-                          num_blocks=a.num_kv_blocks, swap_space_bytes=a.swap_space_mib * 2**20,
-                          enable_prefix_caching=not a.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
-                                  policy=a.scheduling_policy))
+ENGINE_FLAGS = (
+    Flag("--model", "model", "built-in model (tiny, small) or a HF checkpoint directory", str),
+    Flag("--dtype", "dtype", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16", str),
+    Flag("--device", "device", "auto, cpu, cuda, cuda:N", str),
+    Flag("--max-model-len", "max_model_len", "longest prompt + output (default: the model's, capped by the KV cache)"),
+    Flag("--seed", "seed", "the engine's random seed (unseeded sampling draws from it)"),
+    Flag("--attention-backend", "attention_backend", "attention kernels", str, ATTENTION_BACKENDS),
+    Flag("--block-size", "cache.block_size", "tokens per KV block"),
+    Flag("--kv-cache-memory-mib", "cache.kv_cache_memory_bytes", "memory budget of the KV cache", unit=MiB),
+    Flag("--num-kv-blocks", "cache.num_blocks", "KV blocks (overrides the memory budget)"),
+    Flag("--swap-space-mib", "cache.swap_space_bytes", "host memory for swapped-out blocks", unit=MiB),
+    Flag("--no-prefix-caching", "cache.enable_prefix_caching", "turn prefix caching off", bool, negate=True),
+    Flag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "token budget per step"),
+    Flag("--max-num-seqs", "scheduler.max_num_seqs", "cap on running sequences"),
+    Flag("--watermark", "scheduler.watermark", "fraction of KV blocks kept free when admitting", float),
+    Flag("--preemption-mode", "scheduler.preemption_mode", "how a preempted sequence gives up its blocks", str,
+         PREEMPTION_MODES),
+    Flag("--scheduling-policy", "scheduler.policy", "queue order", str, SCHEDULING_POLICIES),
+)
+
+CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAGS)
+    Flag("--mode", "mode", "disaggregated: prefill and decode pools; colocated: each worker does both", str, MODES),
+    Flag("--prefill", "num_prefill", "prefill workers (disaggregated)"),
+    Flag("--decode", "num_decode", "decode workers (disaggregated)"),
+    Flag("--workers", "num_colocated", "workers (colocated)"),
+    Flag("--kv-transport", "kv_transport", "KV handoff transport; auto: nccl on GPUs, gloo on CPU", str, TRANSPORTS),
+    Flag("--address", "address", "Ray cluster to join (default: RAY_ADDRESS, else a local one)", str),
+    Flag("--cpus-per-worker", "num_cpus_per_worker", "CPUs each worker asks Ray for", float),
+    Flag("--gpus-per-worker", "num_gpus_per_worker", "GPUs each worker asks Ray for (default: 1 on GPU "
+         "clusters, else 0)", float),
+    Flag("--placement", "placement", "how Ray places the workers: default (Ray's, which fills the node "
+         "it is called from first) or spread (round-robin over the nodes, so the pools span them)", str, PLACEMENTS),
+    Flag("--ready-timeout-s", "ready_timeout_s", "seconds for the workers to load their model", float),
+    Flag("--kv-lease-s", "lease_s", "seconds a prefill worker holds a prompt's KV for a decode worker to pull",
+         float),
+    Flag("--kv-transfer-timeout-s", "transfer_timeout_s", "seconds one KV pull may take before it fails "
+         "(the request then re-runs from prefill)", float),
+)
+
+ROUTER_FLAGS = (        # RouterConfig fields
+    Flag("--host", "host", "address the HTTP server binds", str),
+    Flag("--port", "port", "port of the HTTP server"),
+    Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY'", str),
+    Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
+    Flag("--policy", "policy", "how the router picks workers", str, PICKING_POLICIES),
+    Flag("--max-pending", "max_pending", "requests in flight before 429"),
+    Flag("--max-retries", "max_retries", "re-runs from prefill after a failed handoff or a dead worker"),
+)
+
+SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line
+    Flag("--slo-ttft-ms", "ttft_s", "TTFT target: requests are judged against it in the SLO metrics", float,
+         unit=1e-3),
+    Flag("--slo-tpot-ms", "tpot_s", "TPOT (time per output token) target", float, unit=1e-3),
+    Flag("--slo-window-s", "window_s", "window of the router's pdcluster:slo_attainment gauge", float),
+)
+
+
+def _field_default(cls, path: str):
+    """The default of a (possibly nested: "cache.block_size") dataclass field."""
+    head, _, rest = path.partition(".")
+    f = next(f for f in dataclasses.fields(cls) if f.name == head)
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return getattr(value, rest) if rest else value
+
+
+def add_flags(g, flags: tuple[Flag, ...], cls, **overrides) -> None:
+    """Declare `flags` on a parser group, each defaulting to its field's default in `cls`."""
+    for f in flags:
+        default = overrides.get(f.field, _field_default(cls, f.field))
+        if f.negate:
+            g.add_argument(f.flag, action="store_true", help=f.help)
+            continue
+        shown = default / f.unit if isinstance(default, (int, float)) and f.unit != 1 else default
+        if isinstance(shown, float) and shown.is_integer() and f.type is int:
+            shown = int(shown)
+        g.add_argument(f.flag, type=f.type, default=shown, choices=f.choices,
+                       help=f"{f.help} (default: {shown})")
+
+
+def values_from(a: argparse.Namespace, flags: tuple[Flag, ...]) -> dict:
+    """{field path: value} from parsed flags, converted back to the fields' units."""
+    out = {}
+    for f in flags:
+        v = getattr(a, f.flag.removeprefix("--").replace("-", "_"))
+        if f.negate:
+            v = not v
+        elif v is not None and f.unit != 1:
+            v = v * f.unit
+            v = int(v) if f.unit > 1 else v
+        out[f.field] = v
+    return out
+
+
+def _nested(values: dict) -> dict:
+    """{"cache.block_size": 16, "model": "tiny"} -> {"cache": {"block_size": 16}, "model": "tiny"}"""
+    out: dict = {}
+    for path, v in values.items():
+        head, _, rest = path.partition(".")
+        if rest:
+            out.setdefault(head, {})[rest] = v
+        else:
+            out[head] = v
+    return out
+
+
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_flags(p.add_argument_group("engine"), tuple(f for f in ENGINE_FLAGS if f.flag not in skip), EngineConfig)
+
+
+def engine_config_from_args(a: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
+    flags = tuple(f for f in ENGINE_FLAGS if f.flag not in skip)
+    return EngineConfig.from_dict(_nested(values_from(a, flags)))
+
+
+def cluster_spec_from_args(a: argparse.Namespace, engine: EngineConfig) -> ClusterSpec:
+    return ClusterSpec(model=engine.model, engine=engine, **values_from(a, CLUSTER_FLAGS))
+
+
+def router_config_from_args(a: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(slo=SLOTargets(**values_from(a, SLO_FLAGS)), **values_from(a, ROUTER_FLAGS))
 
 
 def cmd_generate(a) -> int:
@@ -67,20 +178,9 @@ def cmd_demo(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    import dataclasses
-
-    from cluster.launcher import ClusterSpec
     from cluster.serve import ServingCluster, serve_forever
-    from router.slo import SLOTargets
-    slo = SLOTargets(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s)
-    engine = dataclasses.asdict(engine_config_from_args(a))
-    engine.pop("model")
-    spec = ClusterSpec(model=a.model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode,
-                       num_colocated=a.workers, engine=engine, kv_transport=a.kv_transport,
-                       address=a.address, num_cpus_per_worker=a.cpus_per_worker,
-                       num_gpus_per_worker=a.gpus_per_worker)
-    return serve_forever(ServingCluster(spec, a.host, a.port, a.api_key, a.policy, a.max_pending,
-                                        a.served_model_name, slo=slo))
+    spec = cluster_spec_from_args(a, engine_config_from_args(a))
+    return serve_forever(ServingCluster(spec, router_config_from_args(a)))
 
 
 def cmd_bench(a) -> int:
@@ -105,27 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export_model)
 
     s = sub.add_parser("serve", help="start the prefill and decode pools on Ray and the OpenAI-compatible router")
-    s.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    s.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
-    s.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
-    s.add_argument("--workers", type=int, default=2, help="workers (colocated)")
-    s.add_argument("--kv-transport", default="auto", choices=["auto", "gloo", "nccl"],
-                   help="KV handoff transport; auto: nccl on GPUs, gloo on CPU")
-    s.add_argument("--policy", default="p2c", choices=["p2c", "random", "round-robin"],
-                   help="how the router picks workers")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    s.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
-    s.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
-    s.add_argument("--cpus-per-worker", type=float, default=0.5)
-    s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 on GPU clusters, else 0")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0,
-                   help="TTFT target: requests are judged against it in the SLO metrics")
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT (time per output token) target")
-    s.add_argument("--slo-window-s", type=float, default=60.0,
-                   help="window of the router's pdcluster:slo_attainment gauge")
+    add_flags(s.add_argument_group("cluster"), CLUSTER_FLAGS, ClusterSpec)
+    add_flags(s.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
+    add_flags(s.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

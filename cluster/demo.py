@@ -5,6 +5,7 @@ import random
 import statistics
 import time
 
+from router.slo import tpot_s
 from workers.engine import LLMEngine
 from workers.sequence import SamplingParams
 
@@ -43,8 +44,10 @@ def run_offline_demo(cfg, num_prompts: int = 64) -> int:
     out_tokens = sum(len(r.token_ids) for r in results)
     in_tokens = sum(len(r.prompt_token_ids) for r in results)
     ttft = [(s.first_token_time - s.arrival_time) * 1e3 for s in seqs]
-    tpot = [(finish[s.seq_id] - s.first_token_time) * 1e3 / (s.num_output_tokens - 1)
-            for s in seqs if s.num_output_tokens > 1]
+    # TPOT as the router and `pdcluster bench` define it (router/slo.py), from the same clock.
+    tpot = [t * 1e3 for s in seqs
+            if (t := tpot_s(s.first_token_time - s.arrival_time, finish[s.seq_id] - s.arrival_time,
+                            s.num_output_tokens)) is not None]
     st = engine.scheduler.stats
     hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
     lines = [

@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 
 from cluster.bench_data import BenchRequest
+from router.slo import SLOTargets, judge, tpot_s
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -34,7 +35,7 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+        return tpot_s(self.ttft, self.latency, self.output_len)      # router/slo.py's definition
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -229,13 +230,12 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def meets(r: RequestResult, slos: dict[str, float]) -> bool:
-    """A request is good when it succeeded and meets every SLO given (TPOT of a one-token
-    reply is vacuous)."""
+    """A request is good when it succeeded and meets every SLO given: TTFT and TPOT judged as the
+    router judges them (router/slo.py; TPOT of a one-token reply is vacuous), plus E2E latency."""
     if not r.success:
         return False
-    tpot = r.tpot
-    return (r.ttft <= slos.get("ttft", math.inf) and (tpot is None or tpot <= slos.get("tpot", math.inf))
-            and r.latency <= slos.get("e2el", math.inf))
+    targets = SLOTargets(ttft_s=slos.get("ttft", math.inf), tpot_s=slos.get("tpot", math.inf))
+    return judge(targets, r.ttft, r.latency, r.output_len).both and r.latency <= slos.get("e2el", math.inf)
 
 
 def _values(results: list[RequestResult], metric: str) -> list[float]:

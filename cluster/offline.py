@@ -13,11 +13,9 @@ from pathlib import Path
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sequence import SamplingParams
+from workers.sequence import SAMPLING_FIELDS, SamplingParams
 
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "logprobs"}
-REQUEST_FIELDS = SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "priority", "id"}
+REQUEST_FIELDS = set(SAMPLING_FIELDS) | {"prompt", "prompt_token_ids", "priority", "id"}
 
 
 class RequestError(ValueError):

@@ -14,7 +14,8 @@ from cluster.launcher import ClusterSpec, connect, launch, shutdown
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
-from router.slo import SLOTargets
+from router.config import RouterConfig
+from workers.names import ROLES
 from workers.checkpoint import load_tokenizer
 
 log = logging.getLogger("pdcluster.serve")
@@ -28,16 +29,15 @@ async def _lifespan(app):
 
 
 class ServingCluster:
-    """Workers + router + HTTP server. `with ServingCluster(spec) as c: c.base_url ...`"""
+    """Workers + router + HTTP server. `with ServingCluster(spec, port=...) as c: c.base_url ...`
+    (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`)."""
 
-    def __init__(self, spec: ClusterSpec, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, policy: str = "p2c", max_pending: int = 512,
-                 model_name: str | None = None, ray_num_cpus: int | None = None,
-                 slo: SLOTargets | None = None):
-        self.spec, self.host, self.port = spec, host, port
-        self.slo = slo or SLOTargets()
-        self.api_key, self.policy, self.max_pending = api_key, policy, max_pending
-        self.model_name = model_name or spec.model
+    def __init__(self, spec: ClusterSpec, router: RouterConfig | None = None, ray_num_cpus: int | None = None,
+                 **router_fields):
+        self.spec = spec
+        self.cfg = router or RouterConfig(**router_fields)
+        self.host, self.port = self.cfg.host, self.cfg.port
+        self.model_name = self.cfg.served_model_name or spec.model
         self.ray_num_cpus = ray_num_cpus
         self.workers = []
         self._uvicorn: uvicorn.Server | None = None
@@ -53,11 +53,12 @@ class ServingCluster:
             raise ValueError(f"model {self.spec.model!r} has no tokenizer.json; the HTTP API needs one")
         connect(self.spec.address, self.ray_num_cpus)
         self.workers, infos = launch(self.spec)
-        metrics = Metrics(self.slo)
-        dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, self.policy)
-        roles = {r: sum(i["role"] == r for i in infos) for r in ("prefill", "decode", "colocated")}
+        cfg = self.cfg
+        metrics = Metrics(cfg.slo)
+        dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, cfg.policy, cfg.max_retries)
+        roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
-                        self.api_key, self.max_pending,
+                        cfg.api_key, cfg.max_pending,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server

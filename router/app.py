@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import APIError, GenerationRequest, bad_request, sampling_params
+from workers.names import ROLES, roles_of
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
 
 
@@ -239,10 +240,8 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r)
-                 for r in ("prefill", "decode", "colocated")}
-        ok = (alive["colocated"] > 0) if server.dispatcher.mode == "colocated" else \
-            (alive["prefill"] > 0 and alive["decode"] > 0)
+        alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r) for r in ROLES}
+        ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))
         return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")

@@ -11,7 +11,7 @@ then fails it with a clear error; a cancelled request (client gone) is aborted o
 that knows it, so its blocks come back.
 
 Workers are reached through handles (`handle.method.remote(...)` returns an awaitable); the
-messages are msgpack.
+messages are workers/messages.py's dataclasses, encoded there.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import msgpack
-
 from router.metrics import Metrics
 from router.picker import Picker, WorkerLoad, decode_load, prefill_load
 from router.protocol import APIError, GenerationRequest
+from workers import messages as msg
+from workers.names import COLOCATED, DECODE, MODES, PREFILL, ROLES, first_role
 
 log = logging.getLogger("pdcluster.router")
 
@@ -35,7 +35,7 @@ class WorkerState:
     worker_id: str
     role: str
     handle: object
-    report: dict = field(default_factory=dict)
+    report: msg.LoadReport | None = None             # the latest, None before the first poll
     assigned: set = field(default_factory=set)        # requests open on this worker (for failover)
     unreported: dict = field(default_factory=dict)    # rid -> (prompt tokens, sent at): not yet in a report
     alive: bool = True
@@ -44,7 +44,7 @@ class WorkerState:
         self.assigned.add(rid)
         self.unreported[rid] = (num_tokens, time.monotonic())
 
-    def reported(self, report: dict, polled_at: float) -> None:
+    def reported(self, report: msg.LoadReport, polled_at: float) -> None:
         """A report covers what was sent before the poll that carried it was issued."""
         self.report = report
         for rid in [r for r, (_, t) in self.unreported.items() if t < polled_at]:
@@ -53,6 +53,7 @@ class WorkerState:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
+    """What the HTTP layer streams: new tokens of one request, and whether it ended."""
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -66,8 +67,8 @@ class RequestFailed(Exception):
 class Dispatcher:
     def __init__(self, workers: list[WorkerState], mode: str, metrics: Metrics, policy: str = "p2c",
                  max_retries: int = 2, seed: int | None = None):
-        if mode not in ("disaggregated", "colocated"):
-            raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.workers = {w.worker_id: w for w in workers}
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.prefill_picker = Picker(policy, seed)
@@ -78,7 +79,7 @@ class Dispatcher:
         self._count_pools()
 
     def _count_pools(self) -> None:
-        for role in ("prefill", "decode", "colocated"):
+        for role in ROLES:
             self.metrics.pool_size.labels(role).set(len(self._alive(role)))
 
     def start(self) -> None:
@@ -94,7 +95,7 @@ class Dispatcher:
         while w.alive:
             polled_at = time.monotonic()
             try:
-                reply = msgpack.unpackb(await w.handle.poll.remote(0.5), strict_map_key=False)
+                reply = msg.decode(await w.handle.poll.remote(0.5), msg.PollReply)
             except asyncio.CancelledError:
                 raise
             except Exception as e:                       # the actor died: fail over its requests
@@ -102,17 +103,16 @@ class Dispatcher:
                 w.alive = False
                 self._count_pools()
                 for rid in list(w.assigned):
-                    self._deliver(rid, {"rid": rid, "tokens": [], "finished": True, "reason": "error",
-                                        "error": f"worker {w.worker_id} failed", "retryable": True})
+                    self._deliver(msg.ErrorEvent(rid, f"worker {w.worker_id} failed", retryable=True))
                 return
-            w.reported(reply["load"], polled_at)
-            self.metrics.observe_load(w.report)
-            self.metrics.observe_samples(w.worker_id, w.role, reply.get("samples", {}))
-            for ev in reply["events"]:
-                self._deliver(ev["rid"], ev)
+            w.reported(reply.load, polled_at)
+            self.metrics.observe_load(reply.load)
+            self.metrics.observe_samples(w.worker_id, w.role, reply.samples)
+            for ev in reply.events:
+                self._deliver(ev)
 
-    def _deliver(self, rid: str, ev: dict) -> None:
-        q = self._queues.get(rid)
+    def _deliver(self, ev: msg.Event) -> None:
+        q = self._queues.get(ev.rid)
         if q is not None:
             q.put_nowait(ev)
 
@@ -124,7 +124,7 @@ class Dispatcher:
         pool = self._alive(role)
         if not pool:
             raise RequestFailed(f"no live {role} worker")
-        if role == "decode":
+        if role == DECODE:
             loads = [WorkerLoad(w.worker_id, decode_load(w.report, len(w.unreported))) for w in pool]
             return self.workers[self.decode_picker.pick(loads)]
         loads = [WorkerLoad(w.worker_id, prefill_load(w.report, sum(n for n, _ in w.unreported.values())))
@@ -156,58 +156,51 @@ class Dispatcher:
                     if w.alive and not finished:
                         # Cancelled, failed or retried: free whatever it still holds there
                         # (idempotent on the worker). A finished request holds nothing.
-                        w.handle.submit.remote(msgpack.packb({"op": "abort", "rid": rid}))
+                        w.handle.submit.remote(msg.encode(msg.AbortOp(rid)))
             log.warning("request %s: retrying from prefill (attempt %d)", base, attempt + 1)
         raise RequestFailed(f"request failed after {self.max_retries + 1} attempts")
 
     async def _attempt(self, req: GenerationRequest, rid: str, q: asyncio.Queue, involved: list):
         """Yields TokenEvents; yields None once to ask for a retry."""
-        body = {"rid": rid, "prompt_token_ids": req.prompt_token_ids, "params": _params_dict(req.params),
-                "priority": req.priority}
-        first_role = "colocated" if self.mode == "colocated" else "prefill"
-        w = self._pick(first_role)
+        role = first_role(self.mode)
+        w = self._pick(role)
         involved.append(w)
         w.sent(rid, len(req.prompt_token_ids))
-        w.handle.submit.remote(msgpack.packb({**body, "op": "generate" if first_role == "colocated" else "prefill"}))
+        op = msg.GenerateOp if role == COLOCATED else msg.PrefillOp
+        w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority)))
         first_tokens: list[int] = []
         while True:
             ev = await q.get()
             if _wants_retry(ev):
                 yield None
                 return
-            if ev["tokens"] or ev["finished"]:
-                first_tokens += ev["tokens"]
-                yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
-            if ev["finished"]:
+            if ev.tokens or ev.finished:
+                first_tokens += ev.tokens
+                yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+            if ev.finished:
                 return
-            if ev.get("held"):
+            if ev.held:
                 break
         # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
-        d = self._pick("decode")
+        d = self._pick(DECODE)
         involved.append(d)
         d.sent(rid, 1)
-        d.handle.submit.remote(msgpack.packb({**body, "op": "decode", "first_tokens": first_tokens,
-                                              "prefill_id": w.worker_id}))
+        d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, first_tokens,
+                                                       w.worker_id, req.priority)))
         while True:
             ev = await q.get()
             if _wants_retry(ev):
                 yield None
                 return
-            yield TokenEvent(ev["tokens"], ev["finished"], ev["reason"], ev.get("logprobs"))
-            if ev["finished"]:
+            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+            if ev.finished:
                 return
 
 
-def _wants_retry(ev: dict) -> bool:
+def _wants_retry(ev: msg.Event) -> bool:
     """A retryable failure (handoff, dead worker) asks for a retry; any other error is final."""
-    if not ev.get("error"):
+    if not isinstance(ev, msg.ErrorEvent):
         return False
-    if ev.get("retryable"):
+    if ev.retryable:
         return True
-    raise APIError(400, ev["error"])
-
-
-def _params_dict(p) -> dict:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-            "seed": p.seed, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids),
-            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs}
+    raise APIError(400, ev.error)

@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from router.slo import SLOTargets, SLOWindow, judge
+from workers.messages import LoadReport
+from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 
 P = "pdcluster:"
-ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length")
 ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect")
-PREEMPTION_MODES = ("recompute", "swap")
-ROLE_FLIPS = (("prefill", "decode"), ("decode", "prefill"))
+ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 
 # Request latencies: 1 ms .. 80 s (TTFT of a long prompt under load, E2E of a long answer).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -116,25 +116,20 @@ class Metrics:
                 self.slo_met.labels(name).inc()
         self.slo_window.record(verdict)
 
-    def role_changed(self, from_role: str, to_role: str) -> None:
-        self.role_changes.labels(from_role, to_role).inc()
-
     # -- worker side -----------------------------------------------------------------------------
-    def observe_load(self, report: dict) -> None:
-        w, role = report["worker_id"], report["role"]
-        self.w_running.labels(w, role).set(report["running"])
-        self.w_waiting.labels(w, role).set(report["waiting"] + report.get("pending", 0))
-        self.w_kv_usage.labels(w, role).set(report["kv_blocks_used"] / max(1, report["kv_blocks_total"]))
-        self.kv_in_flight.labels(w, role).set(report.get("receiving", 0))
+    def observe_load(self, r: LoadReport) -> None:
+        w, role = r.worker_id, r.role
+        self.w_running.labels(w, role).set(r.running)
+        self.w_waiting.labels(w, role).set(r.waiting + r.pending)
+        self.w_kv_usage.labels(w, role).set(r.kv_blocks_used / max(1, r.kv_blocks_total))
+        self.kv_in_flight.labels(w, role).set(r.receiving)
         # Workers report cumulative totals; count what grew since their last report.
-        self._grow(self.prefix_queries.labels(w, role), (w, "pq"), report.get("prefix_cache_queries", 0))
-        self._grow(self.prefix_hits.labels(w, role), (w, "ph"), report.get("prefix_cache_hits", 0))
-        for mode in PREEMPTION_MODES:
-            self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode),
-                       report.get("preemptions", {}).get(mode, 0))
-        xfer = report.get("kv_transfer", {})
-        self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), xfer.get("bytes", 0))
-        self._grow(self.kv_transfer_failures.labels(w, role), (w, "xf"), xfer.get("failures", 0))
+        self._grow(self.prefix_queries.labels(w, role), (w, "pq"), r.prefix_cache_queries)
+        self._grow(self.prefix_hits.labels(w, role), (w, "ph"), r.prefix_cache_hits)
+        for mode in PREEMPTION_KINDS:
+            self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), r.preemptions.get(mode, 0))
+        self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), r.kv_transfer.bytes)
+        self._grow(self.kv_transfer_failures.labels(w, role), (w, "xf"), r.kv_transfer.failures)
 
     def observe_samples(self, worker: str, role: str, samples: dict) -> None:
         """Per-step and per-transfer samples a worker buffered since its last poll."""

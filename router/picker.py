@@ -13,7 +13,8 @@ import itertools
 import random
 from dataclasses import dataclass
 
-POLICIES = ("p2c", "random", "round-robin")
+from workers.messages import LoadReport
+from workers.names import PICKING_POLICIES as POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +44,16 @@ class Picker:
         return (a if a.load <= b.load else b).worker_id
 
 
-def prefill_load(report: dict, inflight_tokens: int = 0) -> float:
-    """Queued prefill tokens: reported by the worker, plus those sent since its last report."""
-    return report.get("queued_prefill_tokens", 0) + inflight_tokens
+def prefill_load(report: LoadReport | None, inflight_tokens: int = 0) -> float:
+    """Queued prefill tokens: reported by the worker, plus those sent since its last report
+    (before its first report, only those)."""
+    return (report.queued_prefill_tokens if report else 0) + inflight_tokens
 
 
-def decode_load(report: dict, inflight: int = 0) -> float:
+def decode_load(report: LoadReport | None, inflight: int = 0) -> float:
     """KV blocks in use (as a fraction) plus running sequences (as a fraction of a small
     batch); requests sent since the last report count as running."""
-    total = max(1, report.get("kv_blocks_total", 1))
-    running = report.get("running", 0) + report.get("pending", 0) + report.get("receiving", 0) + inflight
-    return report.get("kv_blocks_used", 0) / total + running / 64
+    if report is None:
+        return inflight / 64
+    running = report.running + report.pending + report.receiving + inflight
+    return report.kv_blocks_used / max(1, report.kv_blocks_total) + running / 64

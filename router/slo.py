@@ -38,9 +38,15 @@ class SLOVerdict(NamedTuple):
         return self.ttft and self.tpot
 
 
+def tpot_s(ttft_s: float, e2e_s: float, num_output_tokens: int) -> float | None:
+    """(e2e - ttft) / (output tokens - 1); None for a reply of one token (or none): no gap to time."""
+    return (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else None
+
+
 def judge(targets: SLOTargets, ttft_s: float, e2e_s: float, num_output_tokens: int) -> SLOVerdict:
-    tpot_s = (e2e_s - ttft_s) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
-    return SLOVerdict(ttft_s <= targets.ttft_s, tpot_s <= targets.tpot_s)
+    """The verdict on one finished request; a one-token reply meets any TPOT target."""
+    tpot = tpot_s(ttft_s, e2e_s, num_output_tokens)
+    return SLOVerdict(ttft_s <= targets.ttft_s, tpot is None or tpot <= targets.tpot_s)
 
 
 class SLOWindow:

@@ -14,11 +14,14 @@ import openai
 import pytest
 import ray
 
+from cluster import promtext
 from cluster.launcher import ClusterSpec
 from common import wait_for
 from cluster.serve import ServingCluster, free_port
+from workers.checkpoint import builtin_config
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.kv_transfer import KVLayout
 from workers.sequence import SamplingParams
 
 MAX_TOKENS = 24
@@ -78,12 +81,12 @@ async def send_all(base_url: str, prompts: list[list[int]]) -> list[list[int]]:
         await client.close()
 
 
-def wait_pools_clean(cluster: ServingCluster, deadline_s: float = 30.0) -> list[dict]:
+def wait_pools_clean(cluster: ServingCluster, deadline_s: float = 30.0) -> list:
     """Every worker: no referenced block, nothing held, queued or running (within a deadline:
     aborts and releases travel asynchronously)."""
     return wait_for(lambda: ray.get([w.handle.stats.remote() for w in cluster.workers]),
-                    lambda stats: all(s["kv_blocks_used"] == 0 and s["held"] == 0 and s["running"] == 0
-                                      and s["waiting"] == 0 and s["pending"] == 0 and s["receiving"] == 0
+                    lambda stats: all(s.kv_blocks_used == 0 and s.held == 0 and s.running == 0
+                                      and s.waiting == 0 and s.pending == 0 and s.receiving == 0
                                       for s in stats), deadline_s)
 
 
@@ -108,9 +111,9 @@ def test_disaggregated_matches_single_engine(disaggregated, prompts, offline_ref
     mismatches = [i for i, (a, b) in enumerate(zip(got, offline_reference)) if a != b]
     assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, e.g. request {mismatches[:3]}"
     stats = wait_pools_clean(disaggregated)
-    assert {s["role"] for s in stats} == {"prefill", "decode"}
+    assert {s.role for s in stats} == {"prefill", "decode"}
     # Both pools did work (power-of-two-choices spreads 64 requests over both workers of each).
-    assert all(s["steps"] > 0 for s in stats)
+    assert all(s.steps > 0 for s in stats)
 
 
 def test_colocated_matches_single_engine(colocated, prompts, offline_reference):
@@ -164,8 +167,80 @@ def test_wrong_api_key(disaggregated):
         client.completions.create(model="tiny", prompt="hi", max_tokens=2)
 
 
+def assert_openai_error(r: httpx.Response, status: int, param: str | None, type_: str = "invalid_request_error"):
+    """OpenAI's error JSON, exactly: {"error": {"message", "type", "param", "code"}}."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["type"] == type_, err
+    assert err["param"] == param, err
+    return err
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "tiny"}, 400, "messages"),                                            # no messages
+    ({"model": "tiny", "messages": []}, 400, "messages"),                            # empty
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),                          # not a list
+    ({"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages"),           # no role
+    ({"model": "tiny", "messages": [{"role": 3, "content": "hi"}]}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),            # no content
+    ({"model": "tiny", "messages": ["hi"]}, 400, "messages"),                        # not an object
+    ({"model": "tiny", "messages": USER_HI, "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "messages": USER_HI, "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "messages": USER_HI, "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny", "messages": USER_HI, "top_k": "many"}, 400, "top_k"),
+    ({"model": "tiny", "messages": USER_HI, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": USER_HI, "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": USER_HI, "stop": [1, 2]}, 400, "stop"),
+    ({"model": "tiny", "messages": USER_HI, "stream": "yes"}, 400, "stream"),
+    ({"model": "tiny", "messages": USER_HI, "n": 3}, 400, "n"),
+    ({"messages": USER_HI}, 400, "model"),
+    ({"model": "gpt-9", "messages": USER_HI}, 404, "model"),
+], ids=["missing", "empty", "not-list", "no-role", "role-not-str", "content-not-str", "no-content",
+        "message-not-object", "temperature-type", "temperature-negative", "top_p-range", "top_k-type",
+        "max_tokens-zero", "max_tokens-too-long", "stop-type", "stream-type", "n", "no-model", "unknown-model"])
+def test_bad_chat_requests_get_openai_errors(disaggregated, body, status, param):
+    r = httpx.post(f"{disaggregated.base_url}/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    err = assert_openai_error(r, status, param)
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    # ... and the server keeps serving chat.
+    ok = httpx.post(f"{disaggregated.base_url}/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                    json={"model": "tiny", "messages": USER_HI, "max_tokens": 2, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/chat/completions", {"model": "tiny", "messages": USER_HI, "max_tokens": 2}),
+    ("GET", "/models", None),
+])
+@pytest.mark.parametrize("auth", [None, "Bearer", "test-key", "Basic test-key"],
+                         ids=["no-header", "bearer-without-key", "no-scheme", "basic"])
+def test_missing_or_malformed_authorization_gets_401(disaggregated, method, path, body, auth):
+    """Under --api-key, a request without `Authorization: Bearer <key>` (the header missing,
+    or present without the bearer key) is refused with 401 and OpenAI's error JSON."""
+    headers = {} if auth is None else {"Authorization": auth}
+    r = httpx.request(method, disaggregated.base_url + path, json=body, headers=headers)
+    err = assert_openai_error(r, 401, None, "authentication_error")
+    assert err["code"] == "invalid_api_key"
+    # The right key still works.
+    ok = httpx.request(method, disaggregated.base_url + path, json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_disconnect_mid_stream_frees_blocks(disaggregated):
-    steps = lambda: sum(s["steps"] for s in ray.get([w.handle.stats.remote() for w in disaggregated.workers]))
+    steps = lambda: sum(s.steps for s in ray.get([w.handle.stats.remote() for w in disaggregated.workers]))
     before = steps()
     body = {"model": "tiny", "prompt": list(range(200)), "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as client:
@@ -195,7 +270,7 @@ def test_disconnect_between_prefill_and_decode_frees_blocks(ray_session):
                 client.stream("POST", url, json=long_body) as occupant:
             lines = occupant.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
-            wait_for(lambda: ray.get(c.workers[1].handle.stats.remote()), lambda st: st["running"] == 1)
+            wait_for(lambda: ray.get(c.workers[1].handle.stats.remote()), lambda st: st.running == 1)
             body = {"model": "tiny", "prompt": list(range(100)), "max_tokens": 50, "stream": True,
                     "ignore_eos": True}
             with client.stream("POST", url, json=body) as r:
@@ -203,37 +278,103 @@ def test_disconnect_between_prefill_and_decode_frees_blocks(ray_session):
                 first = next(line for line in b_lines if line.startswith("data: {"))
                 assert json.loads(first[6:])["choices"][0]["token_ids"]    # the prefill's token
                 wait_for(lambda: [ray.get(w.handle.stats.remote()) for w in c.workers],
-                         lambda st: st[0]["held"] == 1 and st[1]["pending"] == 1)   # stuck between the two
+                         lambda st: st[0].held == 1 and st[1].pending == 1)   # stuck between the two
             # The second client is gone; the occupant keeps streaming.
             assert next(line for line in lines if line.startswith("data: {"))
         wait_pools_clean(c)
 
 
 def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
-    prefix = list(range(10, 74))                      # 4 full blocks, shared by both requests
-    for tail in ([1, 2, 3], [4, 5, 6]):
-        r = httpx.post(f"{disaggregated.base_url}/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 4})
-        assert r.status_code == 200
+    """Known requests, one at a time; after each, the router's counters grew by exactly what it
+    did: its prompt tokens, the tokens the client received, one success, one KV handoff of
+    ceil(prompt / block_size) blocks, and the prefix-cache hits that follow from what the
+    prefill worker that served it had cached.
 
-    def scrape() -> dict[str, float]:
-        text = httpx.get(f"{disaggregated.base_url.removesuffix('/v1')}/metrics").text
-        totals: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("pdcluster:"):
-                name, value = line.rsplit(" ", 1)
-                base = name.split("{", 1)[0]
-                totals[base] = totals.get(base, 0.0) + float(value)
-        return totals
+    The fixture has two prefill workers, idle between requests, so power-of-two-choices picks
+    one at random and the hits depend on the route. The test reads the route from the
+    per-worker query counter (only the serving worker's grows) and models each worker's cache:
+    a prompt's full blocks are cached once it is prefilled; a lookup reuses the longest run of
+    cached full blocks from the start, but never the block holding the last prompt token when
+    the prompt ends on a block boundary (that token is recomputed: its logits are needed)."""
+    c = disaggregated
+    url = f"{c.base_url.removesuffix('/v1')}/metrics"
+    block_size = ray.get(c.workers[0].handle.ready.remote())["block_size"]
+    tiny = builtin_config("tiny")
+    bytes_per_block = KVLayout(tiny.num_hidden_layers, block_size, tiny.num_key_value_heads, tiny.head_dim,
+                               "float32").bytes_per_block
+    prefill = [w.worker_id for w in c.workers if w.role == "prefill"]
+    assert len(prefill) == 2
 
-    m = wait_for(scrape, lambda m: m.get("pdcluster:prefix_cache_hits_total", 0) >= 64
-                 and m.get("pdcluster:kv_transfer_bytes_total", 0) > 0)
-    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count", "num_requests_running", "num_requests_waiting",
-                 "kv_cache_usage_perc", "prefix_cache_queries_total", "generation_tokens_total",
-                 "request_success_total", "pool_workers"):
-        assert f"pdcluster:{name}" in m, name
-    assert m["pdcluster:prefix_cache_queries_total"] >= m["pdcluster:prefix_cache_hits_total"]
+    idle_gauges = {f"pdcluster:{n}" for n in ("num_requests_running", "num_requests_waiting",
+                                              "kv_cache_usage_perc", "kv_transfers_in_flight",
+                                              "router_requests_running", "router_requests_waiting")}
+
+    def idle(m: dict[str, float]) -> bool:
+        """Every worker's latest load report (and the router) shows nothing in flight: the
+        counters in those reports cover all the work done so far."""
+        gauges = {s: v for s, v in m.items() if promtext.split(s)[0] in idle_gauges}
+        reported = {promtext.split(s)[1]["worker"] for s in gauges if "worker=" in s}
+        return len(reported) == len(c.workers) and all(v == 0 for v in gauges.values())
+
+    def settled(grown=lambda m: True) -> dict[str, float]:
+        return wait_for(lambda: promtext.scrape(url), lambda m: idle(m) and grown(m), 30)
+
+    rng = random.Random("test_metrics")            # a prefix no other test sends
+    prefix = [rng.randrange(256) for _ in range(4 * block_size)]
+    more = [rng.randrange(256) for _ in range(block_size)]
+    prompts = [prefix, prefix + [1, 2, 3], prefix + [4, 5, 6], prefix + more, prefix + more,
+               prefix + more + [7], prefix]
+    cached: dict[str, set[tuple[int, ...]]] = {w: set() for w in prefill}   # full-block prefixes
+    client = openai.OpenAI(base_url=c.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    # A load report can lag the events it comes with (a prefill worker's first token may
+    # travel with the report from before it took the request); the next poll brings a fresh
+    # one within a second. So: idle, and (after a request) the serving worker's counters grew.
+    before = settled()
+    total_hits = 0
+    for i, p in enumerate(prompts):
+        kw = dict(model="tiny", prompt=p, max_tokens=3 + i, temperature=0, extra_body={"ignore_eos": True})
+        if i % 2:
+            received, usage = 0, None
+            for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+                if chunk.choices:
+                    received += len(chunk.choices[0].token_ids)
+                else:
+                    usage = chunk.usage
+        else:
+            r = client.completions.create(**kw)
+            received, usage = len(r.choices[0].token_ids), r.usage
+        assert received == usage.completion_tokens == 3 + i and usage.prompt_tokens == len(p)
+
+        def grew(name: str, now: dict | None = None, **labels) -> float:
+            return promtext.total(after if now is None else now, f"pdcluster:{name}", **labels) - \
+                promtext.total(before, f"pdcluster:{name}", **labels)
+
+        after = settled(lambda m: grew("prefix_cache_queries_total", m) >= len(p)
+                        and grew("kv_transfer_seconds_count", m) >= 1)
+
+        served = [w for w in prefill if grew("prefix_cache_queries_total", worker=w)]
+        assert len(served) == 1 and grew("prefix_cache_queries_total") == len(p), (i, served)
+        cache = cached[served[0]]
+        n = 0
+        while n < (len(p) - 1) // block_size and tuple(p[:(n + 1) * block_size]) in cache:
+            n += 1
+        cache.update(tuple(p[:k * block_size]) for k in range(1, len(p) // block_size + 1))
+        total_hits += n * block_size
+        assert grew("prefix_cache_hits_total") == grew("prefix_cache_hits_total", worker=served[0]) \
+            == n * block_size, (i, served)
+        assert grew("prompt_tokens_total") == len(p)
+        assert grew("generation_tokens_total") == received
+        assert grew("request_success_total") == grew("request_success_total", finished_reason="length") == 1
+        assert grew("request_errors_total") == 0
+        assert grew("time_to_first_token_seconds_count") == grew("e2e_request_latency_seconds_count") == 1
+        assert grew("inter_token_latency_seconds_count") == received - 1
+        assert grew("kv_transfer_seconds_count") == 1 and grew("kv_transfer_failures_total") == 0
+        assert grew("kv_transfer_bytes_total") == -(-len(p) // block_size) * bytes_per_block
+        before = after
+    # Whatever the routes: every worker's first request missed, each later one hit >= 3 blocks.
+    assert total_hits >= (len(prompts) - len(prefill)) * 3 * block_size
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "pool_workers"):
+        assert any(promtext.split(s)[0] == f"pdcluster:{name}" for s in after), name
 
 
 def test_admission_queue_full_gives_429_with_retry_after(ray_session):

@@ -2,12 +2,14 @@
 PromQL expression of the Grafana dashboard must return data; metric names agree across the
 code, the README's metrics table and the dashboard.
 
-Prometheus is Debian's `prometheus` package (.ci/run installs it); a missing binary fails the
-test with a message rather than skipping it.
+Prometheus is the `prometheus` on PATH, else Debian's package that `make test` unpacks into
+.tools/ (deploy/get-prometheus.sh); a missing binary fails the test with a message rather than
+skipping it.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import shutil
@@ -19,15 +21,19 @@ import openai
 import pytest
 import yaml
 
+from cluster import promtext
 from cluster.launcher import ClusterSpec
 from common import wait_for
 from cluster.serve import ServingCluster, free_port
 from router.metrics import Metrics
+from workers.checkpoint import builtin_config
+from workers.kv_transfer import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "pdcluster.json"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 README = ROOT / "README.md"
+LOCAL_BIN = ROOT / ".tools" / "bin"            # where deploy/get-prometheus.sh leaves Prometheus
 
 # What Grafana substitutes for its built-in variables when it runs a query; the test's windows
 # cover the whole run (Prometheus starts before the traffic, and scrapes every second).
@@ -88,12 +94,12 @@ def metric_names(expr: str) -> set[str]:
 def code_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """name as exposed (counters with _total) -> (type, label names), from a live Metrics that
     has seen one of everything."""
+    from workers.messages import LoadReport, TransferTotals
     m = Metrics()
-    report = {"worker_id": "decode-0", "role": "decode", "running": 1, "waiting": 0, "pending": 0,
-              "receiving": 1, "kv_blocks_used": 3, "kv_blocks_total": 10, "prefix_cache_queries": 5,
-              "prefix_cache_hits": 2, "preemptions": {"recompute": 1, "swap": 0},
-              "kv_transfer": {"bytes": 100, "failures": 0}}
-    m.observe_load(report)
+    m.observe_load(LoadReport("decode-0", "decode", waiting=0, running=1, swapped=0, queued_prefill_tokens=0,
+                              kv_blocks_used=3, kv_blocks_total=10, steps=1, receiving=1, prefix_cache_queries=5,
+                              prefix_cache_hits=2, preemptions={"recompute": 1, "swap": 0},
+                              kv_transfer=TransferTotals(bytes=100)))
     m.observe_samples("decode-0", "decode", {"step_s": [0.01], "batch_size": [2], "step_tokens": [2],
                                              "queue_s": [0.001], "kv_transfer_s": [0.002]})
     m.observe_finished(0.1, 0.5, 5)
@@ -170,11 +176,13 @@ def test_slo_verdicts_and_sliding_window():
 
 
 def test_worker_counters_grow_from_cumulative_reports():
+    from workers.messages import LoadReport, TransferTotals
     m = Metrics()
-    base = {"worker_id": "prefill-0", "role": "prefill", "running": 0, "waiting": 2, "pending": 1,
-            "kv_blocks_used": 5, "kv_blocks_total": 20}
-    m.observe_load({**base, "prefix_cache_queries": 10, "prefix_cache_hits": 4, "preemptions": {"swap": 1}})
-    m.observe_load({**base, "prefix_cache_queries": 30, "prefix_cache_hits": 4, "preemptions": {"swap": 1}})
+    base = LoadReport("prefill-0", "prefill", waiting=2, running=0, swapped=0, queued_prefill_tokens=0,
+                      kv_blocks_used=5, kv_blocks_total=20, steps=1, pending=1, prefix_cache_queries=10,
+                      prefix_cache_hits=4, preemptions={"swap": 1}, kv_transfer=TransferTotals(bytes=100))
+    m.observe_load(base)
+    m.observe_load(dataclasses.replace(base, prefix_cache_queries=30, kv_transfer=TransferTotals(bytes=250)))
     get = m.registry.get_sample_value
     labels = {"worker": "prefill-0", "role": "prefill"}
     assert get("pdcluster:prefix_cache_queries_total", labels) == 30
@@ -183,6 +191,7 @@ def test_worker_counters_grow_from_cumulative_reports():
     assert get("pdcluster:num_preemptions_total", {**labels, "mode": "recompute"}) == 0   # exists at 0
     assert get("pdcluster:num_requests_waiting", labels) == 3
     assert get("pdcluster:kv_cache_usage_perc", labels) == 0.25
+    assert get("pdcluster:kv_transfer_bytes_total", labels) == 250
     assert get("pdcluster:request_errors_total", {"reason": "worker_failure"}) == 0
     assert get("pdcluster:pool_role_changes_total", {"from_role": "prefill", "to_role": "decode"}) == 0
     m.observe_finished(ttft_s=0.2, e2e_s=3.0, num_output_tokens=11)   # TPOT 0.28 s > 0.1 s default
@@ -214,11 +223,20 @@ def test_engine_reports_step_shape_and_queue_times_once():
 
 # -- against a real Prometheus ---------------------------------------------------------------
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus") or next((p for p in ("/usr/bin/prometheus",) if Path(p).exists()), None)
+    path = shutil.which("prometheus") or shutil.which("prometheus", path=str(LOCAL_BIN))
     if path is None:
-        pytest.fail("the `prometheus` binary is not installed: run `apt-get install -y prometheus` "
-                    "(.ci/run does this before `make test`)")
+        pytest.fail("no `prometheus` binary on PATH or in .tools/bin: run deploy/get-prometheus.sh "
+                    "(`make test` does)")
     return path
+
+
+# The end-to-end test's cluster and traffic: tiny's KV in fp32, blocks of 16 tokens.
+BLOCK_SIZE = 16
+_TINY = builtin_config("tiny")
+BYTES_PER_BLOCK = KVLayout(_TINY.num_hidden_layers, BLOCK_SIZE, _TINY.num_key_value_heads, _TINY.head_dim,
+                           "float32").bytes_per_block
+SHARED_PREFIX_LEN = 3 * BLOCK_SIZE
+SHARED_MAX_TOKENS = 150
 
 
 def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_path):
@@ -243,9 +261,10 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
                             stdout=log, stderr=subprocess.STDOUT)
     api = f"http://127.0.0.1:{prom_port}"
     try:
-        # A small KV pool so that concurrent long decodes preempt.
+        # A small KV pool (20 blocks of 16 tokens) so that concurrent long decodes preempt.
         spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1,
-                           engine={"cache": {"num_blocks": 20}, "scheduler": {"max_num_batched_tokens": 256}},
+                           engine={"cache": {"num_blocks": 20, "block_size": BLOCK_SIZE},
+                                   "scheduler": {"max_num_batched_tokens": 256}},
                            num_cpus_per_worker=0.5, lease_s=20, transfer_timeout_s=20)
         with ServingCluster(spec, port=router_port) as cluster:
             wait_for(lambda: _get(f"{api}/-/ready"), lambda r: r is not None and r.status_code == 200, 30,
@@ -256,17 +275,52 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
             wait_for(lambda: query(api, "count_over_time(pdcluster:prefix_cache_queries_total[1m])"),
                      lambda r: len(r) == len(spec.roles()) and all(int(x["value"][1]) >= 2 for x in r), 30,
                      lambda: "Prometheus does not scrape the router", poll_s=0.1)
-            asyncio.run(drive_traffic(cluster.base_url))
-            # The router's totals once the workers' last reports are in, then the same in Prometheus.
             metrics_url = f"http://127.0.0.1:{router_port}/metrics"
-            final = wait_for(lambda: scrape(metrics_url),
-                             lambda m: m.get("pdcluster:kv_transfer_bytes_total", 0) > 0
-                             and m.get("pdcluster:prefix_cache_hits_total", 0) > 0
-                             and m.get("pdcluster:num_requests_running", 1) == 0, 30, poll_s=0.1)
-            tokens = final["pdcluster:generation_tokens_total"]
-            wait_for(lambda: query(api, "sum(pdcluster:generation_tokens_total)"),
-                     lambda r: r and float(r[0]["value"][1]) == tokens, 30,
-                     lambda: "Prometheus has not scraped the router since the traffic", poll_s=0.1)
+            before = promtext.scrape(metrics_url)
+            sent = asyncio.run(drive_traffic(cluster.base_url))
+
+            def grew(m: dict, name: str, **labels) -> float:
+                return promtext.total(m, f"pdcluster:{name}", **labels) - \
+                    promtext.total(before, f"pdcluster:{name}", **labels)
+
+            # What the traffic must have done. Handoffs: each prompt's blocks, the last one partly
+            # filled. Prefix hits (prefill worker): the four "shared" prompts (50 tokens) find
+            # the warm-up's 3 full blocks; the second identical chat prompt finds the first's full
+            # blocks, short of the one holding its last token (always recomputed).
+            n = len(sent)
+            prompt_tokens = sum(p for _, p, _ in sent)
+            received = sum(r for _, _, r in sent)
+            handoff_bytes = sum(-(-p // BLOCK_SIZE) for _, p, _ in sent) * BYTES_PER_BLOCK
+            chat_len = next(p for kind, p, _ in sent if kind == "chat")
+            hits = 4 * SHARED_PREFIX_LEN + (chat_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+            # The workers' counters come with their load reports: wait until those cover the
+            # traffic (every prompt looked up, every handoff done, nothing running any more).
+            final = wait_for(lambda: promtext.scrape(metrics_url),
+                             lambda m: grew(m, "prefix_cache_queries_total") >= prompt_tokens
+                             and grew(m, "kv_transfer_seconds_count") >= n
+                             and promtext.total(m, "pdcluster:num_requests_running") == 0
+                             and promtext.total(m, "pdcluster:num_requests_waiting") == 0, 30, poll_s=0.1)
+            assert grew(final, "request_success_total") == grew(final, "request_success_total",
+                                                                finished_reason="length") == n
+            assert grew(final, "request_errors_total") == grew(final, "request_errors_total",
+                                                               reason="invalid_request") == 1
+            assert grew(final, "time_to_first_token_seconds_count") == n
+            assert grew(final, "e2e_request_latency_seconds_count") == grew(final, "slo_requests_total") == n
+            assert grew(final, "inter_token_latency_seconds_count") == received - n
+            assert grew(final, "prompt_tokens_total") == grew(final, "prefix_cache_queries_total") == prompt_tokens
+            assert grew(final, "generation_tokens_total") == received
+            assert grew(final, "kv_transfer_seconds_count") == n and grew(final, "kv_transfer_failures_total") == 0
+            assert grew(final, "kv_transfer_bytes_total") == handoff_bytes
+            assert grew(final, "prefix_cache_hits_total") == hits
+            assert grew(final, "num_preemptions_total", role="decode") > 0, "the small decode pool did not preempt"
+            # Prometheus holds the same totals once it has scraped the settled router.
+            want = {f"sum(pdcluster:{name})": promtext.total(final, f"pdcluster:{name}") for name in (
+                "generation_tokens_total", "request_success_total", "kv_transfer_seconds_count",
+                "prefix_cache_hits_total", "num_preemptions_total")}
+            wait_for(lambda: {q: float(r[0]["value"][1]) if (r := query(api, q)) else None for q in want},
+                     lambda got: got == want, 30,
+                     lambda: f"Prometheus has not scraped the router since the traffic (router: {want})",
+                     poll_s=0.1)
             # Every series the dashboard reads now holds post-traffic samples.
             empty = []
             for title, expr in exprs:
@@ -274,9 +328,6 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
                 if not any(_finite(v) for v in result):
                     empty.append(f"{title}: {expr} -> {result}")
             assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
-            preempted = query(api, "sum(pdcluster:num_preemptions_total)")
-            print(f"{len(exprs)} dashboard queries returned data; {tokens:.0f} tokens generated, "
-                  f"{float(preempted[0]['value'][1]):.0f} preemptions")
     finally:
         prom.terminate()
         try:
@@ -287,33 +338,47 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
         log.close()
 
 
-async def drive_traffic(base_url: str) -> None:
+async def drive_traffic(base_url: str) -> list[tuple[str, int, int]]:
     """A mix: completions (whole and streamed) sharing a prompt prefix, chat, long enough
-    decodes for the small KV pool to preempt, and one invalid request."""
+    decodes for the small KV pool to preempt, and one invalid request. Returns (kind, prompt
+    tokens, tokens received) per successful request.
+
+    The preemptions are certain: the four streamed requests grow to 50 + 150 tokens, 13 blocks
+    each, and reach the decode worker within one prefill step of each other (one pull after
+    another, each admitted while its 4 prompt blocks fit), so two or more decode side by side
+    and need more than its 20 blocks before they finish."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    prefix = list(range(10, 58))                     # 3 full blocks of 16 tokens
+    prefix = list(range(10, 10 + SHARED_PREFIX_LEN))
     try:
         # The prefix goes first alone, so the concurrent ones find it cached.
-        await client.completions.create(model="tiny", prompt=prefix + [1], max_tokens=4,
-                                        extra_body={"ignore_eos": True})
+        r = await client.completions.create(model="tiny", prompt=prefix + [1], max_tokens=4,
+                                            extra_body={"ignore_eos": True})
+        warm = ("warm", r.usage.prompt_tokens, len(r.choices[0].token_ids))
 
-        async def streamed(tail: int) -> int:
-            n = 0
+        async def streamed(tail: int) -> tuple[str, int, int]:
+            n, usage = 0, None
             async for chunk in await client.completions.create(
-                    model="tiny", prompt=prefix + [tail, tail + 1], max_tokens=90, stream=True,
-                    temperature=0, extra_body={"ignore_eos": True}):
-                n += len(chunk.choices[0].token_ids) if chunk.choices else 0
-            return n
+                    model="tiny", prompt=prefix + [tail, tail + 1], max_tokens=SHARED_MAX_TOKENS, stream=True,
+                    temperature=0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    n += len(chunk.choices[0].token_ids)
+                else:
+                    usage = chunk.usage
+            assert usage.completion_tokens == n
+            return "shared", usage.prompt_tokens, n
 
-        async def chat() -> int:
+        async def chat() -> tuple[str, int, int]:
             r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=8, extra_body={"ignore_eos": True})
-            return r.usage.completion_tokens
+            return "chat", r.usage.prompt_tokens, r.usage.completion_tokens
 
         got = await asyncio.gather(*(streamed(t) for t in (100, 110, 120, 130)), chat(), chat())
-        assert got == [90] * 4 + [8, 8]
+        assert warm[1:] == (SHARED_PREFIX_LEN + 1, 4)
+        assert [g[1:] for g in got[:4]] == [(SHARED_PREFIX_LEN + 2, SHARED_MAX_TOKENS)] * 4
+        assert [g[2] for g in got[4:]] == [8, 8]
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model="tiny", prompt="x", max_tokens=0)
+        return [warm, *got]
     finally:
         await client.close()
 
@@ -331,17 +396,6 @@ def query(api: str, promql: str) -> list[dict]:
 def _finite(sample: dict) -> bool:
     values = [sample["value"]] if "value" in sample else sample.get("values", [])
     return any(math.isfinite(float(v)) for _, v in values)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Sums of each sample name on the router's /metrics."""
-    totals: dict[str, float] = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith("pdcluster:"):
-            name, value = line.rsplit(" ", 1)
-            base = name.split("{", 1)[0]
-            totals[base] = totals.get(base, 0.0) + float(value)
-    return totals
 
 
 def _get(url: str):

@@ -1,11 +1,13 @@
 """Power-of-two-choices against random placement on balls-into-bins (plain Python)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from workers.messages import LoadReport
 
 
 def max_bin(policy: str, n_bins: int, n_balls: int, seed: int) -> int:
@@ -51,6 +53,10 @@ def test_bad_policy_and_empty_pool():
 
 
 def test_load_signals_count_unreported_work():
-    report = {"queued_prefill_tokens": 100, "kv_blocks_used": 10, "kv_blocks_total": 100, "running": 2}
+    report = LoadReport("p-0", "prefill", waiting=1, running=2, swapped=0, queued_prefill_tokens=100,
+                        kv_blocks_used=10, kv_blocks_total=100, steps=5)
     assert prefill_load(report, 50) == 150
-    assert decode_load(report, 1) > decode_load(report, 0) > decode_load({}, 0)
+    assert prefill_load(None, 50) == 50                  # before the first report: only what was sent
+    assert decode_load(report, 1) > decode_load(report, 0) > decode_load(None, 0)
+    busier = dataclasses.replace(report, pending=3)     # waiting for KV room counts as load
+    assert decode_load(busier, 0) > decode_load(report, 0)

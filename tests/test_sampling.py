@@ -1,16 +1,25 @@
-"""Sampling: seeds, greedy equivalences, stop conditions, max_tokens and logprobs.
+"""Sampling: seeds, greedy equivalences, stop conditions, max_tokens, logprobs, and the
+top-k / top-p distributions.
 
 Oracles: greedy runs of the same engine (for equivalences), the decoded greedy text (for stop
-strings), and transformers' logits on prompt + outputs (for logprobs)."""
+strings), transformers' logits on prompt + outputs (for logprobs), and transformers' own
+temperature / top-k / top-p warpers plus the softmax they leave (for which tokens may be drawn
+and how often)."""
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import pytest
 import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from common import PROMPTS, assert_all_blocks_free, random_prompts
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine
-from workers.sequence import SamplingParams
+from workers.sampler import sample
+from workers.sequence import SamplingParams, Sequence
 
 TEXT_PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,",
                 "def fibonacci(n):", "Q: What is the capital of France?\nA:"]
@@ -132,3 +141,107 @@ def test_logprobs_match_hf(engine, hf_model):
             assert sorted(lp["top"]) == sorted(top_ids.tolist()), (len(p), i)
             for t, v in zip(top_ids.tolist(), vals.tolist()):
                 assert lp["top"][t] == pytest.approx(v, abs=1e-4)
+
+
+# -- top-k / top-p against transformers' warpers ------------------------------------------------
+# (temperature, top_k, top_p): top-k alone, nucleus alone (at a temperature != 1, so a cutoff
+# computed before the temperature shows), and both (the nucleus of the top-k renormalised).
+WARP_CONFIGS = [(1.0, 8, 1.0), (0.7, 5, 1.0), (0.8, 0, 0.5), (1.0, 20, 0.6), (1.3, 0, 0.3)]
+# Our model's logits and transformers' differ by ~1e-5 (see test_logprobs_match_hf); a token
+# this close to a cutoff (in logit, or in probability mass for top-p) could land on either side,
+# so the chosen prompts must keep clear of it (the closest here is ~5e-4).
+CUTOFF_MARGIN = 2e-4
+
+
+def hf_last_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def hf_warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' sampling pipeline (temperature, then top-k, then top-p, as in `generate`)."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0]
+
+
+def allowed_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """token -> probability of drawing it: the softmax (float64) of the tempered logits over the
+    set transformers' warpers keep. Asserts no token sits within CUTOFF_MARGIN of a cutoff."""
+    kept = torch.isfinite(hf_warped(logits, temperature, top_k, top_p)).nonzero().flatten().tolist()
+    scaled = logits.double() / temperature
+    order = scaled.argsort(descending=True).tolist()
+    assert sorted(order[:len(kept)]) == sorted(kept), "the kept set is not a top prefix"
+    if top_k > 0:
+        after_k = min(top_k, len(order))
+        kth, next_ = scaled[order[after_k - 1]], scaled[order[after_k]]
+        assert kth - next_ > CUTOFF_MARGIN, "top-k boundary too close to call"
+    if top_p < 1.0:
+        pool = order[:top_k] if top_k > 0 else order
+        probs = torch.softmax(scaled[pool], dim=0)
+        before = (probs.cumsum(0) - probs).tolist()          # mass ahead of each token
+        assert all(abs(m - top_p) > CUTOFF_MARGIN for m in before), "top-p boundary too close to call"
+    probs = torch.softmax(scaled[kept], dim=0).tolist()
+    return dict(zip(kept, probs))
+
+
+def chi_square_critical(df: int, z: float = 4.265) -> float:
+    """The chi-square quantile at the normal quantile z (4.265: upper tail 1e-5), by the
+    Wilson-Hilferty approximation (no scipy here)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + z * math.sqrt(h)) ** 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", WARP_CONFIGS)
+def test_sampler_draws_follow_the_truncated_softmax(hf_model, temperature, top_k, top_p):
+    """8000 seeded draws of workers/sampler.py on transformers' logits: none outside the set
+    transformers' warpers keep, and the counts fit the softmax restricted to that set
+    (chi-square). A cutoff one token off either way, a nucleus taken before the temperature or
+    over the whole vocabulary instead of the top-k, or a wrong temperature all fail here."""
+    n = 8000
+    for prompt in (PROMPTS[0], PROMPTS[3], PROMPTS[5]):
+        logits = hf_last_logits(hf_model, prompt)
+        dist = allowed_distribution(logits, temperature, top_k, top_p)
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, max_tokens=1)
+                  for i in range(n)]
+        seqs = [Sequence(f"r{i}", prompt, p) for i, p in enumerate(params)]
+        drawn = sample(logits[None].expand(n, -1).contiguous(), seqs).token_ids
+        counts = Counter(drawn)
+        outside = {t: c for t, c in counts.items() if t not in dist}
+        assert not outside, f"drawn outside the {len(dist)} allowed tokens: {outside}"
+        # Pearson's chi-square, tokens expecting fewer than 5 draws pooled into one bin.
+        bins, small_obs, small_exp = [], 0, 0.0
+        for t, q in dist.items():
+            if n * q >= 5:
+                bins.append((counts[t], n * q))
+            else:
+                small_obs, small_exp = small_obs + counts[t], small_exp + n * q
+        if small_exp > 0:
+            bins.append((small_obs, small_exp))
+        assert len(bins) >= 2, "a degenerate configuration: one bin tests nothing"
+        chi2 = sum((o - e) ** 2 / e for o, e in bins)
+        assert chi2 < chi_square_critical(len(bins) - 1), (len(prompt), len(dist), chi2, len(bins) - 1)
+        # The same seeds draw the same tokens: the draws above are a fixed sample.
+        assert sample(logits[None].expand(8, -1).contiguous(),
+                      [Sequence(f"again{i}", prompt, params[i]) for i in range(8)]).token_ids == drawn[:8]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", WARP_CONFIGS)
+def test_engine_draws_stay_in_transformers_top_k_and_nucleus(engine, hf_model, temperature, top_k, top_p):
+    """The whole engine (its own model's logits, batched with other requests): every seeded
+    first token lies in the set transformers' warpers keep for that prompt, and every allowed
+    token likely to show up (>= 8 expected draws) does show up."""
+    n = 150
+    for prompt in (PROMPTS[2], PROMPTS[4], PROMPTS[10]):
+        dist = allowed_distribution(hf_last_logits(hf_model, prompt), temperature, top_k, top_p)
+        reqs = [dict(ids(prompt), params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                        seed=1000 + i, max_tokens=1, ignore_eos=True))
+                for i in range(n)]
+        drawn = [r.token_ids[0] for r in run(engine, reqs)]
+        outside = sorted({t for t in drawn if t not in dist})
+        assert not outside, f"prompt of {len(prompt)}: drawn {outside} outside the {len(dist)} allowed tokens"
+        likely = {t for t, q in dist.items() if n * q >= 8}
+        assert likely <= set(drawn), f"never drawn: {sorted(likely - set(drawn))}"

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.names import ATTENTION_BACKENDS
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -163,8 +165,8 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, num
                    num_kv_heads: int, head_dim: int) -> TorchAttention:
     """`auto`: flash on CUDA sm80+ when a flash-attn build imports; the C++ kernel on CPU in
     fp32 when it builds; else the torch reference."""
-    if requested not in ("auto", "torch", "cpu", "flash"):
-        raise ValueError(f"attention backend must be auto, torch, cpu or flash, got {requested!r}")
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     args = (num_heads, num_kv_heads, head_dim)
     if requested == "torch":
         return TorchAttention(*args)

@@ -80,9 +80,6 @@ class BlockPool:
     def num_free(self) -> int:
         return self.free_queue.num_free
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
-
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 

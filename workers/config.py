@@ -5,19 +5,20 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+from workers.names import ATTENTION_BACKENDS, PREEMPTION_MODES, SCHEDULING_POLICIES
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# dtype name (and its short alias) -> (canonical name, bytes per element). Plain names here:
+# the torch dtype is resolved where torch lives (workers/engine.py).
+DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "float16": ("float16", 2),
+          "fp16": ("float16", 2), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2)}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16'; an unknown name is a ValueError naming the choices."""
     try:
-        return _DTYPES[name]
+        return DTYPES[name][0]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; use auto or one of {sorted(DTYPES)}") from None
 
 
 @dataclass(slots=True)
@@ -61,8 +62,9 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + h
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """K and V of one token over all layers, in the cache dtype (a DTYPES name)."""
+        elem = DTYPES[dtype][1]
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
     @classmethod
@@ -125,8 +127,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048       # the per-step token budget
     max_num_seqs: int = 128                  # cap on running sequences
     watermark: float = 0.01                  # fraction of blocks kept free at admission
-    preemption_mode: str = "auto"            # "auto" | "recompute" | "swap"
-    policy: str = "fcfs"                     # "fcfs" | "priority"
+    preemption_mode: str = "auto"            # one of PREEMPTION_MODES
+    policy: str = "fcfs"                     # one of SCHEDULING_POLICIES
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1:
@@ -135,10 +137,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 @dataclass(slots=True)
@@ -148,17 +150,21 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    attention_backend: str = "auto"          # "auto" | "torch" | "cpu" | "flash"
+    attention_backend: str = "auto"          # one of ATTENTION_BACKENDS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        """Fields as keyword values, `cache` and `scheduler` as dicts of theirs; the rest default."""
+        d = dict(d)
+        return cls(cache=CacheConfig(**d.pop("cache", {})), scheduler=SchedulerConfig(**d.pop("scheduler", {})), **d)
 
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            # bf16 matmul on CPU is 50-100x slower than fp32: fp32 unless on CUDA.
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        return parse_dtype(self.dtype)
+    def __post_init__(self):
+        if self.dtype != "auto":
+            canonical_dtype(self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -14,13 +14,27 @@ from typing import NamedTuple
 import torch
 
 from workers.checkpoint import load_model
-from workers.config import EngineConfig
+from workers.config import EngineConfig, canonical_dtype
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_runner import ModelRunner
 from workers.scheduler import PreemptionCostModel, Scheduler
 from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger("pdcluster.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: CUDA when torch sees a GPU, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """`auto`: bf16 on CUDA, fp32 on CPU (bf16 matmul on CPU is 50-100x slower than fp32)."""
+    if name == "auto":
+        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
+    return getattr(torch, canonical_dtype(name))
 
 
 class RequestOutput(NamedTuple):
@@ -89,11 +103,11 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig | None = None):
         self.cfg = cfg = cfg or EngineConfig()
         torch.manual_seed(cfg.seed)
-        self.device, self.dtype = cfg.resolved_device(), cfg.resolved_dtype()
+        self.device, self.dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
         self.model, self.tokenizer = load_model(cfg.model, self.dtype, self.device)
         mcfg = self.model_config = self.model.config
         cc = cfg.cache
-        bytes_per_token = mcfg.kv_bytes_per_token(self.dtype)
+        bytes_per_token = mcfg.kv_bytes_per_token(str(self.dtype).removeprefix("torch."))
         block_bytes = bytes_per_token * cc.block_size
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // block_bytes)
         num_host = cc.swap_space_bytes // block_bytes
@@ -163,14 +177,16 @@ class LLMEngine:
         return True
 
     def reserve(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                params: SamplingParams, priority: int = 0, arrival_time: float | None = None) -> list[int] | None:
+                params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
+                num_receiving: int = 0) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will arrive from a prefill worker. Returns the
         block ids to receive into, or None when there is no room now (backpressure: call again
-        later). `token_ids` is the prompt plus the first token the prefill worker sampled."""
+        later). `token_ids` is the prompt plus the first token the prefill worker sampled;
+        `num_receiving` counts the sequences already reserved (they will join the batch)."""
         seq = self._new_seq(None, token_ids[:num_prompt_tokens], params, request_id, priority, arrival_time)
         seq.token_ids.extend(token_ids[num_prompt_tokens:])
         sched = self.scheduler
-        fits = (sched.num_receiving + len(sched.running) < self.cfg.scheduler.max_num_seqs and
+        fits = (num_receiving + len(sched.running) < self.cfg.scheduler.max_num_seqs and
                 self.kv.can_allocate(seq, num_prompt_tokens, [], 0,
                                      sched.watermark_blocks if sched.running else 0))
         if not fits:
@@ -178,14 +194,12 @@ class LLMEngine:
             return None
         self.kv.allocate(seq, num_prompt_tokens, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
-        sched.num_receiving += 1
         return list(self.kv.block_ids(seq))
 
     def commit_received(self, request_id: str) -> None:
         """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""
         seq = self._seqs[request_id]
         assert seq.status is SequenceStatus.RECEIVING, seq
-        self.scheduler.num_receiving -= 1
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.kv.commit(seq, seq.num_prompt_tokens)
         if seq.first_token_time is None:
@@ -216,8 +230,6 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        if seq.status is SequenceStatus.RECEIVING:
-            self.scheduler.num_receiving -= 1
         self.scheduler.finish(seq, "abort")
         return True
 

@@ -50,9 +50,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def usage(self) -> float:
-        return self.pool.usage()
-
     def block_ids(self, seq: Sequence) -> list[int]:
         """The sequence's block table (live: do not mutate). While the sequence keeps its
         blocks the list only grows; allocation and swap-in make a new one (the model runner's

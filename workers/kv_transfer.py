@@ -32,6 +32,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from workers.messages import TransferHeader
+from workers.names import TRANSPORTS
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]      # per layer (k, v): [blocks, slot, head, dim]
 Group = Any                                             # a c10d backend: ProcessGroupGloo / ProcessGroupNCCL
 
@@ -117,16 +120,6 @@ class _Pair:
     staging: torch.Tensor                   # uint8, grown on demand, reused across transfers
 
 
-def node_ip() -> str:
-    """This node's outward IPv4 address (connecting a UDP socket picks a route, sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
 def _wait_listening(host: str, port: int, deadline: float) -> None:
     """Wait until something listens on host:port. TCPStore's client retries on a backoff that
     overshoots its timeout by seconds; plain connects keep a missing peer within the deadline."""
@@ -153,7 +146,7 @@ class KVTransport(ABC):
         self.device = torch.device(device or self.device_type)
         if self.device.type != self.device_type:
             raise ValueError(f"{self.backend} moves {self.device_type} tensors, not {self.device}")
-        self.host = host or node_ip()
+        self.host = host or "127.0.0.1"                          # the worker passes its node's address
         self.num_connects = 0                                   # pair groups built (a reconnect metric)
         self.last_stats: TransferStats | None = None
         self._server: dist.TCPStore | None = None
@@ -290,7 +283,7 @@ class KVTransport(ABC):
         packed = buf.view(layout.torch_dtype).view(layout.num_layers, 2, n, layout.block_size,
                                                    layout.num_kv_heads, layout.head_dim)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        mine = torch.tensor([n, transfer_id], dtype=torch.int64, device=self.device)
+        mine = torch.tensor(TransferHeader(n, transfer_id).as_ints(), dtype=torch.int64, device=self.device)
         theirs = torch.empty_like(mine)
         t0 = time.perf_counter()
         pack_s = unpack_s = 0.0
@@ -333,11 +326,11 @@ class KVTransport(ABC):
 
 
 def _check_headers(sender: torch.Tensor, receiver: torch.Tensor) -> None:
-    (sn, sid), (rn, rid) = sender.tolist(), receiver.tolist()
-    if (sn, sid) != (rn, rid):
-        raise KVTransferMismatch(f"sender has {sn} blocks for transfer {sid}, receiver expects {rn} "
-                                 f"for transfer {rid}: reserve one block per sent block and issue "
-                                 "transfers in the same order on both sides")
+    s, r = TransferHeader.from_ints(sender.tolist()), TransferHeader.from_ints(receiver.tolist())
+    if s != r:
+        raise KVTransferMismatch(f"sender has {s.num_blocks} blocks for transfer {s.transfer_id}, receiver "
+                                 f"expects {r.num_blocks} for transfer {r.transfer_id}: reserve one block per "
+                                 "sent block and issue transfers in the same order on both sides")
 
 
 def _check_block_ids(kv_caches: KVCaches, block_ids: list[int], unique: bool) -> None:
@@ -397,8 +390,8 @@ def transport_backend(kind: str, device: torch.device | str) -> str:
     if kind == "gloo" and device.type != "cpu":
         raise ValueError(f"--kv-transport gloo moves CPU tensors but the KV cache is on {device}: "
                          "use nccl or auto")
-    if kind not in ("gloo", "nccl"):
-        raise ValueError(f"unknown --kv-transport {kind!r}: expected auto, gloo or nccl")
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown --kv-transport {kind!r}: expected one of {TRANSPORTS}")
     return kind
 
 

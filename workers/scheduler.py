@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from workers.config import SchedulerConfig
 from workers.kv_cache_manager import KVCacheManager
+from workers.names import PREEMPTION_KINDS
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -64,7 +65,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerStats:
-    num_preemptions: dict = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    num_preemptions: dict = field(default_factory=lambda: dict.fromkeys(PREEMPTION_KINDS, 0))
     prefix_cache_queries: int = 0     # prompt tokens looked up
     prefix_cache_hits: int = 0        # of those, served from the cache
 
@@ -79,7 +80,6 @@ class Scheduler:
         self.running: list[Sequence] = []        # ordered by (priority, arrival): victims at the end
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
-        self.num_receiving = 0                   # sequences with blocks reserved for incoming KV
         self.watermark_blocks = int(cfg.watermark * kv.pool.num_blocks)
 
     # -- queue management --------------------------------------------------------------------
@@ -103,10 +103,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV arrived from elsewhere joins the batch, next token to compute."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)
@@ -40,6 +40,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
 
 
 def _is_int(x) -> bool:

@@ -1,8 +1,11 @@
-"""The worker actor: one engine, a role, a loop thread, and msgpack messages in and out.
+"""The worker actor: one engine, a role, a loop thread, and typed messages in and out.
 
-    router ──submit(msgpack)──▶ inbox ──▶ engine loop thread ──▶ events ──poll()──▶ router
-                                            │  (steps while there is work)
-    decode worker ──send_kv()──▶ transfer thread reads held blocks ──▶ transport ──▶ peer
+    router ──submit(Op)──▶ inbox ──▶ engine loop thread ──▶ events ──poll() → PollReply──▶ router
+                                        │  (steps while there is work; builds the LoadReport)
+    decode worker ──send_kv(KVSendRequest)──▶ this thread reads held blocks ──▶ transport ──▶ peer
+
+The messages are workers/messages.py's dataclasses; the handoff's phases and leases live in
+workers/handoff.py (the loop thread owns that book; this module carries out its decisions).
 
 Metrics: the load report carries gauges and cumulative counters; per-step and per-transfer
 samples (step time, batch size, tokens, queue times, KV transfer seconds) wait in a bounded
@@ -18,56 +21,49 @@ peers arrive as opaque handles whose methods are called with `.remote`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 
-import msgpack
 import torch
 
-from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sequence import SamplingParams
+from workers.handoff import HandoffBook, Outcome
+from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, KVSendRequest,
+                              LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
+from workers.names import ROLES
 
 log = logging.getLogger("pdcluster.worker")
-ROLES = ("prefill", "decode", "colocated")
-SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
 
 
-def engine_config_from_dict(d: dict) -> EngineConfig:
-    d = dict(d)
-    cache = CacheConfig(**d.pop("cache", {}))
-    sched = SchedulerConfig(**d.pop("scheduler", {}))
-    return EngineConfig(cache=cache, scheduler=sched, **d)
-
-
 class Worker:
-    def __init__(self, worker_id: str, role: str, engine_cfg: dict, transport: str = "auto",
+    def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, transport: str = "auto",
                  num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  cluster_id: str = "default"):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         torch.set_num_threads(num_threads)
         self.worker_id, self.role, self.cluster_id = worker_id, role, cluster_id
-        self.engine = LLMEngine(engine_config_from_dict(engine_cfg))
-        self.lease_s, self.transfer_timeout_s = lease_s, transfer_timeout_s
+        self.engine = LLMEngine(engine_cfg)
+        self.transfer_timeout_s = transfer_timeout_s
+        self.handoffs = HandoffBook(lease_s)          # touched by the loop thread only
         self._transport_kind = transport
         self._transport = None
         self._inbox: deque = deque()
-        self._events: list[dict] = []
+        self._events: list = []
         self._cv = threading.Condition()
-        self._leases: dict[str, float] = {}          # held request id -> expiry (monotonic)
-        self._pending: deque[dict] = deque()         # decode requests waiting for room
-        self._params: dict[str, SamplingParams] = {}
         self._stop = False
         self._peer_locks: dict[str, threading.Lock] = {}
         self._transfer_ids = 0
-        self._transfer_stats = {"bytes": 0, "count": 0, "seconds": 0.0, "failures": 0}
+        self._transfer_totals = TransferTotals()
         self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
         self.steps = 0
+        self._load = self._report()
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
 
@@ -76,15 +72,17 @@ class Worker:
         e = self.engine
         return {"worker_id": self.worker_id, "role": self.role, "max_model_len": e.max_model_len,
                 "num_blocks": e.layout.num_blocks, "block_size": e.layout.block_size,
+                "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
                 "attention_backend": e.runner.backend.name, "device": str(e.device)}
 
     def submit(self, payload: bytes) -> None:
-        """msgpack {"op": "generate"|"prefill"|"decode"|"abort", ...}; results come as events."""
-        self._call_in_loop(lambda: self._handle(msgpack.unpackb(payload, strict_map_key=False)))
+        """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
+        op = decode(payload, (GenerateOp, PrefillOp, DecodeOp, AbortOp))
+        self._call_in_loop(lambda: self._handle(op))
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
-        """Long poll: the events since the last call (msgpack), plus a fresh load report and
-        the metric samples since the last call."""
+        """Long poll: an encoded PollReply with the events since the last call, a fresh load
+        report and the metric samples since the last call."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while not self._events and not self._stop:
@@ -96,28 +94,45 @@ class Worker:
             samples = {k: list(q) for k, q in self._samples.items()}
             for q in self._samples.values():
                 q.clear()
-        return msgpack.packb({"events": events, "load": self._load, "samples": samples})
+            load = self._load
+        return encode(PollReply(events, load, samples))
 
-    def stats(self) -> dict:
-        return dict(self._load)
+    def stats(self) -> LoadReport:
+        """The latest load report (what `poll` carries), for tools and tests."""
+        with self._cv:
+            return self._load
 
     def shutdown(self) -> None:
-        self._stop = True
+        """Stop the loop and close the transport's connections (the launcher then kills the actor)."""
         with self._cv:
+            self._stop = True
             self._cv.notify_all()
+            transport = self._transport
+        self._loop.join(timeout=5)
+        if transport is not None:
+            transport.shutdown()
 
     # -- KV handoff: the prefill side ---------------------------------------------------------
-    def send_kv(self, request_id: str, peer_id: str, store_addr: str, transfer_id: int) -> int:
-        """Send a held request's prompt KV to the decode worker that asked for it (it waits in
-        recv with the same transfer id)."""
+    def send_kv(self, payload: bytes) -> int:
+        """Send a held request's prompt KV to the decode worker that asked (an encoded
+        KVSendRequest; the receiver waits in recv with the same transfer id). Returns bytes."""
         from workers.kv_transfer import KVPeer
-        block_ids = self._in_loop(lambda: self.engine.held_block_ids(request_id))
-        return self._get_transport().send_blocks(KVPeer(peer_id, store_addr), self.engine.runner.kv_caches,
-                                                 block_ids, self.transfer_timeout_s, transfer_id)
+        req = decode(payload, KVSendRequest)
+
+        def start():
+            self.handoffs.start_send(req.rid)           # HandoffError when not held: the pull fails
+            return self.engine.held_block_ids(req.rid)
+        block_ids = self._in_loop(start)
+        try:
+            return self._get_transport().send_blocks(KVPeer(req.peer_id, req.store_addr),
+                                                     self.engine.runner.kv_caches, block_ids,
+                                                     self.transfer_timeout_s, req.transfer_id)
+        finally:
+            self._call_in_loop(lambda: self._apply(req.rid, self.handoffs.end_send(req.rid)))
 
     def release_kv(self, request_id: str) -> None:
         """The decode worker has the KV (or gave up): free our copy (full blocks stay cached)."""
-        self._call_in_loop(lambda: self._release(request_id))
+        self._call_in_loop(lambda: self._apply(request_id, self.handoffs.release(request_id)))
 
     # -- the loop thread -----------------------------------------------------------------------
     def _call_in_loop(self, fn) -> None:
@@ -139,22 +154,28 @@ class Worker:
     def _run(self) -> None:
         while not self._stop:
             with self._cv:
-                while self._inbox:
-                    fn = self._inbox.popleft()
-                    try:
-                        fn()
-                    except Exception:
-                        log.exception("worker %s: command failed", self.worker_id)
-            self._expire_leases()
+                commands, self._inbox = self._inbox, deque()
+            for fn in commands:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("worker %s: command failed", self.worker_id)
+            for rid in self.handoffs.expired():
+                log.warning("worker %s: KV lease of %s expired before a decode worker pulled it",
+                            self.worker_id, rid)
+                self.engine.release(rid)
             self._admit_pending()
             if self.engine.has_unfinished():
                 self._step()
-                continue
+            else:
+                with self._cv:
+                    if not self._inbox and not self._stop:
+                        # Idle: a command wakes us; the timeout only paces lease expiry and retries
+                        # of pending reservations (room appears through commands: aborts, commits).
+                        self._cv.wait(0.05)
+            report = self._report()
             with self._cv:
-                if not self._inbox:
-                    # Idle: a command wakes us; the timeout only paces lease expiry and retries
-                    # of pending reservations (room appears through commands: aborts, commits).
-                    self._cv.wait(0.05)
+                self._load = report
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -162,102 +183,76 @@ class Worker:
         step_s = time.monotonic() - t0
         self.steps += 1
         shape = self.engine.last_step
-        if shape.num_seqs:
-            with self._cv:
+        events = []
+        for o in outputs:
+            if o.held:
+                self.handoffs.hold(o.request_id)
+            events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
+                                     o.new_logprobs, o.held))
+        with self._cv:
+            if shape.num_seqs:
                 self._samples["step_s"].append(step_s)
                 self._samples["batch_size"].append(shape.num_seqs)
                 self._samples["step_tokens"].append(shape.num_tokens)
                 self._samples["queue_s"].extend(shape.queue_times_s)
-        events = []
-        for o in outputs:
-            ev = {"rid": o.request_id, "tokens": o.new_token_ids, "finished": o.finished,
-                  "reason": o.finish_reason}
-            if o.held:
-                ev["held"] = True
-                self._leases[o.request_id] = time.monotonic() + self.lease_s
-            if o.new_logprobs is not None:
-                ev["logprobs"] = o.new_logprobs
-            events.append(ev)
-        self._emit(events)
-
-    def _emit(self, events: list[dict]) -> None:
-        with self._cv:
             self._events.extend(events)
             self._cv.notify_all()
 
-    @property
-    def _load(self) -> dict:
-        s = self.engine.scheduler
-        queued_prefill = sum(q.num_tokens - q.num_computed_tokens for q in list(s.waiting))
-        return {"worker_id": self.worker_id, "role": self.role, "waiting": len(s.waiting),
-                "running": len(s.running), "swapped": len(s.swapped), "receiving": s.num_receiving,
-                "pending": len(self._pending), "queued_prefill_tokens": queued_prefill,
-                "kv_blocks_used": self.engine.kv.pool.num_blocks - self.engine.kv.num_free_blocks,
-                "kv_blocks_total": self.engine.kv.pool.num_blocks, "held": len(self._leases),
-                "steps": self.steps, "kv_transfer": dict(self._transfer_stats),
-                # Cumulative counters; the router turns their growth into Prometheus counters.
-                "prefix_cache_queries": s.stats.prefix_cache_queries,
-                "prefix_cache_hits": s.stats.prefix_cache_hits,
-                "preemptions": dict(s.stats.num_preemptions)}
+    def _emit(self, event) -> None:
+        with self._cv:
+            self._events.append(event)
+            self._cv.notify_all()
+
+    def _report(self) -> LoadReport:
+        """Built on the loop thread (the engine's state is read nowhere else)."""
+        s, kv, h = self.engine.scheduler, self.engine.kv, self.handoffs
+        with self._cv:
+            totals = dataclasses.replace(self._transfer_totals)
+        return LoadReport(
+            worker_id=self.worker_id, role=self.role, waiting=len(s.waiting), running=len(s.running),
+            swapped=len(s.swapped), queued_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
+            kv_blocks_used=kv.pool.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.pool.num_blocks,
+            steps=self.steps, held=h.num_held, pending=h.num_pending, receiving=h.num_receiving,
+            prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
+            preemptions=dict(s.stats.num_preemptions), kv_transfer=totals)
 
     # -- commands (loop thread) ----------------------------------------------------------------
-    def _handle(self, msg: dict) -> None:
-        op, rid = msg["op"], msg["rid"]
-        if op == "abort":
-            self._abort(rid)
+    def _handle(self, op) -> None:
+        if isinstance(op, AbortOp):
+            self._apply(op.rid, self.handoffs.abort(op.rid), abort=True)
             return
-        params = SamplingParams(**msg["params"])
         try:
-            if op == "generate":
-                self.engine.add_request(prompt_token_ids=msg["prompt_token_ids"], params=params,
-                                        request_id=rid, priority=msg.get("priority", 0))
-            elif op == "prefill":
-                self.engine.add_request(prompt_token_ids=msg["prompt_token_ids"], params=params,
-                                        request_id=rid, priority=msg.get("priority", 0), prefill_only=True)
-            elif op == "decode":
-                msg["params_obj"] = params
-                self._pending.append(msg)
+            if isinstance(op, DecodeOp):
+                self.handoffs.wait_for_room(op.rid, op)
             else:
-                raise ValueError(f"unknown op {op!r}")
+                self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
+                                        priority=op.priority, prefill_only=isinstance(op, PrefillOp))
         except ValueError as e:
-            self._emit([{"rid": rid, "tokens": [], "finished": True, "reason": "error", "error": str(e)}])
+            self._emit(ErrorEvent(op.rid, str(e)))
 
-    def _abort(self, rid: str) -> None:
-        self._pending = deque(m for m in self._pending if m["rid"] != rid)
-        self._leases.pop(rid, None)
-        self.engine.abort(rid)
-
-    def _release(self, rid: str) -> None:
-        self._leases.pop(rid, None)
-        self.engine.release(rid)
-
-    def _expire_leases(self) -> None:
-        if not self._leases:
-            return
-        now = time.monotonic()
-        for rid in [r for r, t in self._leases.items() if t < now]:
-            log.warning("worker %s: KV lease of %s expired before a decode worker pulled it",
-                        self.worker_id, rid)
-            self._release(rid)
+    def _apply(self, rid: str, outcome: Outcome, abort: bool = False) -> None:
+        """Carry out what the handoff book decided for a request's blocks."""
+        if outcome is Outcome.FREE:
+            self.engine.abort(rid) if abort else self.engine.release(rid)
+        elif outcome is Outcome.COMMIT:
+            self.engine.commit_received(rid)
+        elif outcome is Outcome.NOTHING and abort:
+            self.engine.abort(rid)                      # not in a handoff: queued or running here
 
     def _admit_pending(self) -> None:
         """Reserve blocks for waiting decode requests, oldest first, while there is room."""
-        while self._pending:
-            msg = self._pending[0]
-            p = msg["prompt_token_ids"]
-            dst = self.engine.reserve(msg["rid"], p + msg["first_tokens"], len(p), msg["params_obj"],
-                                      msg.get("priority", 0))
-            if dst is None:
-                return                                  # backpressure: pull later
-            self._pending.popleft()
-            threading.Thread(target=self._pull, args=(msg, dst), daemon=True,
-                             name=f"pull-{msg['rid']}").start()
+        def reserve(op: DecodeOp):
+            return self.engine.reserve(op.rid, op.prompt_token_ids + op.first_tokens, len(op.prompt_token_ids),
+                                       op.params, op.priority, num_receiving=self.handoffs.num_receiving)
+        for op, dst in self.handoffs.admit(reserve):
+            self.handoffs.start_transfer(op.rid)
+            threading.Thread(target=self._pull, args=(op, dst), daemon=True, name=f"pull-{op.rid}").start()
 
-    def _pull(self, msg: dict, dst: list[int]) -> None:
+    def _pull(self, op: DecodeOp, dst: list[int]) -> None:
         """Transfer thread: ask the prefill worker to send, receive into the reserved blocks."""
-        rid, prefill_id = msg["rid"], msg["prefill_id"]
-        prefill = _peer(self.cluster_id, prefill_id)
+        rid, prefill_id = op.rid, op.prefill_id
         try:
+            prefill = _peer(self.cluster_id, prefill_id)
             transport = self._get_transport()
             # One pull at a time per prefill peer, and a shared id: both sides run the pair's
             # transfers in the same order, and a mix-up fails loudly instead of swapping KV.
@@ -265,7 +260,7 @@ class Worker:
                 self._transfer_ids += 1
                 tid = self._transfer_ids
                 t0 = time.monotonic()
-                sent = prefill.send_kv.remote(rid, self.worker_id, transport.store_addr, tid)
+                sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid)))
                 nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
                                                self.transfer_timeout_s, tid)
                 _wait_ref(sent, self.transfer_timeout_s)
@@ -273,14 +268,17 @@ class Worker:
         except Exception as e:
             log.warning("worker %s: KV pull of %s failed: %s", self.worker_id, rid, e)
             with self._cv:
-                self._transfer_stats["failures"] += 1
-            prefill.release_kv.remote(rid)
-            self._call_in_loop(lambda: (self.engine.abort(rid), self._emit(
-                [{"rid": rid, "tokens": [], "finished": True, "reason": "error",
-                  "error": f"KV transfer failed: {e}", "retryable": True}])))
+                self._transfer_totals.failures += 1
+            _release_on(self.cluster_id, prefill_id, rid)
+
+            def failed():
+                if self.handoffs.finish_transfer(rid, ok=False) is Outcome.FREE:
+                    self.engine.abort(rid)
+                self._emit(ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True))
+            self._call_in_loop(failed)
             return
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
-        self._call_in_loop(lambda: self.engine.commit_received(rid))
+        self._call_in_loop(lambda: self._apply(rid, self.handoffs.finish_transfer(rid, ok=True), abort=True))
 
     def _peer_lock(self, peer_id: str) -> threading.Lock:
         with self._cv:
@@ -288,9 +286,10 @@ class Worker:
 
     def _record_transfer(self, nbytes: int, seconds: float) -> None:
         with self._cv:
-            self._transfer_stats["bytes"] += nbytes
-            self._transfer_stats["count"] += 1
-            self._transfer_stats["seconds"] += seconds
+            t = self._transfer_totals
+            t.bytes += nbytes
+            t.count += 1
+            t.seconds += seconds
             self._samples["kv_transfer_s"].append(seconds)
 
     def _get_transport(self):
@@ -298,7 +297,7 @@ class Worker:
             if self._transport is None:
                 from workers.kv_transfer import make_transport
                 self._transport = make_transport(self._transport_kind, self.engine.device, self.worker_id,
-                                                 host=_node_ip())
+                                                 host=node_ip())
             return self._transport
 
 
@@ -311,9 +310,18 @@ def _peer(cluster_id: str, worker_id: str):
     return ray.get_actor(actor_name(cluster_id, worker_id), namespace="pdcluster")
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """The address other nodes reach this one at (Ray's view of it)."""
     import ray
     return ray.util.get_node_ip_address()
+
+
+def _release_on(cluster_id: str, worker_id: str, rid: str) -> None:
+    """Tell a prefill worker to drop its copy; a peer that is gone has nothing left to free."""
+    try:
+        _peer(cluster_id, worker_id).release_kv.remote(rid)
+    except Exception:
+        pass
 
 
 def _wait_ref(ref, timeout_s: float):

@@ -1,0 +1,54 @@
+"""The shape of a cluster: its mode, pool sizes, engine, transport and Ray resources (plain data)."""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+
+from workers.config import EngineConfig
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS
+
+PLACEMENTS = ("default", "spread")     # how Ray places the workers over the nodes (see launch)
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    model: str = "tiny"                       # the engine's model (overrides engine.model)
+    mode: str = DISAGGREGATED                 # one of MODES
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 2
+    engine: EngineConfig | dict = field(default_factory=EngineConfig)   # a dict: EngineConfig.from_dict
+    kv_transport: str = "auto"                # one of TRANSPORTS
+    address: str | None = None                # Ray address; None: RAY_ADDRESS or a local cluster
+    num_gpus_per_worker: float | None = None   # None: 1 if the cluster has GPUs, else 0
+    num_cpus_per_worker: float = 0.5
+    placement: str = "default"               # one of PLACEMENTS; spread: round-robin over the nodes
+    ready_timeout_s: float = 300.0
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
+
+    def __post_init__(self):
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig.from_dict(self.engine)
+        self.engine = dataclasses.replace(self.engine, model=self.model)
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.mode == DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+        if self.mode == COLOCATED and self.num_colocated < 1:
+            raise ValueError("colocated mode needs at least one worker")
+        for name in ("lease_s", "transfer_timeout_s", "ready_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def roles(self) -> list[tuple[str, str]]:
+        if self.mode == COLOCATED:
+            return [(f"{COLOCATED}-{i}", COLOCATED) for i in range(self.num_colocated)]
+        return ([(f"{PREFILL}-{i}", PREFILL) for i in range(self.num_prefill)] +
+                [(f"{DECODE}-{i}", DECODE) for i in range(self.num_decode)])

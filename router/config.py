@@ -1,0 +1,29 @@
+"""The router's settings: where it listens, who may call it, how it picks and admits, its SLOs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.slo import SLOTargets
+from workers.names import PICKING_POLICIES
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None                # require 'Authorization: Bearer KEY'
+    served_model_name: str | None = None      # the model name clients send (default: the model)
+    policy: str = "p2c"                       # one of PICKING_POLICIES
+    max_pending: int = 512                    # requests in flight before 429
+    max_retries: int = 2                      # re-runs from prefill after a retryable failure
+    slo: SLOTargets = field(default_factory=SLOTargets)
+
+    def __post_init__(self):
+        if self.policy not in PICKING_POLICIES:
+            raise ValueError(f"--policy must be one of {PICKING_POLICIES}, got {self.policy!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_pending < 1:
+            raise ValueError(f"--max-pending must be >= 1, got {self.max_pending}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")

@@ -1,0 +1,19 @@
+"""Policy code stays plain Python: the scheduler, the KV cache manager, the block pool, the
+picker, the handoff book, the wire contract, the SLO judge and the configs import without torch
+or Ray, so the simulator and unit tests run the same code the cluster runs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.block_pool", "workers.handoff",
+                  "workers.messages", "workers.config", "workers.names", "router.picker", "router.slo",
+                  "router.config", "cluster.spec")
+
+
+def test_policy_modules_load_neither_torch_nor_ray():
+    code = ("import importlib, sys\n"
+            f"for m in {POLICY_MODULES!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"policy modules pulled in {out.stdout.strip()}"

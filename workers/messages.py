@@ -1,0 +1,208 @@
+"""The contract between the router and the workers: typed messages, one msgpack codec.
+
+    router ──encode(GenerateOp | PrefillOp | DecodeOp | AbortOp)──▶ worker.submit
+    router ◀──decode(PollReply{events: [TokenEvent | ErrorEvent], load: LoadReport, samples})── worker.poll
+    decode worker ──KVSendRequest──▶ prefill worker.send_kv;  both sides exchange a TransferHeader
+
+Every message is a dataclass registered here; `encode` writes it as a msgpack map tagged with
+its type, `decode` rebuilds the dataclass (nested ones included). A field renamed or added on
+one side only fails loudly (`ContractError`), never reads as a default. Plain Python: the
+simulator and the tests use the same types without Ray or torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import msgpack
+
+from workers.sequence import SamplingParams
+
+_TAG = "__t"
+_TYPES: dict[str, type] = {}        # tag -> class
+
+
+class ContractError(ValueError):
+    """A message that does not match this side's types (a renamed, missing or unknown field)."""
+
+
+def message(cls):
+    """Register a dataclass as a wire message (its class name is its tag)."""
+    _TYPES[cls.__name__] = cls
+    return cls
+
+
+message(SamplingParams)             # the sampling parameters travel as they are declared
+
+
+# -- router -> worker: operations -----------------------------------------------------------
+@message
+@dataclass(slots=True)
+class GenerateOp:
+    """Colocated: run the whole request."""
+    rid: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@message
+@dataclass(slots=True)
+class PrefillOp(GenerateOp):
+    """Run the prompt to its first token, then hold its KV for a decode worker to pull."""
+
+
+@message
+@dataclass(slots=True)
+class DecodeOp:
+    """Reserve blocks when there is room, pull the prompt's KV from `prefill_id`, decode on."""
+    rid: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_tokens: list[int]           # sampled by the prefill worker, already sent to the client
+    prefill_id: str
+    priority: int = 0
+
+
+@message
+@dataclass(slots=True)
+class AbortOp:
+    """End the request wherever it is and free its blocks (idempotent)."""
+    rid: str
+
+
+Op = GenerateOp | PrefillOp | DecodeOp | AbortOp
+
+
+# -- worker -> router: events, load, samples ------------------------------------------------
+@message
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of a request; `held`: prefill done, its KV is held under a lease."""
+    rid: str
+    tokens: list[int]
+    finished: bool = False
+    reason: str | None = None         # "stop" | "length" when finished
+    logprobs: list | None = None
+    held: bool = False
+
+
+@message
+@dataclass(slots=True)
+class ErrorEvent:
+    """The request ended in an error. Retryable ones (a failed handoff, a dead peer) are run
+    again from prefill by the router; the others reach the client as a 4xx."""
+    rid: str
+    error: str
+    retryable: bool = False
+
+
+Event = TokenEvent | ErrorEvent
+
+
+@message
+@dataclass(slots=True)
+class TransferTotals:
+    """A decode worker's cumulative KV pulls."""
+    bytes: int = 0
+    count: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+
+@message
+@dataclass(slots=True)
+class LoadReport:
+    """A worker's state at one poll: gauges and cumulative counters (the router turns their
+    growth into Prometheus counters)."""
+    worker_id: str
+    role: str
+    waiting: int                      # sequences queued for their first scheduling
+    running: int                      # sequences in the running batch
+    swapped: int
+    queued_prefill_tokens: int        # prompt tokens not yet computed, over the waiting queue
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int                        # engine steps so far
+    held: int = 0                     # prefill: requests whose KV waits for a pull
+    pending: int = 0                  # decode: requests waiting for room to reserve blocks
+    receiving: int = 0                # decode: reserved, KV arriving
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: dict[str, int] = field(default_factory=dict)      # mode -> count
+    kv_transfer: TransferTotals = field(default_factory=TransferTotals)
+
+
+SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s")
+
+
+@message
+@dataclass(slots=True)
+class PollReply:
+    events: list                      # TokenEvent | ErrorEvent, in order
+    load: LoadReport
+    samples: dict[str, list[float]]   # SAMPLE_KINDS -> values since the last poll
+
+
+# -- the KV handoff ---------------------------------------------------------------------------
+@message
+@dataclass(slots=True)
+class KVSendRequest:
+    """A decode worker asks the prefill worker holding `rid` to send its prompt KV."""
+    rid: str
+    peer_id: str                      # the receiving worker
+    store_addr: str                   # "host:port" of its rendezvous store
+    transfer_id: int                  # both sides check it: a reordering fails, never swaps KV
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHeader:
+    """What both sides of one transfer exchange before the payload (as two int64s on the
+    transport's own channel, not msgpack: it travels through the collective library)."""
+    num_blocks: int
+    transfer_id: int
+
+    def as_ints(self) -> list[int]:
+        return [self.num_blocks, self.transfer_id]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> TransferHeader:
+        return cls(*ints)
+
+
+# -- the codec ----------------------------------------------------------------------------------
+def _to_wire(obj):
+    if _TYPES.get(type(obj).__name__) is type(obj):
+        d = {f.name: _to_wire(getattr(obj, f.name)) for f in fields(obj)}
+        d[_TAG] = type(obj).__name__
+        return d
+    if isinstance(obj, (list, tuple)):
+        return [_to_wire(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    return obj
+
+
+def _from_wire(d: dict):
+    tag = d.get(_TAG)
+    if tag is None:
+        return d
+    cls = _TYPES.get(tag)
+    if cls is None:
+        raise ContractError(f"unknown message type {tag!r}")
+    kw = {k: v for k, v in d.items() if k != _TAG}
+    try:
+        return cls(**kw)
+    except TypeError as e:              # a renamed, missing or unknown field
+        raise ContractError(f"{tag}: {e}") from None
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb(_to_wire(msg))
+
+
+def decode(payload: bytes, expect: type | tuple[type, ...] | None = None):
+    """bytes -> the message; with `expect`, a message of another type is a ContractError."""
+    msg = msgpack.unpackb(payload, strict_map_key=False, object_hook=_from_wire)
+    if expect is not None and not isinstance(msg, expect):
+        raise ContractError(f"expected {expect}, got {type(msg).__name__}")
+    return msg

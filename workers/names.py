@@ -1,0 +1,25 @@
+"""The names the CLI, the router and the workers share: roles, modes, transports, policies.
+
+Each choice is spelled here once; flags, validation and metrics labels import it.
+"""
+from __future__ import annotations
+
+PREFILL, DECODE, COLOCATED = ROLES = ("prefill", "decode", "colocated")
+DISAGGREGATED = "disaggregated"
+MODES = (DISAGGREGATED, COLOCATED)                    # a cluster's shape
+TRANSPORTS = ("auto", "gloo", "nccl")                  # KV handoff; auto: nccl on GPUs, gloo on CPU
+PICKING_POLICIES = ("p2c", "random", "round-robin")    # how the router picks a worker
+PREEMPTION_KINDS = ("recompute", "swap")                # what a preemption did
+PREEMPTION_MODES = ("auto",) + PREEMPTION_KINDS         # what the scheduler may choose
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
+
+
+def first_role(mode: str) -> str:
+    """The role a request starts on in a cluster of this mode."""
+    return COLOCATED if mode == COLOCATED else PREFILL
+
+
+def roles_of(mode: str) -> tuple[str, ...]:
+    """The pools a cluster of this mode has."""
+    return (COLOCATED,) if mode == COLOCATED else (PREFILL, DECODE)
