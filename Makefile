@@ -66,4 +66,4 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/bench_offline.py --vllm-python $(VLLM_PY) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .tools build *.egg-info

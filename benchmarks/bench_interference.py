@@ -43,9 +43,9 @@ from cluster.bench_data import BenchRequest, sample_random  # noqa: E402
 from cluster.launcher import ClusterSpec  # noqa: E402
 from cluster.serve import ServingCluster, free_port  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402
+from workers.names import MODES  # noqa: E402
 
 MODEL = "tiny"
-MODES = ("disaggregated", "colocated")
 # (label, summary key, which requests): the rows of the report
 ROWS = [("TTFT p50 (all)", "median_ttft_ms", "all"), ("TTFT p99 (all)", "p99_ttft_ms", "all"),
         ("TTFT p50 (short)", "median_ttft_ms", "short"), ("ITL p50 (short)", "median_itl_ms", "short"),

@@ -507,21 +507,27 @@ def ray_job_id() -> str | None:
 
 def emit_result(result: dict, name: str, job_id: str) -> None:
     """The saved result, on one line between markers in the job's log, for `--from-ray-job`."""
-    print(f"{RESULT_BEGIN} {name}\n{json.dumps(result, separators=(',', ':'))}\n{RESULT_END}", flush=True)
-    print(f"fetch it with: pdcluster bench --from-ray-job {job_id} --ray-address http://HEAD:8265 "
-          "--result-dir DIR", flush=True)
+    print(f"{RESULT_BEGIN} {name}\n{json.dumps(result, separators=(',', ':'))}\n{RESULT_END} (to save it "
+          f"elsewhere: pdcluster bench --from-ray-job {job_id} --ray-address http://HEAD:8265)", flush=True)
 
 
-def extract_result(log: str) -> tuple[str, dict] | None:
-    """(file name, result) of the last complete result block in a job's log, or None."""
+def extract_result(log: str) -> tuple[tuple[str, dict] | None, str]:
+    """((file name, result) of the last complete result block in a job's log, or None; the log
+    without its result blocks)."""
     lines = [line.rstrip("\r") for line in log.split("\n")]
-    for i in range(len(lines) - 3, -1, -1):
-        if lines[i].startswith(RESULT_BEGIN + " ") and lines[i + 2] == RESULT_END:
+    found, rest, i = None, [], 0
+    while i < len(lines):
+        if (lines[i].startswith(RESULT_BEGIN + " ") and i + 2 < len(lines)
+                and lines[i + 2].startswith(RESULT_END)):
             try:
-                return lines[i].removeprefix(RESULT_BEGIN + " "), json.loads(lines[i + 1])
-            except ValueError:
+                found = lines[i].removeprefix(RESULT_BEGIN + " "), json.loads(lines[i + 1])
+                i += 3
                 continue
-    return None
+            except ValueError:                # cut short: not a result
+                pass
+        rest.append(lines[i])
+        i += 1
+    return found, "\n".join(rest)
 
 
 def fetch_ray_job_result(a: argparse.Namespace) -> int:
@@ -540,11 +546,14 @@ def fetch_ray_job_result(a: argparse.Namespace) -> int:
         log = client.get_job_logs(job)
     except (ConnectionError, OSError) as e:
         raise RuntimeError(f"cannot reach Ray's job API at {a.ray_address or 'RAY_ADDRESS'}: {e}") from None
-    found = extract_result(log)
+    except RuntimeError as e:                 # e.g. HTTP 404: no such job
+        raise RuntimeError(f"Ray job {job}: {e}") from None
+    found, rest = extract_result(log)
     if found is None:
         tail = "\n".join(log.strip().splitlines()[-5:])
         raise RuntimeError(f"Ray job {job} ({status.value}) logged no result; was it `pdcluster bench ... "
                            f"--save-result`? Its log ends:\n{tail}")
+    print(rest.rstrip("\n"))                  # the job's own report
     name, result = found
     a.result_filename = a.result_filename or name
     plots = [] if a.no_plots else _plots(result, a)
@@ -561,9 +570,9 @@ def _maybe_launch(a: argparse.Namespace):
         return
     if a.base_url:
         raise ValueError("--launch starts its own server; drop --base-url")
-    from cluster.launcher import ClusterSpec
-    from cluster.serve import ServingCluster, free_port
     from cluster.cli import engine_config_from_args
+    from cluster.serve import ServingCluster, free_port
+    from cluster.spec import ClusterSpec
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
                        num_decode=a.launch_decode, num_colocated=a.launch_workers,
                        engine=engine_config_from_args(a, skip=LAUNCH_SKIPS))

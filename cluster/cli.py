@@ -105,8 +105,8 @@ def add_flags(g, flags: tuple[Flag, ...], cls, **overrides) -> None:
         shown = default / f.unit if isinstance(default, (int, float)) and f.unit != 1 else default
         if isinstance(shown, float) and shown.is_integer() and f.type is int:
             shown = int(shown)
-        g.add_argument(f.flag, type=f.type, default=shown, choices=f.choices,
-                       help=f"{f.help} (default: {shown})")
+        note = "" if "default" in f.help else f" (default: {shown})"
+        g.add_argument(f.flag, type=f.type, default=shown, choices=f.choices, help=f.help + note)
 
 
 def values_from(a: argparse.Namespace, flags: tuple[Flag, ...]) -> dict:

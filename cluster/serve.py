@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -107,8 +109,12 @@ def serve_forever(cluster: ServingCluster) -> int:
     print(f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)")
     print(f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal with the previous handler:
+    # SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this SystemExit (143); both unwind
+    # through the `finally`, so the workers and a local Ray stop with the router.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        server.run()                      # returns on Ctrl-C / SIGTERM after a graceful drain
+        server.run()
     finally:
         shutdown(cluster.workers)
         if ray.is_initialized():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def load():
     # Named by content: checkouts with the same source share one cached build, and a changed
     # source never finds a stale one.
     digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + ldflags).encode()).hexdigest()[:12]
+    _prefer_our_ninja()
     try:
         from torch.utils.cpp_extension import load as build
         return build(name=f"pdcluster_paged_attention_{digest}", sources=[str(_SRC)],
@@ -35,3 +37,12 @@ def load():
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
+
+
+def _prefer_our_ninja() -> None:
+    """Build with the ninja pinned beside this interpreter (pyproject), not whichever is first on
+    PATH: two ninja versions take each other's build logs for stale and rebuild every time."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if (Path(bin_dir) / "ninja").exists() and path[:1] != [bin_dir]:
+        os.environ["PATH"] = os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])

@@ -1,0 +1,302 @@
+"""pdcluster on an existing multi-node Ray cluster, as the README's "On an existing Ray cluster"
+and "As a Ray job" sections run it.
+
+Two real Ray nodes on this machine (`ray start --head` and `ray start --address`, each its own
+raylet, object store and custom resource `node_a` / `node_b`), then `pdcluster serve --address
+HEAD --placement spread` through the console script joins them: the prefill and the decode worker
+must land on different nodes, so every request's KV handoff crosses nodes, and the output must
+equal the offline engine's. Then `pdcluster bench` runs as a Ray job (`ray job submit`) against
+that server, and `pdcluster bench --from-ray-job` brings its result file back to the submitter.
+
+Isolation: the nodes use a temp dir of their own and free ports (GCS, dashboard, agents, client
+server), every Ray process is started here and stopped here by pid: never `ray stop`, which
+would end every Ray on the machine. No Ray runs in this process (the session's `ray_session`
+stays untouched): the test reads the cluster's state through the dashboard's HTTP API.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster import promtext
+from cluster.serve import free_port
+from common import wait_for
+
+BIN = Path(sys.executable).parent            # the venv's: ray, pdcluster
+PROMPT = "Prefill on one node, decode on the other:"
+MAX_TOKENS = 24
+BENCH_PROMPTS = 6
+
+
+def _alive(proc: subprocess.Popen) -> bool:
+    return proc.poll() is None
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _descendants(pids: list[int]) -> set[int]:
+    """pids and every process below them (by parent pid), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def _die_with_us(new_session: bool):
+    """preexec_fn: SIGTERM the child when this process dies (a killed pytest leaves no Ray
+    behind: `ray start --block` stops its node on SIGTERM); optionally in a session of its own."""
+    def preexec():
+        if new_session:
+            os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    return preexec
+
+
+def _running(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(procs: list[subprocess.Popen], extra: set[int]) -> None:
+    """SIGTERM these processes (a `ray start --block` then stops its node's processes), wait,
+    then SIGKILL whatever of them and `extra` (their descendants, collected before) is left."""
+    for p in procs:
+        if _alive(p):
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    try:
+        wait_for(lambda: [pid for pid in extra if _running(pid)], lambda left: not left, 10)
+    except AssertionError:
+        print(f"killing what is left of the Ray nodes: {[pid for pid in extra if _running(pid)]}")
+        for pid in extra:
+            if _running(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+class TwoNodeCluster:
+    def __init__(self, root: Path):
+        self.root = root
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.router_port = free_port()
+        self.router = f"http://127.0.0.1:{self.router_port}"
+        # RAY_AUTH_MODE: Ray 2.60 turns on token auth for new clusters otherwise.
+        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+        for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+            self.env.pop(k, None)
+        self.nodes: list[subprocess.Popen] = []
+        self.serve: subprocess.Popen | None = None
+        self.t0 = time.monotonic()
+
+    def mark(self, what: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {what}", flush=True)
+
+    def _start_node(self, name: str, args: list[str]) -> None:
+        log = self.root / f"{name}.log"
+        with open(log, "w") as f:
+            # Its own session: Ray's reaper signals its process group, which must not be ours.
+            proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", "--disable-usage-stats",
+                                     "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
+                                     "--dashboard-agent-listen-port", str(free_port()), *args],
+                                    stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+                                    preexec_fn=_die_with_us(new_session=True))
+        self.nodes.append(proc)
+        wait_for(lambda: (_alive(proc), "Ray runtime started" in _log(log)), lambda v: v[1] or not v[0], 60,
+                 lambda: _log(log)[-3000:], poll_s=0.2)
+        if "Cannot include dashboard with missing packages" in _log(log):
+            pytest.fail("Ray's dashboard (the job API) needs `ray[default]` installed")
+        assert _alive(proc), f"`ray start` for {name} exited:\n{_log(log)[-3000:]}"
+        self.mark(f"ray node {name} started")
+
+    def start(self) -> None:
+        self._start_node("head", ["--head", "--port", str(self.gcs_port), "--resources", '{"node_a": 1}',
+                                  "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                                  "--dashboard-port", str(self.dashboard_port),
+                                  "--ray-client-server-port", str(free_port()),
+                                  "--temp-dir", str(self.root / "ray")])
+        self._start_node("node-b", ["--address", self.address, "--resources", '{"node_b": 1}'])
+        from ray.util.state import list_nodes
+        nodes = wait_for(lambda: _try(lambda: list_nodes(address=self.dashboard, filters=[("state", "=", "ALIVE")])),
+                         lambda ns: ns is not None and len(ns) == 2, 60, poll_s=0.2)
+        self.node_of = {}                    # Ray node id -> "node_a" | "node_b"
+        for n in nodes:
+            tags = [r for r in ("node_a", "node_b") if r in n.resources_total]
+            assert len(tags) == 1, n
+            self.node_of[n.node_id] = tags[0]
+        assert sorted(self.node_of.values()) == ["node_a", "node_b"]
+        self.mark("both nodes alive in the dashboard")
+
+    def start_serve(self) -> None:
+        log = self.root / "serve.log"
+        with open(log, "w") as f:
+            self.serve = subprocess.Popen(
+                [str(BIN / "pdcluster"), "serve", "--address", self.address, "--placement", "spread",
+                 "--prefill", "1", "--decode", "1", "--model", "tiny", "--port", str(self.router_port),
+                 "--kv-cache-memory-mib", "16", "--swap-space-mib", "0"],
+                stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+                preexec_fn=_die_with_us(new_session=False))
+        wait_for(lambda: (_alive(self.serve), _try(lambda: httpx.get(self.router + "/v1/models", timeout=5))),
+                 lambda v: not v[0] or (v[1] is not None and v[1].status_code == 200), 120,
+                 lambda: _log(log)[-3000:], poll_s=0.2)
+        assert _alive(self.serve), f"`pdcluster serve` exited:\n{_log(log)[-3000:]}"
+        self.mark("pdcluster serve answers")
+
+    def stop(self) -> None:
+        extra = _descendants([p.pid for p in self.nodes + ([self.serve] if self.serve else [])])
+        if self.serve is not None and _alive(self.serve):
+            self.serve.send_signal(signal.SIGINT)            # Ctrl-C: drain, stop the workers
+            try:
+                self.serve.wait(30)
+            except subprocess.TimeoutExpired:
+                self.serve.kill()
+                self.serve.wait()
+        self.mark("serve stopped")
+        _stop(self.nodes[1:], set())                           # the worker node, then the head
+        _stop(self.nodes[:1], extra)
+        self.mark(f"both nodes stopped ({len(extra)} processes)")
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:                     # not up yet
+        return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Short: Ray's unix sockets live under it (their paths are limited to ~107 bytes).
+    root = Path(tempfile.mkdtemp(prefix="pdc-mn-", dir="/tmp"))
+    c = TwoNodeCluster(root)
+    try:
+        c.start()
+        c.start_serve()
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _kv_transfers(router: str) -> tuple[float, float]:
+    """(KV pulls, KV bytes) the decode workers reported, from the router's /metrics."""
+    m = promtext.scrape(router + "/metrics")
+    return (promtext.total(m, "pdcluster:kv_transfer_seconds_count"),
+            promtext.total(m, "pdcluster:kv_transfer_bytes_total"))
+
+
+def test_workers_span_nodes_and_kv_crosses_them(cluster):
+    from ray.util.state import list_actors
+
+    from cluster.offline import generate
+
+    actors = [a for a in list_actors(address=cluster.dashboard, filters=[("state", "=", "ALIVE")], limit=1000)
+              if a.name and a.name.startswith("pdcluster-")]
+    where = {a.name.rsplit("-", 2)[-2]: cluster.node_of[a.node_id] for a in actors}
+    assert len(actors) == 2 and sorted(where) == ["decode", "prefill"], actors
+    assert where["prefill"] != where["decode"], f"both workers on {where['prefill']}: --placement spread failed"
+
+    pulls0, bytes0 = _kv_transfers(cluster.router)
+    r = httpx.post(cluster.router + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    offline = generate([{"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}],
+                       model="tiny")[0]
+    assert choice["token_ids"] == offline["token_ids"]
+    assert choice["text"] == offline["text"]
+    # The request's KV went from the prefill worker's node to the decode worker's: one pull.
+    pulls, nbytes = wait_for(lambda: _kv_transfers(cluster.router), lambda v: v[0] >= pulls0 + 1, 10)
+    assert pulls == pulls0 + 1 and nbytes > bytes0, (pulls0, pulls, bytes0, nbytes)
+    cluster.mark("cross-node request checked")
+
+
+def test_bench_as_ray_job_brings_its_result_back(cluster, tmp_path):
+    job = f"pdcluster-bench-{uuid.uuid4().hex[:8]}"
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard, "--submission-id", job, "--no-wait",
+         "--", str(BIN / "pdcluster"), "bench", "--base-url", cluster.router, "--dataset-name", "random",
+         "--num-prompts", str(BENCH_PROMPTS), "--random-input-len", "40", "--random-output-len", "8",
+         "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", "job-results", "--no-plots"],
+        capture_output=True, text=True, env=cluster.env, cwd=tmp_path, timeout=120)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    cluster.mark("bench job submitted")
+
+    # The submitter's side: another directory, no filesystem shared with the job but the log.
+    fetched = tmp_path / "fetched"
+    got = subprocess.run(
+        [str(BIN / "pdcluster"), "bench", "--from-ray-job", job, "--ray-address", cluster.dashboard,
+         "--result-dir", str(fetched)],
+        capture_output=True, text=True, env=cluster.env, cwd=tmp_path, timeout=180)
+    assert got.returncode == 0, got.stdout + got.stderr
+    cluster.mark("bench result fetched")
+    files = sorted(p.name for p in fetched.iterdir())
+    results = [f for f in files if f.endswith(".json")]
+    assert len(results) == 1 and any(f.endswith("-latency.png") for f in files), files
+    result = json.loads((fetched / results[0]).read_text())
+    assert result["completed"] == BENCH_PROMPTS and result["failed"] == 0, result.get("errors")
+    assert result["num_workers"] == 2
+    assert result["server"]["kv_transfers"] == BENCH_PROMPTS      # each handed over across the nodes
+    assert f"{BENCH_PROMPTS} completed, 0 failed" in got.stdout, got.stdout
+    assert "Serving Benchmark Result" in got.stdout                # the job's report, echoed
+    assert "pdcluster-bench-result-begin" not in got.stdout         # ... without the raw result
+    # The job saved its own copy on the head (under the node's directory), not where we fetched to.
+    assert not (tmp_path / "job-results").exists()
+    on_head = list(cluster.root.rglob(f"job-results/{results[0]}"))
+    assert len(on_head) == 1 and json.loads(on_head[0].read_text()) == result, on_head
+
+
+def test_result_block_in_a_job_log():
+    """The job's log carries the result between markers: the last complete block wins, a block
+    cut short is not a result, and the rest of the log is kept for the submitter to read."""
+    import contextlib
+    import io
+
+    from cluster.bench import RESULT_BEGIN, emit_result, extract_result
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print("progress\r")
+        emit_result({"completed": 1}, "first.json", "job-1")
+        print("report")
+        emit_result({"completed": 2, "failed": 0}, "second.json", "job-1")
+    found, rest = extract_result(out.getvalue() + f"{RESULT_BEGIN} cut.json\n{{\"completed\"")
+    assert found == ("second.json", {"completed": 2, "failed": 0})
+    assert rest.split("\n")[:2] == ["progress", "report"] and '"completed": 2' not in rest
+    assert extract_result("no result here\n") == (None, "no result here\n")
