@@ -25,7 +25,7 @@ from router.metrics import Metrics
 from router.picker import Picker, WorkerLoad, decode_load, prefill_load
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.names import COLOCATED, DECODE, MODES, PREFILL, ROLES, first_role
+from workers.names import COLOCATED, DECODE, MODES, ROLES, first_role
 
 log = logging.getLogger("pdcluster.router")
 

@@ -1,8 +1,11 @@
 """Constants and checks shared by the test modules (plain Python, importable from tests)."""
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
+from pathlib import Path
 
 VOCAB = 258                 # the byte-level tokenizer: 256 bytes + <s> + </s>
 MAX_NEW_TOKENS = 64
@@ -58,3 +61,54 @@ def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float =
             raise AssertionError(f"condition not met within {deadline_s}s: "
                                  f"{describe() if describe else ''} (last: {value})")
         time.sleep(poll_s)
+
+
+# -- processes a test started (Ray daemons, actors), read from /proc ------------------------------
+def _proc_stat(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, start time, state) of a process, None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), fields[19], fields[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(*roots: int) -> dict[tuple[int, str], str]:
+    """{(pid, start time): command line} of every live process under `roots` (not the roots).
+    The start time tells a process from a later one that reuses its pid."""
+    parent, started = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _proc_stat(int(entry.name))) is not None:
+            parent[int(entry.name)], started[int(entry.name)] = st[0], st[1]
+    found, frontier = {}, list(roots)
+    while frontier:
+        p = frontier.pop()
+        for child, pp in parent.items():
+            if pp == p and (child, started[child]) not in found:
+                found[(child, started[child])] = _cmdline(child)
+                frontier.append(child)
+    return found
+
+
+def still_running(procs: dict[tuple[int, str], str]) -> list[str]:
+    """The command lines of those processes that still run (a zombie has ended)."""
+    return [cmd for (pid, start), cmd in procs.items()
+            if (st := _proc_stat(pid)) is not None and st[1] == start and st[2] != "Z"]
+
+
+def kill_all(procs: dict[tuple[int, str], str]) -> None:
+    """SIGKILL whichever of these processes still runs (cleanup after a failure)."""
+    for (pid, start), _ in procs.items():
+        if (st := _proc_stat(pid)) is not None and st[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

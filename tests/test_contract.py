@@ -92,3 +92,33 @@ def test_a_worker_speaks_the_contract_without_ray():
             w.submit(msg.encode(LOAD))                               # not an operation
     finally:
         w.shutdown()
+
+
+def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry():
+    """A decode worker whose prefill peer cannot be reached (no such actor): the pull fails, the
+    reserved blocks come back, the failure is counted, and the router gets a retryable error
+    (the dispatcher then re-runs the request from prefill)."""
+    from workers.config import CacheConfig, EngineConfig
+    from workers.worker import Worker
+    w = Worker("decode-0", "decode", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)),
+               transfer_timeout_s=5, cluster_id="no-such-cluster")
+    try:
+        events: list = []
+
+        def drain():
+            reply = msg.decode(w.poll(0.2), msg.PollReply)
+            events.extend(reply.events)
+            return reply
+
+        op = msg.DecodeOp("r1.0", list(range(40)), SamplingParams(temperature=0, max_tokens=8), first_tokens=[3],
+                          prefill_id="prefill-gone")
+        w.submit(msg.encode(op))
+        reply = wait_for(drain, lambda r: any(isinstance(e, msg.ErrorEvent) for e in events), 30)
+        error = next(e for e in events if isinstance(e, msg.ErrorEvent))
+        assert error.rid == "r1.0" and error.retryable and "KV transfer failed" in error.error
+        assert not [e for e in events if isinstance(e, msg.TokenEvent)]       # nothing decoded from no KV
+        reply = wait_for(drain, lambda r: r.load.receiving == 0 and r.load.pending == 0)
+        assert reply.load.kv_blocks_used == 0 and reply.load.running == 0
+        assert reply.load.kv_transfer.failures == 1 and reply.load.kv_transfer.count == 0
+    finally:
+        w.shutdown()

@@ -32,7 +32,7 @@ import pytest
 
 from cluster import promtext
 from cluster.serve import free_port
-from common import wait_for
+from common import descendants, kill_all, still_running, wait_for
 
 BIN = Path(sys.executable).parent            # the venv's: ray, pdcluster
 PROMPT = "Prefill on one node, decode on the other:"
@@ -48,25 +48,6 @@ def _log(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _descendants(pids: list[int]) -> set[int]:
-    """pids and every process below them (by parent pid), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo += children.get(pid, [])
-    return out
-
-
 def _die_with_us(new_session: bool):
     """preexec_fn: SIGTERM the child when this process dies (a killed pytest leaves no Ray
     behind: `ray start --block` stops its node on SIGTERM); optionally in a session of its own."""
@@ -77,14 +58,7 @@ def _die_with_us(new_session: bool):
     return preexec
 
 
-def _running(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _stop(procs: list[subprocess.Popen], extra: set[int]) -> None:
+def _stop(procs: list[subprocess.Popen], extra: dict) -> None:
     """SIGTERM these processes (a `ray start --block` then stops its node's processes), wait,
     then SIGKILL whatever of them and `extra` (their descendants, collected before) is left."""
     for p in procs:
@@ -98,15 +72,10 @@ def _stop(procs: list[subprocess.Popen], extra: set[int]) -> None:
             p.kill()
             p.wait()
     try:
-        wait_for(lambda: [pid for pid in extra if _running(pid)], lambda left: not left, 10)
+        wait_for(lambda: still_running(extra), lambda left: not left, 10)
     except AssertionError:
-        print(f"killing what is left of the Ray nodes: {[pid for pid in extra if _running(pid)]}")
-        for pid in extra:
-            if _running(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        print(f"killing what is left of the Ray nodes: {still_running(extra)}")
+        kill_all(extra)
 
 
 class TwoNodeCluster:
@@ -179,7 +148,7 @@ class TwoNodeCluster:
         self.mark("pdcluster serve answers")
 
     def stop(self) -> None:
-        extra = _descendants([p.pid for p in self.nodes + ([self.serve] if self.serve else [])])
+        extra = descendants(*[p.pid for p in self.nodes + ([self.serve] if self.serve else [])])
         if self.serve is not None and _alive(self.serve):
             self.serve.send_signal(signal.SIGINT)            # Ctrl-C: drain, stop the workers
             try:
@@ -188,7 +157,7 @@ class TwoNodeCluster:
                 self.serve.kill()
                 self.serve.wait()
         self.mark("serve stopped")
-        _stop(self.nodes[1:], set())                           # the worker node, then the head
+        _stop(self.nodes[1:], {})                           # the worker node, then the head
         _stop(self.nodes[:1], extra)
         self.mark(f"both nodes stopped ({len(extra)} processes)")
 

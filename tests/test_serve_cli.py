@@ -4,9 +4,9 @@ a subprocess.
 `serve` starts its own local Ray (RAY_ADDRESS is cleared, so it cannot join the test session's
 Ray), answers the official `openai` client with the offline engine's greedy output (the
 single-engine path, itself checked against transformers in test_hf_parity), and on Ctrl-C
-(SIGINT) drains, stops its workers and Ray, and exits with 130, the shell's code for an
-interrupt (cluster/cli.py's `main` returns it on KeyboardInterrupt, which uvicorn re-raises
-after its graceful shutdown).
+(SIGINT) or SIGTERM (what Kubernetes and systemd send) drains, stops its workers and Ray, and
+exits with 128 + the signal, the shell's convention (uvicorn re-raises the signal after its
+graceful shutdown; cluster/serve.py turns it into an exit that runs the cleanup).
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from cluster.offline import generate
 from cluster.serve import free_port
-from common import wait_for
+from common import descendants, kill_all, still_running, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PDCLUSTER = ROOT / ".venv" / "bin" / "pdcluster"
@@ -41,45 +42,8 @@ def subprocess_env() -> dict:
     return env
 
 
-# -- the process tree, from /proc ---------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of a live process, None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), fields[19]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def descendants(root: int) -> dict[tuple[int, str], str]:
-    """{(pid, start time): command line} of every live process under `root` (not root itself)."""
-    parent, started = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
-            parent[int(entry.name)], started[int(entry.name)] = st
-    found, frontier = {}, [root]
-    while frontier:
-        p = frontier.pop()
-        for child, pp in parent.items():
-            if pp == p and (child, started[child]) not in found:
-                found[(child, started[child])] = _cmdline(child)
-                frontier.append(child)
-    return found
-
-
-def still_alive(procs) -> list[str]:
-    return [cmd for (pid, start), cmd in procs.items() if (st := _stat(pid)) is not None and st[1] == start]
-
-
-def test_serve_answers_like_the_offline_engine_and_stops_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code):
     port = free_port()
     log = tmp_path / "serve.log"
     cmd = pdcluster_cmd("serve", "--model", "tiny", "--port", str(port), "--prefill", "1", "--decode", "1",
@@ -117,23 +81,18 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_ctrl_c(tmp_path):
         client.close()
 
         tree = descendants(proc.pid) | tree            # anything started since
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rc = proc.wait(timeout=90)
         output = log.read_text(errors="replace")
-        assert rc == 130, output[-3000:]
+        assert rc == code, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
         # Nothing it started outlives it: Ray's daemons and the worker actors are gone.
-        wait_for(lambda: still_alive(tree), lambda alive: not alive, deadline_s=60)
+        wait_for(lambda: still_running(tree), lambda alive: not alive, deadline_s=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        for (pid, start), _ in tree.items():        # only on failure: what this test started
-            if (st := _stat(pid)) is not None and st[1] == start:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_all(tree)                              # only on failure: what this test started
 
 
 def test_demo_runs_and_reports_every_request():

@@ -270,11 +270,12 @@ class Worker:
             with self._cv:
                 self._transfer_totals.failures += 1
             _release_on(self.cluster_id, prefill_id, rid)
+            error = ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True)   # `e` ends with this block
 
             def failed():
                 if self.handoffs.finish_transfer(rid, ok=False) is Outcome.FREE:
                     self.engine.abort(rid)
-                self._emit(ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True))
+                self._emit(error)
             self._call_in_loop(failed)
             return
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
