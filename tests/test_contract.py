@@ -3,6 +3,7 @@ renamed on one side fails loudly instead of reading as a default; and a real wor
 speaks it: ops in, a PollReply with typed events and load out."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import msgpack
@@ -65,20 +66,29 @@ def test_unknown_or_unexpected_types_are_refused():
         msg.decode(msg.encode(msg.AbortOp("x")), msg.PollReply)
 
 
+@contextlib.contextmanager
+def local_worker(worker_id: str, role: str, **kw):
+    """A Worker object in this process (no actor) on `tiny` with 32 blocks; yields it, drain()
+    (one poll: its PollReply, the events appended to `events`) and the events seen so far."""
+    from workers.config import CacheConfig, EngineConfig
+    from workers.worker import Worker
+    w = Worker(worker_id, role, EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)), **kw)
+    events: list = []
+
+    def drain() -> msg.PollReply:
+        reply = msg.decode(w.poll(0.2), msg.PollReply)
+        events.extend(reply.events)
+        return reply
+    try:
+        yield w, drain, events
+    finally:
+        w.shutdown()
+
+
 def test_a_worker_speaks_the_contract_without_ray():
     """The worker class itself (not an actor): a PrefillOp runs to its first token and holds the
     KV; an AbortOp frees it; a bad op comes back as an ErrorEvent; the LoadReport says so."""
-    from workers.config import CacheConfig, EngineConfig
-    from workers.worker import Worker
-    w = Worker("prefill-0", "prefill", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)))
-    try:
-        events: list = []
-
-        def drain():
-            reply = msg.decode(w.poll(0.2), msg.PollReply)
-            events.extend(reply.events)
-            return reply
-
+    with local_worker("prefill-0", "prefill") as (w, drain, events):
         w.submit(msg.encode(msg.PrefillOp("r1", list(range(40)), SamplingParams(temperature=0, max_tokens=8))))
         reply = wait_for(drain, lambda r: r.load.held == 1 and any(isinstance(e, msg.TokenEvent) for e in events))
         first = next(e for e in events if isinstance(e, msg.TokenEvent))
@@ -90,26 +100,13 @@ def test_a_worker_speaks_the_contract_without_ray():
         wait_for(drain, lambda r: any(isinstance(e, msg.ErrorEvent) and e.rid == "r2" for e in events))
         with pytest.raises(msg.ContractError):
             w.submit(msg.encode(LOAD))                               # not an operation
-    finally:
-        w.shutdown()
 
 
 def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry():
     """A decode worker whose prefill peer cannot be reached (no such actor): the pull fails, the
     reserved blocks come back, the failure is counted, and the router gets a retryable error
     (the dispatcher then re-runs the request from prefill)."""
-    from workers.config import CacheConfig, EngineConfig
-    from workers.worker import Worker
-    w = Worker("decode-0", "decode", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)),
-               transfer_timeout_s=5, cluster_id="no-such-cluster")
-    try:
-        events: list = []
-
-        def drain():
-            reply = msg.decode(w.poll(0.2), msg.PollReply)
-            events.extend(reply.events)
-            return reply
-
+    with local_worker("decode-0", "decode", transfer_timeout_s=5, cluster_id="no-such-cluster") as (w, drain, events):
         op = msg.DecodeOp("r1.0", list(range(40)), SamplingParams(temperature=0, max_tokens=8), first_tokens=[3],
                           prefill_id="prefill-gone")
         w.submit(msg.encode(op))
@@ -120,5 +117,3 @@ def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry():
         reply = wait_for(drain, lambda r: r.load.receiving == 0 and r.load.pending == 0)
         assert reply.load.kv_blocks_used == 0 and reply.load.running == 0
         assert reply.load.kv_transfer.failures == 1 and reply.load.kv_transfer.count == 0
-    finally:
-        w.shutdown()
