@@ -12,7 +12,7 @@ The load is `pdcluster bench`'s: cluster.loadgen sends the requests (streaming
 /v1/completions, ignore_eos, greedy) at gamma-distributed gaps (cluster.loadgen.arrival_gaps,
 --burstiness 1 = Poisson) and times each from its SSE stream; prompts are random text of an
 exact length in `tiny`'s tokenizer (cluster.bench_data.sample_random). Each request is long
-(--long-len prompt tokens, --long-out new tokens) with probability --long-frac, else short
+(--long-len prompt tokens, --long-out new tokens) for a --long-frac share of them, else short
 (--short-len in, --short-out out); both modes get the same requests at the same send times.
 Reported per mode, with colocated / disaggregated beside each:
     TTFT p50, p99   over all requests, and p50 of the short ones
@@ -56,9 +56,9 @@ ROWS = [("TTFT p50 (all)", "median_ttft_ms", "all"), ("TTFT p99 (all)", "p99_ttf
 def make_load(args, tokenizer) -> tuple[list[BenchRequest], list[bool], list[BenchRequest]]:
     """The requests in send order, for each whether it is a long one, and 8 short warm-up
     requests with prompts of their own (a shared prompt would be a prefix-cache hit later)."""
-    rng = random.Random(args.seed)
-    is_long = [rng.random() < args.long_frac for _ in range(args.num_requests)]
-    n_long = sum(is_long)
+    n_long = round(args.long_frac * args.num_requests)     # exactly that share, in a seeded order
+    is_long = [True] * n_long + [False] * (args.num_requests - n_long)
+    random.Random(args.seed).shuffle(is_long)
     longs = iter(sample_random(tokenizer, n_long, args.long_len, args.long_out, seed=args.seed + 1)
                  if n_long else [])
     shorts = iter(sample_random(tokenizer, len(is_long) - n_long + 8, args.short_len, args.short_out,
