@@ -3,7 +3,10 @@
 One run sends `--num-prompts` requests at `--request-rate` and reports TTFT, TPOT, ITL and E2E
 latency. With `--goodput`, requests meeting every SLO count as good; `--sweep` runs several
 rates and reports the highest one at which at least `--slo-attainment` of requests are good
-(DistServe's goodput), per worker and per GPU when the server says how many it has.
+(DistServe's goodput), per worker and per GPU when the server says how many it has; when the
+highest rate tried still passes, that is a lower bound and the report says so.
+Ctrl-C stops a run or a sweep: what had finished is reported (and saved with `--save-result`,
+marked `"interrupted": true`), and the exit status is 130.
 `--launch` starts a local pdcluster on the built-in model first, and shuts it down after.
 Run as a Ray job with `--save-result`, it also prints the result in the job's log, from which
 `--from-ray-job ID` saves it on the submitter's machine.
@@ -271,17 +274,36 @@ class Progress:
         self.bar.close()
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during one run: `result` summarizes the requests that had finished by then."""
+
+    def __init__(self, result: dict):
+        super().__init__(f"interrupted after {result['completed'] + result['failed']} of "
+                         f"{result['num_prompts']} requests")
+        self.result = result
+
+
 def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, a, opts: BenchOptions,
              desc: str) -> dict:
+    """One run's summary; on Ctrl-C, BenchInterrupted with the summary of the requests that
+    finished (those in flight or not yet sent are `not_finished`: neither completed nor failed)."""
     progress = Progress(len(requests), desc, a.disable_tqdm)
+    cut = None
     try:
         results, duration = asyncio.run(loadgen.run_load(target, requests, rate, a.burstiness,
                                                          a.max_concurrency, a.seed, progress))
+    except loadgen.LoadInterrupted as e:
+        cut = e
+        results, duration = [r for r in e.results if r is not None], e.duration
     finally:
         progress.close()
     out = loadgen.summarize(results, duration, opts.slos, opts.percentile_metrics, opts.percentiles)
     out.update(request_rate=rate if math.isfinite(rate) else "inf", burstiness=a.burstiness,
                max_concurrency=a.max_concurrency, num_prompts=len(requests))
+    if cut is not None:
+        out.update(interrupted=True, not_finished=len(requests) - len(results),
+                   in_flight_at_interrupt=cut.started - len(results), not_sent=len(requests) - cut.started)
+        raise BenchInterrupted(out)
     return out
 
 
@@ -298,6 +320,10 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
 
     row("Successful requests:", result["completed"])
     row("Failed requests:", result["failed"])
+    if result.get("interrupted"):
+        row("Not finished (Ctrl-C):", result["not_finished"])
+        row("  in flight at the interrupt:", result["in_flight_at_interrupt"])
+        row("  not sent:", result["not_sent"])
     row("Request rate (req/s):", result["request_rate"] if isinstance(result["request_rate"], str)
         else f"{result['request_rate']:.2f}")
     row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
@@ -359,12 +385,14 @@ def search_rate(meets_slo, start: float, steps: int, max_probes: int = 12) -> fl
     return lo
 
 
-def sweep(target, requests_for, a, opts: BenchOptions) -> tuple[list[dict], float | None]:
-    """Runs at several rates; returns the points (sorted by rate) and the highest rate that
-    passes (None if none does). Each point sends at least `--sweep-duration` seconds of
-    arrivals, so an overloaded server shows it as queueing that breaks the SLOs; and a point
-    passes only if the server also kept pace (completed at least KEEP_PACE of the offered
-    rate): a burst that merely queues and drains inside the SLOs is not a sustained rate."""
+def sweep(target, requests_for, a, opts: BenchOptions) -> tuple[list[dict], float | None, dict | None]:
+    """Runs at several rates; returns the points (sorted by rate), the highest rate that
+    passes (None if none does), and None, or after Ctrl-C the interrupted point's partial
+    summary ({} when the interrupt came between points): the sweep stops there, keeping the
+    points it finished. Each point sends at least `--sweep-duration` seconds of arrivals, so
+    an overloaded server shows it as queueing that breaks the SLOs; and a point passes only if
+    the server also kept pace (completed at least KEEP_PACE of the offered rate): a burst that
+    merely queues and drains inside the SLOs is not a sustained rate."""
     points: dict[float, dict] = {}
 
     def at(rate: float) -> bool:
@@ -386,23 +414,44 @@ def sweep(target, requests_for, a, opts: BenchOptions) -> tuple[list[dict], floa
             raise ValueError(f"--sweep-rates must be comma-separated numbers, got {a.sweep_rates!r}") from None
         if not rates or rates[0] <= 0:
             raise ValueError("--sweep-rates must be positive")
-        for r in rates:
-            at(r)
-    else:
-        search_rate(at, a.sweep_start, a.sweep_steps)
+    cut = None
+    try:
+        if a.sweep_rates:
+            for r in rates:
+                at(r)
+        else:
+            search_rate(at, a.sweep_start, a.sweep_steps)
+    except BenchInterrupted as e:
+        cut = e.result
+    except KeyboardInterrupt:
+        cut = {}
     ordered = [points[r] for r in sorted(points)]
     good = [r for r in sorted(points) if points[r]["passed"]]
-    return ordered, (max(good) if good else None)
+    return ordered, (max(good) if good else None), cut
 
 
 def save(result: dict, a) -> Path:
+    """Writes the result in --result-dir as --result-filename, else as
+    pdcluster-bench-MODEL-TIME.json, made unique (-2, -3, ...) so that a run never overwrites
+    another's result or plots."""
     out_dir = Path(a.result_dir)
+    text = json.dumps(result, indent=2)
+    if a.result_filename:
+        path = out_dir / a.result_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = a.result_filename or (f"pdcluster-bench-{result['model_id']}-"
-                                 f"{datetime.datetime.now():%Y%m%d-%H%M%S}.json").replace("/", "_")
-    path = out_dir / name
-    path.write_text(json.dumps(result, indent=2))
-    return path
+    stem = f"pdcluster-bench-{result['model_id']}-{datetime.datetime.now():%Y%m%d-%H%M%S}".replace("/", "_")
+    for k in range(1, 10_000):
+        path = out_dir / (f"{stem}.json" if k == 1 else f"{stem}-{k}.json")
+        try:
+            with path.open("x") as f:
+                f.write(text)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{out_dir}: too many results named {stem}-N.json")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -430,33 +479,54 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(f"pdcluster bench: {len(requests)} requests ({a.dataset_name}) to {base_url}{a.endpoint}, "
               f"model {model!r}" + (f", {info['num_workers']} workers" if info.get("num_workers") else ""),
               flush=True)
+        interrupted = False
         if a.sweep:
-            points, best = sweep(target, requests_for, a, opts)
-            result = {**header, **_sweep_summary(points, best, info, a)}
+            points, best, cut = sweep(target, requests_for, a, opts)
+            interrupted = cut is not None
+            result = {**header, "interrupted": interrupted, **_sweep_summary(points, best, info, a)}
+            if interrupted:
+                result["interrupted_point"] = cut or None
             print(sweep_report(result, a))
         else:
             before = server_totals(base_url)
-            result = {**header, **run_once(target, requests, a.request_rate, a, opts, "requests")}
-            print(report(result, opts))
-            after = server_totals(base_url) if before is not None else None
+            try:
+                run = run_once(target, requests, a.request_rate, a, opts, "requests")
+            except BenchInterrupted as e:
+                run, interrupted = e.result, True
+            result = {**header, "interrupted": interrupted, **run}
+            print(report(result, opts, "Serving Benchmark Result (interrupted)" if interrupted
+                         else "Serving Benchmark Result"))
+            after = server_totals(base_url) if before is not None and not interrupted else None
             if after is not None:
                 result["server"] = server_summary(before, after)
                 print(server_report(result["server"]))
+    if interrupted:
+        print("pdcluster bench: interrupted (Ctrl-C); the report covers what finished before it"
+              + ("" if a.save_result else " (not saved: no --save-result)"), flush=True)
     if a.save_result:
-        plots = [] if a.no_plots else _plots(result, a)
         path = save(result, a)
-        print(f"result: {path}" + "".join(f"\nplot:   {p}" for p in plots))
+        plots = [] if a.no_plots else _plots(result, path)
+        print(f"result: {path}" + (" (partial: interrupted)" if interrupted else "")
+              + "".join(f"\nplot:   {p}" for p in plots), flush=True)
         if job_id := ray_job_id():
             emit_result(result, path.name, job_id)
-    return 0
+    return 130 if interrupted else 0
 
 
 def _sweep_summary(points: list[dict], best: float | None, info: dict, a) -> dict:
+    """The sweep's verdict. The goodput is a lower bound when the highest rate tried still
+    passed: the server's limit lies above it, how far is unknown."""
     workers, gpus = info.get("num_workers"), info.get("num_gpus")
-    return {"slo_attainment_target": a.slo_attainment, "max_goodput_rate": best,
+    lower = best is not None and best == max(float(p["request_rate"]) for p in points)
+    return {"slo_attainment_target": a.slo_attainment, "goodput_slos_ms": _slos_ms(a),
+            "max_goodput_rate": best, "goodput_is_lower_bound": lower,
             "max_goodput_rate_per_worker": best / workers if best is not None and workers else None,
             "max_goodput_rate_per_gpu": best / gpus if best is not None and gpus else None,
             "sweep": points}
+
+
+def _slos_ms(a) -> dict[str, float]:
+    return {k: v * 1000 for k, v in loadgen.parse_goodput(a.goodput).items()}
 
 
 def sweep_report(result: dict, a) -> str:
@@ -469,28 +539,41 @@ def sweep_report(result: dict, a) -> str:
                      f"{p.get('p99_ttft_ms', p['mean_ttft_ms']):>12.1f} {p['failed']:>7}  "
                      + ("yes" if p["passed"] else "no" if p["kept_pace"] else "no (pace)"))
     best = result["max_goodput_rate"]
-    slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["sweep"][0]["goodput_slos_ms"].items())
+    slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["goodput_slos_ms"].items())
+    interrupted = result.get("interrupted")
+    if interrupted:
+        cut = result.get("interrupted_point")
+        lines.append("interrupted (Ctrl-C) " + (
+            f"at rate {float(cut['request_rate']):g} req/s, after {cut['completed'] + cut['failed']} of its "
+            f"{cut['num_prompts']} requests finished; that rate is left out" if cut else "between rates"))
     if best is None:
-        lines.append(f"no rate tried reached {a.slo_attainment:.0%} attainment of {slos} while keeping pace")
+        lines.append(f"no rate tried reached {a.slo_attainment:.0%} attainment of {slos} while keeping pace"
+                     + ("" if not result["sweep"] else "; try lower rates ("
+                        + ("--sweep-rates" if a.sweep_rates else "--sweep-start") + ") or looser --goodput SLOs"))
     else:
-        lines.append(f"goodput: {best:.3g} req/s at >= {a.slo_attainment:.0%} attainment of {slos}")
+        ge = ">= " if result["goodput_is_lower_bound"] else ""
+        lines.append(f"goodput: {ge}{best:.3g} req/s at >= {a.slo_attainment:.0%} attainment of {slos}")
+        if result["goodput_is_lower_bound"]:
+            lines.append("  (a lower bound: the highest rate tried still met the SLOs; "
+                         + ("the sweep was interrupted before a rate missed)" if interrupted else
+                            "add higher rates to --sweep-rates to find the limit)" if a.sweep_rates else
+                            "raise --sweep-start to find the limit)"))
         if result["max_goodput_rate_per_worker"] is not None:
-            lines.append(f"         {result['max_goodput_rate_per_worker']:.3g} req/s per worker "
+            lines.append(f"  {ge}{result['max_goodput_rate_per_worker']:.3g} req/s per worker "
                          f"({result['num_workers']} workers)")
         if result["max_goodput_rate_per_gpu"] is not None:
-            lines.append(f"         {result['max_goodput_rate_per_gpu']:.3g} req/s per GPU ({result['num_gpus']} GPUs)")
+            lines.append(f"  {ge}{result['max_goodput_rate_per_gpu']:.3g} req/s per GPU ({result['num_gpus']} GPUs)")
     lines.append("=" * 72)
     return "\n".join(lines)
 
 
-def _plots(result: dict, a) -> list[Path]:
+def _plots(result: dict, path: Path) -> list[Path]:
+    """PNG plots beside the result file and named after it: NAME.json -> NAME-latency.png (one
+    run) or NAME-sweep.png (a sweep; none when no rate finished)."""
     from cluster.bench_plots import plot_distributions, plot_sweep
-    out_dir = Path(a.result_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = Path(a.result_filename or "pdcluster-bench").stem
     if "sweep" in result:
-        return [plot_sweep(result, out_dir / f"{stem}-sweep.png")]
-    return [plot_distributions(result, out_dir / f"{stem}-latency.png")]
+        return [plot_sweep(result, path.with_name(f"{path.stem}-sweep.png"))] if result["sweep"] else []
+    return [plot_distributions(result, path.with_name(f"{path.stem}-latency.png"))]
 
 
 # -- as a Ray job: the result file travels back in the job's log (no shared filesystem) ---------
@@ -556,9 +639,10 @@ def fetch_ray_job_result(a: argparse.Namespace) -> int:
     print(rest.rstrip("\n"))                  # the job's own report
     name, result = found
     a.result_filename = a.result_filename or name
-    plots = [] if a.no_plots else _plots(result, a)
     path = save(result, a)
+    plots = [] if a.no_plots else _plots(result, path)
     done = (f": {result['completed']} completed, {result['failed']} failed" if "completed" in result else "")
+    done += " (interrupted: partial)" if result.get("interrupted") else ""
     print(f"Ray job {job} ({status.value}){done}\nresult: {path}" + "".join(f"\nplot:   {p}" for p in plots))
     return 0
 

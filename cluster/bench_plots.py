@@ -50,7 +50,8 @@ def plot_sweep(result: dict, path: Path) -> Path:
                label=f"target {result['slo_attainment_target']:.0%}")
     if result.get("max_goodput_rate") is not None:
         a1.axvline(result["max_goodput_rate"], color="tab:green", linestyle=":",
-                   label=f"goodput {result['max_goodput_rate']:.3g} req/s")
+                   label=f"goodput {'>= ' if result.get('goodput_is_lower_bound') else ''}"
+                         f"{result['max_goodput_rate']:.3g} req/s")
     a1.set_xlabel("request rate (req/s)")
     a1.set_ylabel("requests meeting all SLOs (%)")
     a1.set_ylim(0, 105)

@@ -12,8 +12,8 @@ from cluster.spec import PLACEMENTS, ClusterSpec
 from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
-from workers.names import (ATTENTION_BACKENDS, MODES, PICKING_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES,
-                           TRANSPORTS)
+from workers.names import (ATTENTION_BACKENDS, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
+                           SCHEDULING_POLICIES, TRANSPORTS)
 
 PROG = "pdcluster"
 MiB = 2**20
@@ -99,21 +99,26 @@ def add_flags(g, flags: tuple[Flag, ...], cls, **overrides) -> None:
     """Declare `flags` on a parser group, each defaulting to its field's default in `cls`."""
     for f in flags:
         default = overrides.get(f.field, _field_default(cls, f.field))
+        # SUPPRESS: a flag not given leaves no attribute, so `given` knows what the user said.
         if f.negate:
-            g.add_argument(f.flag, action="store_true", help=f.help)
+            g.add_argument(f.flag, action="store_true", default=argparse.SUPPRESS, help=f.help)
             continue
         shown = default / f.unit if isinstance(default, (int, float)) and f.unit != 1 else default
         if isinstance(shown, float) and shown.is_integer() and f.type is int:
             shown = int(shown)
         note = "" if "default" in f.help else f" (default: {shown})"
-        g.add_argument(f.flag, type=f.type, default=shown, choices=f.choices, help=f.help + note)
+        g.add_argument(f.flag, type=f.type, default=argparse.SUPPRESS, choices=f.choices, help=f.help + note)
 
 
-def values_from(a: argparse.Namespace, flags: tuple[Flag, ...]) -> dict:
-    """{field path: value} from parsed flags, converted back to the fields' units."""
+def given(a: argparse.Namespace, flags: tuple[Flag, ...]) -> dict:
+    """{field path: value} of the flags given on the command line, in the fields' units (the
+    dataclasses supply every other field's default)."""
     out = {}
     for f in flags:
-        v = getattr(a, f.flag.removeprefix("--").replace("-", "_"))
+        dest = f.flag.removeprefix("--").replace("-", "_")
+        if not hasattr(a, dest):
+            continue
+        v = getattr(a, dest)
         if f.negate:
             v = not v
         elif v is not None and f.unit != 1:
@@ -141,15 +146,25 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 def engine_config_from_args(a: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
     flags = tuple(f for f in ENGINE_FLAGS if f.flag not in skip)
-    return EngineConfig.from_dict(_nested(values_from(a, flags)))
+    return EngineConfig.from_dict(_nested(given(a, flags)))
+
+
+_MODE_ONLY = {"num_colocated": (COLOCATED, "--workers"), "num_prefill": (DISAGGREGATED, "--prefill"),
+              "num_decode": (DISAGGREGATED, "--decode")}
 
 
 def cluster_spec_from_args(a: argparse.Namespace, engine: EngineConfig) -> ClusterSpec:
-    return ClusterSpec(model=engine.model, engine=engine, **values_from(a, CLUSTER_FLAGS))
+    values = given(a, CLUSTER_FLAGS)
+    mode = values.get("mode", _field_default(ClusterSpec, "mode"))
+    for name, (needs, flag) in _MODE_ONLY.items():
+        if name in values and mode != needs:
+            other = "--workers" if mode == COLOCATED else "--prefill and --decode"
+            raise ValueError(f"{flag} applies to --mode {needs}; this cluster is {mode}: size it with {other}")
+    return ClusterSpec(model=engine.model, engine=engine, **values)
 
 
 def router_config_from_args(a: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(slo=SLOTargets(**values_from(a, SLO_FLAGS)), **values_from(a, ROUTER_FLAGS))
+    return RouterConfig(slo=SLOTargets(**given(a, SLO_FLAGS)), **given(a, ROUTER_FLAGS))
 
 
 def cmd_generate(a) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -17,28 +18,80 @@ from cluster.spec import ClusterSpec
 from router.dispatch import WorkerState
 from workers.worker import Worker, actor_name
 
-__all__ = ["ClusterSpec", "NAMESPACE", "connect", "launch", "shutdown"]
+__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "shutdown"]
 
 log = logging.getLogger("pdcluster.launcher")
 NAMESPACE = "pdcluster"
 
 
-def connect(address: str | None, num_cpus: int | None = None) -> None:
-    """Join `address` (or RAY_ADDRESS), else start an embedded local Ray."""
+def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
+    """Join `spec.address` (or RAY_ADDRESS), else start a local Ray of our own (never one that
+    happens to run on this machine). A local one gets enough CPUs for the requested workers
+    (a development box may oversubscribe its cores). Returns False when this process was
+    already connected (then the caller's Ray is used as it is)."""
     if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
+        return False
+    address = spec.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
+        _use_auth_token_if_any()
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise RuntimeError(f"cannot join the Ray cluster at {address}: {_first_line(e)}. Check the address "
+                               "(`ray status` on the head prints it); a cluster with token authentication also "
+                               "needs its token here (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)"
+                               ) from None
+        return True
+    if num_cpus is None:
+        num_cpus = max(os.cpu_count() or 1, math.ceil(len(spec.roles()) * spec.num_cpus_per_worker))
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
+             log_to_driver=True)
+    return True
+
+
+def _use_auth_token_if_any() -> None:
+    """Ray's clients only send a token in token mode, and `ray start` turns that mode on by itself
+    when it finds a token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN). Do the same
+    when joining, so a cluster started with Ray's defaults accepts us (a cluster without
+    authentication ignores the token). An explicit RAY_AUTH_MODE is left as it is."""
+    try:     # the pinned Ray's own check (it also refreshes Ray's cached config)
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+
+
+def gpus_per_worker(spec: ClusterSpec) -> float:
+    """`--gpus-per-worker`, else 1 on a cluster with GPUs and 0 without."""
+    if spec.num_gpus_per_worker is not None:
+        return spec.num_gpus_per_worker
+    return 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+
+
+def check_fits(spec: ClusterSpec) -> None:
+    """Fail at once, in one line naming the fix, when the Ray cluster cannot hold the workers
+    (instead of waiting out the ready timeout)."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    n, gpus = len(spec.roles()), gpus_per_worker(spec)
+    if spec.engine.device.startswith("cuda") and total.get("GPU", 0) == 0:
+        raise RuntimeError("--device cuda, but the Ray cluster has no GPUs: use --device auto (or cpu)")
+    for res, per, flag in (("CPU", spec.num_cpus_per_worker, "--cpus-per-worker"), ("GPU", gpus, "--gpus-per-worker")):
+        need = n * per
+        if need > free.get(res, 0) + 1e-9:
+            raise RuntimeError(
+                f"{n} workers x {per:g} {res} need {need:g} {res}, but the Ray cluster has {free.get(res, 0):g} of "
+                f"{total.get(res, 0):g} free: use fewer workers (--prefill/--decode, or --workers), a smaller "
+                f"{flag}, or a larger cluster")
 
 
 def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
     """Create the workers and wait until each has loaded its model (or fail clearly)."""
-    gpus = spec.num_gpus_per_worker
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    gpus = gpus_per_worker(spec)
     engine = spec.engine
     if gpus and engine.device == "auto":
         engine = dataclasses.replace(engine, device="cuda")

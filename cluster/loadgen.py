@@ -179,22 +179,40 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     return r
 
 
+class LoadInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `run_load` (under `asyncio.run`, whose SIGINT handler cancels the run): what
+    had finished by then. `results` is in request order, None for a request that had not
+    finished (`started` of them had been sent); `duration` runs from the first send to the
+    interrupt. A KeyboardInterrupt, so a caller that does not look at it still stops as on Ctrl-C."""
+
+    def __init__(self, results: list[RequestResult | None], started: int, duration: float):
+        self.results, self.started, self.duration = results, started, duration
+        done = sum(r is not None for r in results)
+        super().__init__(f"interrupted: {done} of {len(results)} requests finished")
+
+
 async def run_load(target: Target, requests: list[BenchRequest], rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                    on_done=None) -> tuple[list[RequestResult], float]:
     """Send `requests` open-loop at `rate` (gamma gaps), at most `max_concurrency` in flight;
-    returns the results in request order and the wall duration (first send to last finish)."""
+    returns the results in request order and the wall duration (first send to last finish).
+    Cancelled (Ctrl-C under `asyncio.run`), it cancels the requests in flight and raises
+    LoadInterrupted with those that had finished."""
     gaps = arrival_gaps(len(requests), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+    started = 0
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
         async def one(req: BenchRequest) -> RequestResult:
+            nonlocal started
             if limit is None:
+                started += 1
                 res = await send(session, target, req)
             else:
                 async with limit:
+                    started += 1
                     res = await send(session, target, req)
             if on_done is not None:
                 on_done(res)
@@ -202,13 +220,21 @@ async def run_load(target: Target, requests: list[BenchRequest], rate: float = m
 
         t0 = time.perf_counter()
         due, tasks = t0, []
-        for req, gap in zip(requests, gaps):
-            due += gap
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
-        results = await asyncio.gather(*tasks)
+        try:
+            for req, gap in zip(requests, gaps):
+                due += gap
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(req)))
+            results = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            stopped = time.perf_counter()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            done = [None if t.cancelled() or t.exception() else t.result() for t in tasks]
+            raise LoadInterrupted(done + [None] * (len(requests) - len(tasks)), started, stopped - t0) from None
     return list(results), time.perf_counter() - t0
 
 

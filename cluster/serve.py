@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import logging
+import shlex
 import signal
 import socket
 import sys
@@ -12,7 +15,7 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import ClusterSpec, connect, launch, shutdown
+from cluster.launcher import ClusterSpec, check_fits, connect, launch, shutdown
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
@@ -42,6 +45,7 @@ class ServingCluster:
         self.model_name = self.cfg.served_model_name or spec.model
         self.ray_num_cpus = ray_num_cpus
         self.workers = []
+        self.infos: list[dict] = []                   # each worker's ready() answer
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -53,8 +57,11 @@ class ServingCluster:
         tokenizer = load_tokenizer(self.spec.model)
         if tokenizer is None:
             raise ValueError(f"model {self.spec.model!r} has no tokenizer.json; the HTTP API needs one")
-        connect(self.spec.address, self.ray_num_cpus)
+        check_port_free(self.host, self.port)          # before seconds of Ray and model loading
+        if connect(self.spec, self.ray_num_cpus):
+            check_fits(self.spec)
         self.workers, infos = launch(self.spec)
+        self.infos = infos
         cfg = self.cfg
         metrics = Metrics(cfg.slo)
         dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, cfg.policy, cfg.max_retries)
@@ -96,19 +103,42 @@ class ServingCluster:
         self.workers = []
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A ValueError naming the fix when the HTTP server could not bind host:port (uvicorn binds
+    with SO_REUSEADDR too, so a port in TIME_WAIT counts as free)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ValueError(f"{host}:{port} {why}: choose another --port (or --host)") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def banner(cluster: ServingCluster) -> list[str]:
+    """What `serve` prints once it answers: the workers, the URLs, and a request that works as
+    printed (with the API key's header when one is required)."""
+    nodes = {i["worker_id"]: i.get("node", "?") for i in cluster.infos}
+    auth = f" -H {shlex.quote('Authorization: Bearer ' + cluster.cfg.api_key)}" if cluster.cfg.api_key else ""
+    body = json.dumps({"model": cluster.model_name, "prompt": "Hello", "max_tokens": 16})
+    return [f"pdcluster: serving {cluster.model_name!r} ({cluster.spec.mode}: "
+            + ", ".join(f"{w.role} {w.worker_id} on {nodes.get(w.worker_id, '?')}" for w in cluster.workers) + ")",
+            f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)",
+            f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(body)}"]
+
+
 def serve_forever(cluster: ServingCluster) -> int:
     server = cluster.build()
-    print(f"pdcluster: serving {cluster.model_name!r} ({cluster.spec.mode}: "
-          + ", ".join(f"{w.role} {w.worker_id}" for w in cluster.workers) + ")")
-    print(f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)")
-    print(f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    print("\n".join(banner(cluster)), flush=True)
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal with the previous handler:
     # SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this SystemExit (143); both unwind
     # through the `finally`, so the workers and a local Ray stop with the router.

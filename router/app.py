@@ -16,9 +16,12 @@ import uuid
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import APIError, GenerationRequest, bad_request, sampling_params
@@ -238,6 +241,32 @@ def build_app(server: Server) -> FastAPI:
     async def internal(_request, e: Exception):
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
+    def endpoints() -> str:
+        return ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute) for m in sorted(r.methods))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, never {"detail": ...}."""
+        path = request.url.path
+        if e.status_code == 404:
+            err = APIError(404, f"unknown path '{path}'; the endpoints are: {endpoints()}", code="not_found")
+        elif e.status_code == 405:
+            err = APIError(405, f"method {request.method} is not allowed on '{path}'; the endpoints are: "
+                           f"{endpoints()}", code="method_not_allowed")
+        else:
+            err = APIError(e.status_code, f"{e.detail} ({request.method} {path})",
+                           "server_error" if e.status_code >= 500 else "invalid_request_error")
+        err.headers = dict(e.headers or {})           # e.g. 405's Allow
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, e: RequestValidationError):
+        # The handlers read their bodies themselves, so FastAPI validates nothing today; a route
+        # with typed parameters must still answer in OpenAI's shape.
+        first = next(iter(e.errors()), {})
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        return _error_response(bad_request(f"invalid request: {first.get('msg', e)}", ".".join(loc) or None))
+
     @app.get("/health")
     async def health():
         alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r) for r in ROLES}
@@ -335,7 +364,10 @@ async def _stream(server, req: GenerationRequest, rid: str, created: int):
                                      "finish_reason": None}]})
         async for delta, tok, fin, lp in server.run(req):
             n_out += len(tok)
-            if not delta and not tok and fin is None:
+            # A token whose text is held back (a possible stop string, an incomplete UTF-8
+            # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
+            # empty delta is sent only with the finish_reason. Completion chunks carry the ids.
+            if fin is None and not delta and (req.kind == "chat" or not tok):
                 continue
             if req.kind == "completion":
                 choice = {"index": 0, "text": delta, "finish_reason": fin, "token_ids": tok}

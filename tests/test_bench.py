@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster import loadgen
+from cluster import bench, loadgen
 from cluster.bench import search_rate
 from cluster.bench_data import sample_random
 from cluster.cli import main
@@ -210,9 +212,152 @@ def test_sweep_finds_the_rate_a_limited_server_sustains(injected_url, tmp_path, 
     assert low["slo_attainment"] == 1.0 and low["kept_pace"] and low["passed"]
     assert high["completed"] == 120 and not high["kept_pace"] and not high["passed"]
     assert high["request_throughput"] < 60 and high["slo_attainment"] < 0.5
-    assert r["max_goodput_rate"] == 5.0
+    assert r["max_goodput_rate"] == 5.0 and r["goodput_is_lower_bound"] is False     # 400 req/s missed
     assert r["max_goodput_rate_per_worker"] == 5.0 / 4 and r["max_goodput_rate_per_gpu"] == 5.0 / 2
     assert "goodput: 5 req/s" in out and "per GPU (2 GPUs)" in out and "no (pace)" in out
+    assert "lower bound" not in out and r["interrupted"] is False
+    assert (tmp_path / "s-sweep.png").stat().st_size > 10_000
+
+
+def test_each_run_keeps_its_result_and_plots_paired(injected_url, tmp_path, capsys):
+    # Two runs into one directory under the default, timestamped name (the same second, most
+    # likely): neither overwrites the other, and each plot carries its result file's stem.
+    data = write_custom(tmp_path / "p.jsonl", ["fast a", "fast b", "fast c"])
+    saved = []
+    for n in (3, 2):
+        rc, out, err = run_bench(capsys, "--base-url", injected_url, "--dataset-name", "custom",
+                                 "--dataset-path", data, "--num-prompts", str(n), "--save-result",
+                                 "--result-dir", str(tmp_path / "results"))
+        assert rc == 0, err
+        lines = out.splitlines()
+        result = next(x.split(maxsplit=1)[1] for x in lines if x.startswith("result: "))
+        plots = [x.split(maxsplit=1)[1] for x in lines if x.startswith("plot:   ")]
+        saved.append((result, plots, n))
+    (json1, plots1, _), (json2, plots2, _) = saved
+    assert json1 != json2
+    for result, plots, n in saved:
+        path = Path(result)
+        assert path.parent == tmp_path / "results" and path.name.startswith("pdcluster-bench-fake-")
+        assert json.loads(path.read_text())["completed"] == n                  # its own run's result
+        assert plots == [str(path.with_name(path.stem + "-latency.png"))]
+        assert Path(plots[0]).stat().st_size > 10_000
+    names = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert len(names) == 4 and sorted(Path(x).name for x in (json1, json2, *plots1, *plots2)) == names
+
+
+def _fake_sweep(monkeypatch, threshold: float, *flags: str):
+    """sweep() with run_once replaced by a server that meets the SLOs at rates <= threshold
+    and always keeps pace: (the result as cmd_bench builds it, its report, the rates tried)."""
+    from cluster.cli import build_parser
+    tried = []
+
+    def fake_run_once(target, requests, rate, a, opts, desc):
+        tried.append(rate)
+        good = 1.0 if rate <= threshold else 0.0
+        return {"request_rate": rate, "num_prompts": len(requests), "completed": len(requests), "failed": 0,
+                "request_throughput": rate, "request_goodput": good * rate, "slo_attainment": good,
+                "output_throughput": 0.0, "mean_ttft_ms": 1.0}
+
+    monkeypatch.setattr(bench, "run_once", fake_run_once)
+    a = build_parser().parse_args(["bench", "--goodput", "ttft:100", "--sweep", "--num-prompts", "1", *flags])
+    points, best, cut = bench.sweep(None, lambda n, k: [None] * n, a, bench.parse_options(a))
+    assert cut is None
+    info = {"num_workers": 4, "num_gpus": 2}
+    result = {"num_workers": 4, "num_gpus": 2, **bench._sweep_summary(points, best, info, a)}
+    return result, bench.sweep_report(result, a), tried
+
+
+def test_sweep_says_when_its_goodput_is_only_a_lower_bound(monkeypatch):
+    # Every rate passes: the doubling stops at its last probe, 2048 x --sweep-start.
+    r, text, tried = _fake_sweep(monkeypatch, math.inf, "--sweep-start", "1")
+    assert max(tried) == 2048 and r["max_goodput_rate"] == 2048 and r["goodput_is_lower_bound"] is True
+    assert "goodput: >= 2.05e+03 req/s" in text and "raise --sweep-start to find the limit" in text
+    assert ">= 512 req/s per worker" in text and ">= 1.02e+03 req/s per GPU" in text
+    # Listed rates that all pass: the highest is a lower bound too.
+    r, text, _ = _fake_sweep(monkeypatch, math.inf, "--sweep-rates", "1,2,4")
+    assert r["max_goodput_rate"] == 4 and r["goodput_is_lower_bound"] is True
+    assert "goodput: >= 4 req/s" in text and "add higher rates to --sweep-rates" in text
+    # A rate above the best missed: the goodput is bracketed, no lower-bound wording.
+    r, text, tried = _fake_sweep(monkeypatch, 7.3, "--sweep-steps", "3")
+    # (1, 2, 4 pass, 8 misses; bisection: 6 and 7 pass, 7.5 misses.)
+    assert r["max_goodput_rate"] == 7.0 and r["goodput_is_lower_bound"] is False and max(tried) == 8
+    assert "goodput: 7 req/s" in text and "lower bound" not in text and "1.75 req/s per worker" in text
+    # No rate passes: said plainly, with what to change.
+    r, text, _ = _fake_sweep(monkeypatch, 0.0, "--sweep-rates", "1,2")
+    assert r["max_goodput_rate"] is None and r["goodput_is_lower_bound"] is False
+    assert r["max_goodput_rate_per_worker"] is None and r["max_goodput_rate_per_gpu"] is None
+    assert "no rate tried reached 90% attainment of ttft <= 100 ms" in text and "try lower rates (--sweep-rates)" in text
+
+
+def _interrupt_after(monkeypatch, n: int) -> dict:
+    """Ctrl-C, as the terminal sends it, once the progress bar has counted `n` finished requests:
+    SIGINT raised from the event loop, where asyncio.run's handler turns it into a cancellation
+    of the run. Returns counters: finished requests seen in all, and at the interrupt."""
+    seen = {"finished": 0, "at_interrupt": None, "handler_was_asyncio": None}
+    original = bench.Progress.__call__
+
+    def counting(self, r):
+        original(self, r)
+        seen["finished"] += 1
+        if seen["finished"] == n:
+            seen["at_interrupt"] = n
+            # Raised only under asyncio.run's own handler: never a bare KeyboardInterrupt into pytest.
+            seen["handler_was_asyncio"] = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            if seen["handler_was_asyncio"]:
+                asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGINT)
+
+    monkeypatch.setattr(bench.Progress, "__call__", counting)
+    return seen
+
+
+def test_ctrl_c_keeps_what_finished_and_exits_130(injected_url, tmp_path, capsys, monkeypatch):
+    # 4 fast requests (done ~1 s after they are sent), then 24 that hang: at the interrupt,
+    # after the 4th result, some hanging ones are in flight and the rest not yet sent
+    # (8 req/s, near-regular gaps: ~11 sent by then, 28 would take 3.5 s).
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    prompts = ["fast q"] * 4 + ["hang q"] * 24
+    seen = _interrupt_after(monkeypatch, 4)
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path",
+        write_custom(tmp_path / "p.jsonl", prompts), "--num-prompts", "28", "--request-rate", "8",
+        "--burstiness", "1000", "--goodput", "ttft:1000", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "i.json")
+    assert seen["handler_was_asyncio"] and rc == 130, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler          # restored
+    r = json.loads((tmp_path / "i.json").read_text())
+    assert r["interrupted"] is True and r["num_prompts"] == 28
+    assert (r["completed"], r["failed"], r["not_finished"]) == (4, 0, 24)       # cut off != failed
+    assert seen["finished"] == 4 and r["errors"] == [""] * 4 and r["output_lens"] == [TOKENS] * 4
+    assert r["in_flight_at_interrupt"] >= 1 and r["not_sent"] >= 1
+    assert r["in_flight_at_interrupt"] + r["not_sent"] == 24
+    assert r["slo_attainment"] == 1.0                                            # of those that finished
+    assert r["duration"] < 30 and r["request_throughput"] == pytest.approx(4 / r["duration"])
+    assert "Serving Benchmark Result (interrupted)" in out and "Not finished (Ctrl-C):" in out
+    assert "interrupted (Ctrl-C)" in out and "result: " + str(tmp_path / "i.json") + " (partial: interrupted)" in out
+    assert (tmp_path / "i-latency.png").stat().st_size > 10_000
+
+
+def test_ctrl_c_during_a_sweep_keeps_the_rates_it_finished(injected_url, tmp_path, capsys, monkeypatch):
+    # Rate 5 (6 requests) finishes and passes; Ctrl-C comes after 3 results of rate 50 (15
+    # requests): that point is reported as interrupted and left out, 5 req/s stays the goodput,
+    # a lower bound since no rate above it was seen to miss.
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "limited", "output_tokens": 4}) + "\n" for _ in range(6)))
+    seen = _interrupt_after(monkeypatch, 6 + 3)
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--dataset-name", "custom", "--dataset-path", str(path),
+        "--num-prompts", "6", "--sweep", "--sweep-rates", "5,50", "--sweep-duration", "0.3",
+        "--goodput", "ttft:300", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "s.json")
+    assert seen["handler_was_asyncio"] and rc == 130, err
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert r["interrupted"] is True and [p["request_rate"] for p in r["sweep"]] == [5.0]
+    assert r["sweep"][0]["passed"] and r["max_goodput_rate"] == 5.0 and r["goodput_is_lower_bound"] is True
+    cut = r["interrupted_point"]
+    finished = cut["completed"] + cut["failed"]
+    assert cut["interrupted"] and cut["request_rate"] == 50.0 and cut["num_prompts"] == 15
+    assert finished == seen["finished"] - 6 >= 3 and cut["not_finished"] == 15 - finished
+    assert f"interrupted (Ctrl-C) at rate 50 req/s, after {finished} of its 15 requests finished" in out
+    assert "goodput: >= 5 req/s" in out and "the sweep was interrupted before a rate missed" in out
     assert (tmp_path / "s-sweep.png").stat().st_size > 10_000
 
 

@@ -395,3 +395,112 @@ def test_admission_queue_full_gives_429_with_retry_after(ray_session):
                       lambda status: status == 200)
         assert ok == 200
         wait_pools_clean(c)
+
+
+# -- issue 10: no FastAPI-shaped errors, no empty chat deltas ----------------------------------------
+ENDPOINTS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics"]
+
+
+@pytest.mark.parametrize("method, path, status, code, allow", [
+    ("GET", "/v1/nope", 404, "not_found", None),
+    ("POST", "/v1/nope", 404, "not_found", None),
+    ("GET", "/", 404, "not_found", None),
+    ("GET", "/v1/completions", 405, "method_not_allowed", "POST"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed", "POST"),
+    ("POST", "/v1/models", 405, "method_not_allowed", "GET"),
+], ids=["get-unknown", "post-unknown", "root", "get-completions", "get-chat", "post-models"])
+def test_unknown_route_and_wrong_method_get_openai_errors(disaggregated, method, path, status, code, allow):
+    """FastAPI's own 404/405 ({"detail": "Not Found"}) come out as OpenAI's error JSON, naming
+    the path or method and listing the endpoints that exist."""
+    root = disaggregated.base_url.removesuffix("/v1")
+    r = httpx.request(method, root + path, json={"model": "tiny", "prompt": "hi"} if method == "POST" else None,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    err = assert_openai_error(r, status, None)
+    assert err["code"] == code, err
+    assert path in err["message"] and all(e in err["message"] for e in ENDPOINTS), err["message"]
+    if allow is not None:
+        assert method in err["message"], err["message"]
+        assert allow in r.headers["allow"].split(", "), r.headers
+    # The openai client sees the same status as its own error class.
+    client = openai.OpenAI(base_url=disaggregated.base_url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.get("/nope", cast_to=object)
+    assert info.value.body["code"] == "not_found"
+
+
+def _raw_chat_stream(base_url: str, body: dict) -> list[dict]:
+    """The SSE events of one streamed chat, parsed, up to [DONE] (which must come)."""
+    events = []
+    with httpx.Client(timeout=120) as client, client.stream(
+            "POST", f"{base_url}/chat/completions", json={**body, "stream": True},
+            headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[len("data: "):]))
+    raise AssertionError(f"the stream ended without [DONE] after {len(events)} events")
+
+
+# A stop string of several characters keeps a holdback of 5 characters active, and the tiny
+# model's random byte-level tokens often form incomplete UTF-8 sequences: both make tokens that
+# yield no text yet.
+@pytest.mark.parametrize("stop", [None, ["\x00\x01\x02\x03\x04\x05"]], ids=["utf8-holdback", "stop-holdback"])
+def test_chat_stream_has_no_empty_deltas(disaggregated, stop):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story about caf\u00e9s."}],
+            "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if stop:
+        body["stop"] = stop
+    whole = httpx.post(f"{disaggregated.base_url}/chat/completions", json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert whole.status_code == 200, whole.text
+    whole = whole.json()
+    expected = whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["completion_tokens"] == 48 and whole["choices"][0]["finish_reason"] == "length"
+
+    events = _raw_chat_stream(disaggregated.base_url, body)
+    *chunks, usage = events
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 48, usage
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, chunks[0]
+    *middle, last = chunks[1:]
+    assert last["choices"][0]["finish_reason"] == "length", last
+    empty = [c["choices"][0] for c in middle if not c["choices"][0]["delta"].get("content")]
+    assert not empty, f"{len(empty)} of {len(chunks)} chunks carry no content, e.g. {empty[:3]}"
+    assert all(c["choices"][0]["finish_reason"] is None for c in middle)
+    assert set(last["choices"][0]["delta"]) <= {"content"}, last
+    # Fewer content chunks than tokens: some tokens yielded no text on their own (the case under test).
+    n_content = len(middle) + bool(last["choices"][0]["delta"].get("content"))
+    assert 0 < n_content < 48, n_content
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == expected
+
+    # The official client: same text, every chunk but the finish one carries a role or content.
+    client = openai.OpenAI(base_url=disaggregated.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    kw = {k: v for k, v in body.items() if k in ("model", "messages", "max_tokens", "temperature", "stop")}
+    got = list(client.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    for c in got:
+        ch = c.choices[0]
+        assert ch.finish_reason is not None or ch.delta.role or ch.delta.content, c
+    assert got[-1].choices[0].finish_reason == "length"
+    assert sum(bool(c.choices[0].delta.content) for c in got) > 0
+    assert "".join(c.choices[0].delta.content or "" for c in got) == expected
+    wait_pools_clean(disaggregated)
+
+
+def test_fastapi_validation_errors_get_openai_shape():
+    """The handlers read their bodies themselves, but a route with typed parameters must not
+    leak FastAPI's {"detail": [...]}: 400 in OpenAI's shape, naming the parameter."""
+    from starlette.testclient import TestClient
+    from router.app import build_app
+    app = build_app(server=None)
+
+    @app.get("/typed")
+    async def typed(n: int):
+        return {"n": n}
+
+    with TestClient(app) as client:
+        assert client.get("/typed?n=3").json() == {"n": 3}
+        for url in ("/typed?n=abc", "/typed"):
+            assert_openai_error(client.get(url), 400, "n")

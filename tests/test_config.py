@@ -69,3 +69,30 @@ def test_bench_launch_takes_the_engine_flags():
     engine = cli.engine_config_from_args(a, skip=LAUNCH_SKIPS)
     assert (engine.cache.block_size, engine.scheduler.max_num_seqs) == (8, 3)
     assert engine.seed == EngineConfig().seed            # --seed is bench's (the dataset's), not the engine's
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--workers", "3"], "--workers applies to --mode colocated"),
+    (["serve", "--mode", "colocated", "--prefill", "2"], "--prefill applies to --mode disaggregated"),
+    (["serve", "--mode", "colocated", "--decode", "2"], "--decode applies to --mode disaggregated"),
+    (["serve", "--policy", "fastest"], "invalid choice"),
+])
+def test_flags_that_do_not_apply_are_refused_before_anything_starts(argv, needle, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:                          # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_device_cuda_without_cuda_names_the_fix(tmp_path, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    rc = cli.main(["generate", "--device", "cuda", "--input", str(inp), "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--device cuda:" in err and "use --device auto or cpu" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -130,8 +130,16 @@ def test_prometheus_config_scrapes_the_router():
     assert job.get("metrics_path", "/metrics") == "/metrics"
     targets = [t for sc in job["static_configs"] for t in sc["targets"]]
     assert "127.0.0.1:8000" in targets                 # `pdcluster serve`'s default address
+    # Relative to the config file: deploy/targets/ for a local binary, and in the container the
+    # folder compose mounts beside the config.
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    mounts = dict(v.rsplit(":", 2)[:2] if v.count(":") == 2 else v.split(":", 1)
+                  for v in compose["services"]["prometheus"]["volumes"])
+    config_dir = Path(mounts["./prometheus.yml"]).parent
     for f in job["file_sd_configs"][0]["files"]:
-        assert f.startswith("/etc/prometheus/targets/")
+        assert not f.startswith("/") and f.startswith("targets/"), f
+        assert (DEPLOY / f).parent == DEPLOY / "targets"
+        assert Path(mounts["./targets"]) == config_dir / "targets"
 
 
 def test_grafana_provisioning_files():

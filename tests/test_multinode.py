@@ -269,3 +269,134 @@ def test_result_block_in_a_job_log():
     assert found == ("second.json", {"completed": 2, "failed": 0})
     assert rest.split("\n")[:2] == ["progress", "report"] and '"completed": 2' not in rest
     assert extract_result("no result here\n") == (None, "no result here\n")
+
+
+# -- a Ray cluster started the way its docs say (`ray start --head`, Ray's default authentication) --
+class DefaultHead:
+    """`ray start --head` with Ray's defaults, in a HOME of its own that holds a token (as any
+    machine that ever ran a local `ray.init` does): Ray then turns token authentication on."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("RAY_") or k == "RAY_USAGE_STATS_ENABLED"}
+        self.env.update(HOME=str(root / "home"), OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+        self.node: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        (self.root / "home").mkdir()
+        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=self.env, check=True,
+                       capture_output=True, timeout=60)
+        log = self.root / "head.log"
+        with open(log, "w") as f:
+            self.node = subprocess.Popen(
+                [str(BIN / "ray"), "start", "--block", "--head", "--port", str(self.port), "--num-cpus", "2",
+                 "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
+                 "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                 "--temp-dir", str(self.root / "ray")],
+                stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+                preexec_fn=_die_with_us(new_session=True))
+        wait_for(lambda: (_alive(self.node), "Ray runtime started" in _log(log)), lambda v: v[1] or not v[0], 60,
+                 lambda: _log(log)[-3000:], poll_s=0.2)
+        assert _alive(self.node), _log(log)[-3000:]
+        assert "Token authentication is enabled" in _log(log), "the head did not turn token auth on"
+
+    def stop(self) -> None:
+        if self.node is not None:
+            _stop([self.node], descendants(self.node.pid))
+
+    def serve(self, *args: str, log_name: str) -> tuple[subprocess.Popen, Path]:
+        log = self.root / log_name
+        with open(log, "w") as f:
+            proc = subprocess.Popen([str(BIN / "pdcluster"), "serve", "--model", "tiny", *args],
+                                    stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+                                    preexec_fn=_die_with_us(new_session=False))
+        return proc, log
+
+
+@pytest.fixture(scope="module")
+def default_head():
+    root = Path(tempfile.mkdtemp(prefix="pdc-head-", dir="/tmp"))
+    head = DefaultHead(root)
+    try:
+        head.start()
+        yield head
+    finally:
+        head.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _serve_and_ask(head: DefaultHead, args: list[str], log_name: str) -> dict:
+    """Run `pdcluster serve`, ask it one greedy completion, stop it with Ctrl-C; returns what the
+    test needs: the answer, whether it started a Ray of its own, and its log."""
+    port = free_port()
+    proc, log = head.serve("--port", str(port), "--kv-cache-memory-mib", "16", "--swap-space-mib", "0", *args,
+                           log_name=log_name)
+    try:
+        wait_for(lambda: (_alive(proc), _try(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=5))),
+                 lambda v: not v[0] or (v[1] is not None and v[1].status_code == 200), 180,
+                 lambda: _log(log)[-3000:], poll_s=0.2)
+        assert _alive(proc), f"`pdcluster serve {' '.join(args)}` exited:\n{_log(log)[-3000:]}"
+        own_ray = any("gcs_server" in cmd for cmd in descendants(proc.pid).values())
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return {"token_ids": r.json()["choices"][0]["token_ids"], "own_ray": own_ray, "log": _log(log)}
+    finally:
+        tree = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        wait_for(lambda: still_running(tree), lambda left: not left, 30)
+
+
+def test_serve_joins_a_cluster_started_with_rays_defaults(default_head):
+    """Token authentication on (Ray's default once a token exists): `--address` still joins,
+    sending the token it finds in ~/.ray, and serves."""
+    from cluster.offline import generate
+    got = _serve_and_ask(default_head, ["--address", default_head.address], "serve-join.log")
+    assert not got["own_ray"], "it started a Ray of its own instead of joining"
+    assert "InvalidAuthToken" not in got["log"]
+    want = generate([{"prompt": PROMPT, "max_tokens": 8, "temperature": 0}], model="tiny")[0]
+    assert got["token_ids"] == want["token_ids"]
+
+
+def test_serve_without_address_starts_its_own_ray_sized_for_the_workers(default_head):
+    """A Ray already runs on this machine (the head above): plain `serve` must not join it (the
+    README: without --address it starts a local one), and its local Ray holds 3 workers at 1 CPU
+    each on this 2-core box (oversubscribed, as a development box may be)."""
+    got = _serve_and_ask(default_head, ["--prefill", "2", "--decode", "1", "--cpus-per-worker", "1"], "serve-local.log")
+    assert got["own_ray"], "it joined the Ray already running here"
+
+
+def _fails_fast(head: DefaultHead, args: list[str], *needles: str) -> None:
+    t0 = time.monotonic()
+    proc, log = head.serve(*args, log_name=f"fail-{uuid.uuid4().hex[:6]}.log")
+    try:
+        rc = proc.wait(30)
+    finally:
+        if _alive(proc):
+            proc.kill()
+    elapsed = time.monotonic() - t0
+    out = _log(log)
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    assert len(errors) == 1 and all(n in errors[0] for n in needles), out[-3000:]
+    assert elapsed < 5, f"took {elapsed:.1f}s to fail:\n{out[-2000:]}"
+
+
+def test_a_port_in_use_fails_at_once_naming_the_fix(default_head):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _fails_fast(default_head, ["--port", str(port)], f"127.0.0.1:{port} is in use", "--port")
+
+
+def test_workers_that_do_not_fit_fail_at_once_naming_the_fix(default_head):
+    _fails_fast(default_head, ["--address", default_head.address, "--port", str(free_port()), "--prefill", "4"],
+                "need 2.5 CPU", "has 2 of 2 free", "--cpus-per-worker")

@@ -403,3 +403,27 @@ def _get(url: str):
         return httpx.get(url, timeout=2)
     except httpx.HTTPError:
         return None
+
+
+def test_a_local_prometheus_reads_the_router_lists_in_deploy_targets(tmp_path):
+    """The README's "without Docker" command (`prometheus --config.file=deploy/prometheus.yml`,
+    from anywhere) picks up the routers listed in deploy/targets/, as the container does."""
+    deploy = tmp_path / "deploy"
+    shutil.copytree(ROOT / "deploy", deploy, ignore=shutil.ignore_patterns("*.example"))
+    (deploy / "targets" / "routers.yaml").write_text('- targets: ["127.0.0.1:1"]\n  labels: {cluster: listed}\n')
+    port = free_port()
+    with open(tmp_path / "prometheus.log", "w") as log:
+        prom = subprocess.Popen([prometheus_binary(), f"--config.file={deploy / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                                 "--log.level=warn"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def listed():
+            r = _get(f"http://127.0.0.1:{port}/api/v1/targets")
+            if r is None or r.status_code != 200:
+                return set()
+            return {t["labels"].get("cluster") for t in r.json()["data"]["activeTargets"]}
+        seen = wait_for(listed, lambda c: "listed" in c, 30, lambda: (tmp_path / "prometheus.log").read_text())
+        assert "local" in seen                             # the static target too
+    finally:
+        prom.terminate()
+        prom.wait(30)

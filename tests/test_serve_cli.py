@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +36,26 @@ PROMPT, MAX_TOKENS = "The quick brown fox", 12
 def pdcluster_cmd(*args: str) -> list[str]:
     exe = [str(PDCLUSTER)] if PDCLUSTER.exists() else [sys.executable, "-m", "cluster.cli"]
     return exe + list(args)
+
+
+def replay_curl(argv: list[str]) -> httpx.Response:
+    """Run a `curl URL -H ... -d ...` command line: with curl when the machine has it, else the
+    same request through httpx (what the line means, not what curl does with it)."""
+    if shutil.which("curl"):
+        out = subprocess.run(argv + ["-s", "-w", "\n%{http_code}"], capture_output=True, text=True, timeout=60)
+        body, _, code = out.stdout.rpartition("\n")
+        return httpx.Response(int(code), content=body.encode())
+    url, headers, data = None, {}, None
+    it = iter(argv[1:])
+    for arg in it:
+        if arg == "-H":
+            k, _, v = next(it).partition(":")
+            headers[k.strip()] = v.strip()
+        elif arg == "-d":
+            data = next(it)
+        else:
+            url = arg
+    return httpx.post(url, headers=headers, content=data, timeout=60)
 
 
 def subprocess_env() -> dict:
@@ -69,6 +91,13 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         tree = wait_for(lambda: descendants(proc.pid),
                         lambda d: sum("ray::Worker" in c for c in d.values()) >= 2, deadline_s=60,
                         describe=lambda: log.read_text(errors="replace")[-3000:])
+
+        # The banner's example request works as printed (the API key's header included).
+        try_line = next(line for line in log.read_text().splitlines() if line.strip().startswith("try: curl "))
+        example = shlex.split(try_line.strip().removeprefix("try: "))
+        assert "Authorization: Bearer k" in example, try_line
+        reply = replay_curl(example)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 16, reply.text
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,

@@ -1,4 +1,4 @@
-"""The C++ paged-attention kernel for CPU, built on first use (cached by torch afterwards).
+"""The C++ paged-attention kernel for CPU, built on first use and cached (`cache_dir()`).
 
 A build failure is not fatal: `load()` returns None and the engine keeps the torch backend.
 """
@@ -26,17 +26,43 @@ def load():
     # it shares torch's thread pool and obeys torch.set_num_threads.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
     ldflags = ["-fopenmp"]
-    # Named by content: checkouts with the same source share one cached build, and a changed
-    # source never finds a stale one.
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags + ldflags).encode()).hexdigest()[:12]
+    # Named by content and built from a copy inside its own build directory: every checkout
+    # of the same source shares one build (the build files name no checkout path), and a
+    # changed source never finds a stale one.
+    key = _SRC.read_bytes() + " ".join(flags + ldflags).encode() + _cpu_model().encode()   # -march=native
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    name = f"pdcluster_paged_attention_{digest}"
+    build_dir = cache_dir() / name
     _prefer_our_ninja()
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        src = build_dir / _SRC.name
+        if not src.exists() or src.read_bytes() != _SRC.read_bytes():
+            tmp = build_dir / f".{_SRC.name}.{os.getpid()}"       # atomic: workers may start together
+            tmp.write_bytes(_SRC.read_bytes())
+            os.replace(tmp, src)
+        if not (build_dir / f"{name}.so").exists():
+            log.warning("building the C++ paged-attention kernel for this CPU in %s (once per source "
+                        "version, about 30 s)", build_dir)
         from torch.utils.cpp_extension import load as build
-        return build(name=f"pdcluster_paged_attention_{digest}", sources=[str(_SRC)],
+        return build(name=name, sources=[str(src)], build_directory=str(build_dir),
                      extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: $PDCLUSTER_CACHE_DIR, else ~/.cache/pdcluster/kernels."""
+    return Path(os.environ.get("PDCLUSTER_CACHE_DIR") or Path.home() / ".cache" / "pdcluster" / "kernels")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _prefer_our_ninja() -> None:

@@ -27,7 +27,11 @@ def resolve_device(name: str) -> torch.device:
     """`auto`: CUDA when torch sees a GPU, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"--device {name}: {why}; use --device auto or cpu")
+    return device
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

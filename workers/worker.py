@@ -73,7 +73,7 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "max_model_len": e.max_model_len,
                 "num_blocks": e.layout.num_blocks, "block_size": e.layout.block_size,
                 "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
-                "attention_backend": e.runner.backend.name, "device": str(e.device)}
+                "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip()}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
