@@ -77,6 +77,8 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--policy", "policy", "how the router picks workers", str, PICKING_POLICIES),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
     Flag("--max-retries", "max_retries", "re-runs from prefill after a failed handoff or a dead worker"),
+    Flag("--drain-timeout-s", "drain_timeout_s", "on SIGINT/SIGTERM: seconds in-flight requests may run to "
+         "completion (new ones get 503) before the rest end with an error event", float),
 )
 
 SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line

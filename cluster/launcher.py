@@ -109,9 +109,14 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
     try:
         infos = ray.get(refs, timeout=spec.ready_timeout_s)
     except ray.exceptions.GetTimeoutError:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        free = ray.available_resources()
         shutdown([WorkerState(w, r, h) for w, r, h in handles])
-        raise RuntimeError(f"workers were not ready within {spec.ready_timeout_s:.0f}s: the cluster may lack "
-                           f"resources ({spec.num_cpus_per_worker} CPU, {gpus} GPU per worker)") from None
+        raise RuntimeError(f"{len(refs) - len(ready)} of {len(refs)} workers were not ready within "
+                           f"{spec.ready_timeout_s:g}s (each asks for {spec.num_cpus_per_worker:g} CPU and {gpus:g} "
+                           f"GPU; the cluster had {free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU free): "
+                           "a large model may need a longer --ready-timeout-s; `ray status` shows what is "
+                           "pending") from None
     except ray.exceptions.RayActorError as e:
         shutdown([WorkerState(w, r, h) for w, r, h in handles])
         raise RuntimeError(f"a worker failed to start: {e}") from None

@@ -16,6 +16,7 @@ class RouterConfig:
     policy: str = "p2c"                       # one of PICKING_POLICIES
     max_pending: int = 512                    # requests in flight before 429
     max_retries: int = 2                      # re-runs from prefill after a retryable failure
+    drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
     slo: SLOTargets = field(default_factory=SLOTargets)
 
     def __post_init__(self):
@@ -27,3 +28,5 @@ class RouterConfig:
             raise ValueError(f"--max-pending must be >= 1, got {self.max_pending}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not self.drain_timeout_s >= 0:          # NaN too
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")

@@ -51,12 +51,24 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for row, s in enumerate(seqs):
         if s.params.seed is not None:
+            # The stream of a seeded request is a function of (seed, output position) alone, so
+            # a request continues the same on another worker (a handoff, a resume after a fault).
             if s.generator is None:
-                s.generator = torch.Generator(device=logits.device).manual_seed(s.params.seed)
+                s.generator = torch.Generator(device=logits.device)
+            s.generator.manual_seed(position_seed(s.params.seed, s.num_output_tokens))
             noise[row].exponential_(generator=s.generator)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for draw number `position` of a request seeded with `seed` (splitmix64's
+    finalizer: neighbouring positions and seeds give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _apply_top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
