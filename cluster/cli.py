@@ -76,7 +76,10 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
     Flag("--policy", "policy", "how the router picks workers", str, PICKING_POLICIES),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
-    Flag("--max-retries", "max_retries", "re-runs from prefill after a failed handoff or a dead worker"),
+    Flag("--max-retries", "max_retries", "resumes of a request in a row that make no progress (a failed "
+         "handoff, a lost worker) before it fails with an error"),
+    Flag("--worker-hang-timeout-s", "worker_hang_timeout_s", "a worker that answers no poll for this long is "
+         "taken as hung: restarted, its requests resumed", float),
     Flag("--drain-timeout-s", "drain_timeout_s", "on SIGINT/SIGTERM: seconds in-flight requests may run to "
          "completion (new ones get 503) before the rest end with an error event", float),
 )

@@ -18,7 +18,7 @@ from cluster.spec import ClusterSpec
 from router.dispatch import WorkerState
 from workers.worker import Worker, actor_name
 
-__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "shutdown"]
+__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "shutdown"]
 
 log = logging.getLogger("pdcluster.launcher")
 NAMESPACE = "pdcluster"
@@ -98,7 +98,7 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
     handles = []
     for worker_id, role in spec.roles():
         opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
-                    num_gpus=gpus, max_concurrency=32, max_restarts=0)
+                    num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
         if spec.placement == "spread":        # Ray's SPREAD: each next worker on the next node with room
             opts["scheduling_strategy"] = "SPREAD"
         h = ray.remote(Worker).options(**opts).remote(
@@ -122,6 +122,14 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
         raise RuntimeError(f"a worker failed to start: {e}") from None
     log.info("%d workers ready in %.1fs", len(handles), time.monotonic() - t0)
     return [WorkerState(w, r, h) for w, r, h in handles], infos
+
+
+def restart(handle) -> None:
+    """End a worker's process so that Ray starts a new one (a hung worker: SIGSTOPped, deadlocked)."""
+    try:
+        ray.kill(handle, no_restart=False)
+    except Exception as e:                # already gone: Ray restarts it anyway
+        log.warning("could not kill a hung worker: %s", e)
 
 
 def shutdown(workers: list[WorkerState], grace_s: float = 5.0) -> None:

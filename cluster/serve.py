@@ -1,6 +1,7 @@
 """`pdcluster serve`: the pools on Ray, the router's HTTP server in this process."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -15,7 +16,7 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import ClusterSpec, check_fits, connect, launch, shutdown
+from cluster.launcher import ClusterSpec, check_fits, connect, launch, restart, shutdown
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
@@ -33,6 +34,78 @@ async def _lifespan(app):
     await app.state.dispatcher.stop()
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains the router before it closes connections. On SIGINT/SIGTERM, or
+    `request_exit()` from any thread: new requests get 503, those in flight run up to
+    `drain_timeout_s`, the rest end with an error event (`Server.drain`); only then does uvicorn
+    shut down (it would otherwise wait `timeout_graceful_shutdown`, then cut the streams). A second
+    signal ends the drain at once (the requests left still get their error event); a third exits
+    without waiting for anything, as uvicorn's second Ctrl-C does."""
+
+    def __init__(self, config: uvicorn.Config, router: Server, drain_timeout_s: float, announce=None):
+        super().__init__(config)
+        self.router, self.drain_timeout_s = router, drain_timeout_s
+        self.announce = announce or (lambda line: None)     # where the signal path says what it does
+        self.loop: asyncio.AbstractEventLoop | None = None     # the server's, once it starts
+        self._drain: asyncio.Task | None = None
+        self._cut: asyncio.Task | None = None
+        self._signals = 0
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.force_exit:
+            # uvicorn skips the app's shutdown then; run it anyway (it only stops the pumps), or
+            # its task would be cancelled mid-wait at the loop's teardown and logged as an error.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.lifespan.shutdown(), 2)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """The signal handler (main thread): only records and hands over to the loop. Only the
+        first signal is re-raised once the server stops (it sets the exit status: 130 or 143);
+        raising a second SIGINT would interrupt the event loop's teardown."""
+        self._signals += 1
+        if not self._captured_signals:
+            self._captured_signals.append(sig)
+        self.request_exit(force=self._signals > 1, announce=True)
+
+    def request_exit(self, force: bool = False, announce: bool = False) -> None:
+        """Safe from any thread and from a signal handler."""
+        loop = self.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._exit_requested, force, announce)
+                return
+            except RuntimeError:                      # the loop has closed: nothing left to drain
+                pass
+        self.force_exit = self.force_exit or (force and self.should_exit)
+        self.should_exit = True
+
+    def _exit_requested(self, force: bool, announce: bool) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit(announce))
+        elif force and self._cut is None and not self._drain.done():
+            if announce:
+                self.announce(f"ending {self.router.pending} request(s) now")
+            self._cut = asyncio.ensure_future(self.router.end_inflight(timeout=2.0))
+        elif force:                                  # again, or uvicorn is already closing connections
+            self.should_exit = self.force_exit = True
+
+    async def _drain_then_exit(self, announce: bool) -> None:
+        try:
+            if announce and self.router.pending:
+                self.announce(f"draining {self.router.pending} request(s) in flight (up to "
+                              f"{self.drain_timeout_s:g}s; press Ctrl-C again to end them now)")
+            if not await self.router.drain(self.drain_timeout_s):
+                line = f"{self.router.ended} request(s) did not finish and ended with an error"
+                self.announce(line) if announce else log.warning("shutdown: %s", line)
+        finally:
+            self.should_exit = True
+
+
 class ServingCluster:
     """Workers + router + HTTP server. `with ServingCluster(spec, port=...) as c: c.base_url ...`
     (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`)."""
@@ -46,14 +119,20 @@ class ServingCluster:
         self.ray_num_cpus = ray_num_cpus
         self.workers = []
         self.infos: list[dict] = []                   # each worker's ready() answer
-        self._uvicorn: uvicorn.Server | None = None
+        self._uvicorn: DrainingServer | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The HTTP server's event loop (the router's coroutines run there:
+        `asyncio.run_coroutine_threadsafe(c.server.drain(10), c.loop)`)."""
+        return self._uvicorn.loop if self._uvicorn is not None else None
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def build(self) -> uvicorn.Server:
+    def build(self, announce=None) -> DrainingServer:
         tokenizer = load_tokenizer(self.spec.model)
         if tokenizer is None:
             raise ValueError(f"model {self.spec.model!r} has no tokenizer.json; the HTTP API needs one")
@@ -64,7 +143,9 @@ class ServingCluster:
         self.infos = infos
         cfg = self.cfg
         metrics = Metrics(cfg.slo)
-        dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, cfg.policy, cfg.max_retries)
+        dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
+                                hang_timeout_s=cfg.worker_hang_timeout_s,
+                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending,
@@ -76,7 +157,7 @@ class ServingCluster:
         app.router.lifespan_context = _lifespan
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5)
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
     def __enter__(self) -> "ServingCluster":
@@ -94,11 +175,18 @@ class ServingCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def stop_serving(self) -> None:
+        """Drain (new requests get 503; those in flight get `drain_timeout_s` to finish, then end
+        with an error and are aborted on the workers), then stop the HTTP server. The workers
+        keep running."""
         if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+            self._uvicorn.request_exit()
         if self._thread is not None:
-            self._thread.join(timeout=15)
+            self._thread.join(timeout=self.cfg.drain_timeout_s + 15)
+
+    def close(self) -> None:
+        """stop_serving(), then stop the workers."""
+        self.stop_serving()
         shutdown(self.workers)
         self.workers = []
 
@@ -137,11 +225,12 @@ def banner(cluster: ServingCluster) -> list[str]:
 
 
 def serve_forever(cluster: ServingCluster) -> int:
-    server = cluster.build()
+    server = cluster.build(announce=lambda line: print(f"pdcluster serve: {line}", file=sys.stderr, flush=True))
     print("\n".join(banner(cluster)), flush=True)
-    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal with the previous handler:
-    # SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this SystemExit (143); both unwind
-    # through the `finally`, so the workers and a local Ray stop with the router.
+    # On SIGINT/SIGTERM the server drains (DrainingServer), then uvicorn re-raises the signal
+    # with the previous handler: SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this
+    # SystemExit (143); both unwind through the `finally`, so the workers and a local Ray stop
+    # with the router.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         server.run()

@@ -6,6 +6,9 @@
 Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the status.
 Admission is bounded: past `max_pending` requests in flight, 429 with Retry-After.
 A client that goes away cancels its request wherever it is (the dispatcher aborts it).
+Shutdown drains (`Server.drain`): new requests get 503, those in flight run up to a timeout,
+then each one left ends with an error (an SSE error event and [DONE], or a 503) and is aborted
+on the workers.
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import APIError, GenerationRequest, bad_request, sampling_params
 from workers.names import ROLES, roles_of
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
+
+SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
+_END = object()                        # the generation task is done (queued after its last event)
 
 
 class Detokenizer:
@@ -73,6 +79,11 @@ class Server:
         self.cluster_info = cluster_info or {}
         self.pending = 0
         self.metrics = dispatcher.metrics
+        self.draining = False                  # start_drain(): no new requests, /health says so
+        self.ending = False                    # end_inflight(): whatever still runs ends with an error
+        self.ended = 0                         # requests end_inflight() ended
+        self._runs: set[asyncio.Task] = set()  # each running request's dispatcher.generate task
+        self._idle: asyncio.Event | None = None   # set by _done when nothing is in flight
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False)
         self.chat_template = env.from_string(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
 
@@ -170,6 +181,10 @@ class Server:
 
     # -- running one request -------------------------------------------------------------------
     def _admit(self) -> None:
+        if self.draining:
+            self.metrics.errors.labels("shutdown").inc()
+            raise APIError(503, "the server is shutting down and admits no new requests; send it elsewhere",
+                           "server_error", code="draining")
         if self.pending >= self.max_pending:
             self.metrics.errors.labels("overloaded").inc()
             raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); "
@@ -179,10 +194,70 @@ class Server:
 
     def _done(self) -> None:
         self.pending -= 1
+        if self.pending == 0 and self._idle is not None:
+            self._idle.set()
+
+    # -- draining --------------------------------------------------------------------------------
+    def start_drain(self) -> None:
+        """From now on new requests get 503 and /health answers 503 "draining"; those in flight run on."""
+        self.draining = True
+
+    async def drained(self, timeout: float) -> bool:
+        """Waits (at most `timeout` seconds) until no request is in flight; whether none is."""
+        if self.pending == 0:
+            return True
+        if self._idle is None or self._idle.is_set():
+            self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.pending == 0
+
+    async def end_inflight(self, timeout: float = 5.0) -> int:
+        """Ends every request still in flight: its work on the workers is cancelled (the dispatcher
+        aborts it there, so its blocks come back) and its client gets an error, a stream as an SSE
+        error event then [DONE], a whole response as a 503; waits (at most `timeout`) until those
+        responses are out. Returns how many requests it ended."""
+        self.ending = True
+        runs = [t for t in self._runs if not t.done()]
+        for t in runs:
+            t.cancel()
+        self.ended += len(runs)
+        await self.drained(timeout)
+        return len(runs)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, let what is in flight finish within `timeout` seconds, then end the rest
+        (end_inflight). True when every request finished on its own."""
+        self.start_drain()
+        if not await self.drained(timeout):
+            await self.end_inflight()
+        return self.ended == 0
+
+    # -- one request's generation ----------------------------------------------------------------
+    def _shutdown_error(self, n_out: int) -> APIError:
+        return APIError(503, f"the server shut down before this request finished ({n_out} token"
+                        f"{'' if n_out == 1 else 's'} generated); retry it", "server_error", code=SHUTDOWN)
+
+    async def _generate(self, req: GenerationRequest, events: asyncio.Queue) -> None:
+        async for ev in self.dispatcher.generate(req):
+            events.put_nowait(ev)
+
+    def _generation_done(self, task: asyncio.Task, events: asyncio.Queue) -> None:
+        self._runs.discard(task)
+        if not task.cancelled():
+            task.exception()                         # retrieved here; run() re-raises it
+        events.put_nowait(_END)
 
     async def run(self, req: GenerationRequest):
         """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics.
-        The request counts as waiting until its first token, then as running."""
+        The request counts as waiting until its first token, then as running.
+        The dispatcher runs in a task of its own, so that a drain can end the request (cancel
+        that task: the dispatcher aborts it on the workers) and still answer its client."""
+        if self.ending:
+            self.metrics.errors.labels("shutdown").inc()
+            raise self._shutdown_error(0)
         detok = Detokenizer(self.tokenizer, req.params.stop)
         t0 = last = time.monotonic()
         ttft = 0.0
@@ -190,8 +265,18 @@ class Server:
         m = self.metrics
         m.prompt_tokens.inc(len(req.prompt_token_ids))
         m.waiting.inc()
+        events: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(req, events))
+        self._runs.add(task)
+        task.add_done_callback(lambda t: self._generation_done(t, events))
         try:
-            async for ev in self.dispatcher.generate(req):
+            while True:
+                ev = await events.get()
+                if ev is _END:
+                    if task.cancelled():                 # ended by end_inflight
+                        raise self._shutdown_error(n_out)
+                    task.result()                        # RequestFailed, or a worker's APIError
+                    raise RequestFailed("the request ended without a finish")
                 now = time.monotonic()
                 if ev.token_ids:
                     if n_out == 0:
@@ -216,13 +301,14 @@ class Server:
             m.errors.labels("worker_failure").inc()
             raise APIError(503, f"the request could not be served: {e}", "server_error",
                            code="service_unavailable") from None
-        except APIError:                                 # a worker refused it (e.g. bad params)
-            m.errors.labels("invalid_request").inc()
+        except APIError as e:                            # a worker refused it (e.g. bad params), or a drain
+            m.errors.labels("shutdown" if e.code == SHUTDOWN else "invalid_request").inc()
             raise
         except asyncio.CancelledError:
             m.errors.labels("client_disconnect").inc()
             raise
         finally:
+            task.cancel()                                # the client left (or it is done): abort it
             (m.running if n_out else m.waiting).dec()
 
 
@@ -270,6 +356,8 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r) for r in ROLES}
+        if server.draining:                            # a load balancer stops sending here
+            return JSONResponse({"status": "draining", "workers": alive}, status_code=503)
         ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))
         return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive}, status_code=200 if ok else 503)
 

@@ -15,7 +15,8 @@ class RouterConfig:
     served_model_name: str | None = None      # the model name clients send (default: the model)
     policy: str = "p2c"                       # one of PICKING_POLICIES
     max_pending: int = 512                    # requests in flight before 429
-    max_retries: int = 2                      # re-runs from prefill after a retryable failure
+    max_retries: int = 2                      # resumes in a row that make no progress, then an error
+    worker_hang_timeout_s: float = 10.0       # a worker that answers no poll for this long is restarted
     drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
     slo: SLOTargets = field(default_factory=SLOTargets)
 
@@ -27,6 +28,8 @@ class RouterConfig:
         if self.max_pending < 1:
             raise ValueError(f"--max-pending must be >= 1, got {self.max_pending}")
         if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+            raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if not self.worker_hang_timeout_s > 0:
+            raise ValueError(f"--worker-hang-timeout-s must be > 0, got {self.worker_hang_timeout_s}")
         if not self.drain_timeout_s >= 0:          # NaN too
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")

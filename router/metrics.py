@@ -20,8 +20,10 @@ from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 
 P = "pdcluster:"
 FINISH_REASONS = ("stop", "length")
-ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect")
+ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect", "shutdown")
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
+LOSS_CAUSES = ("died", "hung")
+RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung")
 
 # Request latencies: 1 ms .. 80 s (TTFT of a long prompt under load, E2E of a long answer).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -103,6 +105,19 @@ class Metrics:
             self.pool_size.labels(role)
         for a, b in ROLE_FLIPS:
             self.role_changes.labels(a, b)
+        # -- faults and recovery ---------------------------------------------------------------
+        self.resumed = Counter(P + "requests_resumed", "Requests resumed on live workers after a fault "
+                               "(prompt + delivered tokens prefilled again)", ["cause"], registry=r)
+        self.workers_lost = Counter(P + "workers_lost", "Workers that died or stopped answering", ["role", "cause"],
+                                    registry=r)
+        self.workers_replaced = Counter(P + "workers_replaced", "Lost workers back in their pool (restarted)",
+                                        ["role"], registry=r)
+        for cause in RESUME_CAUSES:
+            self.resumed.labels(cause)
+        for role in ROLES:
+            self.workers_replaced.labels(role)
+            for cause in LOSS_CAUSES:
+                self.workers_lost.labels(role, cause)
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     # -- router side -----------------------------------------------------------------------------

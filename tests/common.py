@@ -49,6 +49,16 @@ def assert_all_blocks_free(engine) -> None:
     assert kv.host.num_free == kv.host.num_blocks
 
 
+def wait_pools_clean(cluster, deadline_s: float = 30.0) -> list:
+    """Every worker of a ServingCluster: no referenced block, nothing held, queued or running
+    (within a deadline: aborts and releases travel asynchronously); their LoadReports."""
+    import ray
+    return wait_for(lambda: ray.get([w.handle.stats.remote() for w in cluster.workers]),
+                    lambda stats: all(s.kv_blocks_used == 0 and s.held == 0 and s.running == 0
+                                      and s.waiting == 0 and s.pending == 0 and s.receiving == 0
+                                      for s in stats), deadline_s)
+
+
 def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float = 0.02):
     """probe() until ok(value), then the value; past the deadline an AssertionError naming
     the last value (and describe(), if given). Conditions with deadlines, never bare sleeps."""

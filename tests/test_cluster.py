@@ -16,7 +16,7 @@ import ray
 
 from cluster import promtext
 from cluster.launcher import ClusterSpec
-from common import wait_for
+from common import wait_for, wait_pools_clean
 from cluster.serve import ServingCluster, free_port
 from workers.checkpoint import builtin_config
 from workers.config import EngineConfig
@@ -79,15 +79,6 @@ async def send_all(base_url: str, prompts: list[list[int]]) -> list[list[int]]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     finally:
         await client.close()
-
-
-def wait_pools_clean(cluster: ServingCluster, deadline_s: float = 30.0) -> list:
-    """Every worker: no referenced block, nothing held, queued or running (within a deadline:
-    aborts and releases travel asynchronously)."""
-    return wait_for(lambda: ray.get([w.handle.stats.remote() for w in cluster.workers]),
-                    lambda stats: all(s.kv_blocks_used == 0 and s.held == 0 and s.running == 0
-                                      and s.waiting == 0 and s.pending == 0 and s.receiving == 0
-                                      for s in stats), deadline_s)
 
 
 @pytest.fixture(scope="module")

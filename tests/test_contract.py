@@ -19,9 +19,9 @@ LOAD = msg.LoadReport("decode-0", "decode", waiting=1, running=3, swapped=0, que
                       preemptions={"recompute": 1, "swap": 0}, kv_transfer=msg.TransferTotals(4096, 2, 0.5, 1))
 
 EXAMPLES = [
-    msg.GenerateOp("r1.0", [1, 2, 3], PARAMS, priority=-1),
+    msg.GenerateOp("r1.0", [1, 2, 3], PARAMS, priority=-1, output_token_ids=[7, 8]),
     msg.PrefillOp("r2.0", [5], PARAMS),
-    msg.DecodeOp("r3.1", [1, 2], PARAMS, first_tokens=[9], prefill_id="prefill-0"),
+    msg.DecodeOp("r3.1", [1, 2], PARAMS, output_token_ids=[9], prefill_id="prefill-0"),
     msg.AbortOp("r4.0"),
     msg.TokenEvent("r1.0", [11], finished=True, reason="length", logprobs=[{"logprob": -0.5, "top": {11: -0.5}}]),
     msg.ErrorEvent("r2.0", "KV transfer failed", retryable=True),
@@ -107,7 +107,7 @@ def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry():
     reserved blocks come back, the failure is counted, and the router gets a retryable error
     (the dispatcher then re-runs the request from prefill)."""
     with local_worker("decode-0", "decode", transfer_timeout_s=5, cluster_id="no-such-cluster") as (w, drain, events):
-        op = msg.DecodeOp("r1.0", list(range(40)), SamplingParams(temperature=0, max_tokens=8), first_tokens=[3],
+        op = msg.DecodeOp("r1.0", list(range(40)), SamplingParams(temperature=0, max_tokens=8), output_token_ids=[3],
                           prefill_id="prefill-gone")
         w.submit(msg.encode(op))
         reply = wait_for(drain, lambda r: any(isinstance(e, msg.ErrorEvent) for e in events), 30)

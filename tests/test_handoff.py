@@ -21,28 +21,37 @@ def copy_blocks(src: LLMEngine, src_ids: list[int], dst: LLMEngine, dst_ids: lis
         dv[torch.tensor(dst_ids)] = sv[torch.tensor(src_ids)]
 
 
-def handoff(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    seqs = [prefill.add_request(prompt_token_ids=p, params=GREEDY, prefill_only=True) for p in prompts]
+def handoff(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY,
+            resume_from: list[list[int]] | None = None) -> list[list[int]]:
+    """Prefill on one engine, copy the KV, decode on the other; `resume_from`: per prompt, the
+    output tokens a client already has (a resumed request), continued from."""
+    resume_from = resume_from or [[] for _ in prompts]
+    seqs = [prefill.add_request(prompt_token_ids=p, params=params, prefill_only=True, output_token_ids=r)
+            for p, r in zip(prompts, resume_from)]
     while prefill.has_unfinished():
         prefill.step()
-    assert all(s.status is SequenceStatus.HELD for s in seqs)
-    outputs = {}
+    # Held for a decode worker, or finished by the token prefill sampled (its last one).
+    assert all(s.status is SequenceStatus.HELD or s.finish_reason == "length" for s in seqs)
+    outputs = {s.seq_id: list(s.output_token_ids) for s in seqs if s.status is not SequenceStatus.HELD}
+    held = {s.seq_id for s in seqs if s.status is SequenceStatus.HELD}
     for s in seqs:
-        dst = decode.reserve(s.seq_id, s.token_ids, s.num_prompt_tokens, GREEDY)
+        if s.status is not SequenceStatus.HELD:
+            continue
+        dst = decode.reserve(s.seq_id, s.prompt_token_ids, s.output_token_ids, params)
         assert dst is not None
         src = prefill.held_block_ids(s.seq_id)
-        assert len(src) == len(dst) == -(-s.num_prompt_tokens // prefill.kv.block_size)
+        assert len(src) == len(dst) == -(-(s.num_tokens - 1) // prefill.kv.block_size)
         copy_blocks(prefill, src, decode, dst)
         decode.commit_received(s.seq_id)
         assert prefill.release(s.seq_id)
-        outputs[s.seq_id] = list(s.output_token_ids)          # the first token, from prefill
+        outputs[s.seq_id] = list(s.output_token_ids)          # resumed from + the token prefill sampled
     finished = set()
     while decode.has_unfinished():
         for o in decode.step():
             outputs[o.request_id] += o.new_token_ids
             if o.finished:
                 finished.add(o.request_id)
-    assert finished == set(outputs)
+    assert finished == held                                     # every handed-off sequence ended on decode
     return [outputs[s.seq_id] for s in seqs]
 
 
@@ -62,11 +71,11 @@ def test_reserve_applies_backpressure_and_abort_frees():
     cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=20))
     decode = LLMEngine(cfg)
     prompt = list(range(200))                                   # 13 blocks
-    first = decode.reserve("a", prompt + [5], len(prompt), GREEDY)
+    first = decode.reserve("a", prompt, [5], GREEDY)
     assert first is not None and len(first) == 13
-    assert decode.reserve("b", prompt + [5], len(prompt), GREEDY) is None   # no room: wait
+    assert decode.reserve("b", prompt, [5], GREEDY) is None   # no room: wait
     assert decode.abort("a")                                    # e.g. the transfer failed
-    assert decode.reserve("b", prompt + [5], len(prompt), GREEDY) is not None
+    assert decode.reserve("b", prompt, [5], GREEDY) is not None
     assert decode.abort("b")
     assert_all_blocks_free(decode)
 
@@ -75,10 +84,51 @@ def test_reserved_blocks_are_not_prefix_hits_until_committed():
     cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=64))
     decode = LLMEngine(cfg)
     prompt = list(range(100))
-    decode.reserve("a", prompt + [1], len(prompt), GREEDY)
+    decode.reserve("a", prompt, [1], GREEDY)
     other = decode.add_request(prompt_token_ids=prompt + [7], params=GREEDY)
     computed, num_cached = decode.kv.get_computed_blocks(other)
     assert num_cached == 0            # the KV has not arrived: nothing to reuse yet
     decode.abort("a")
     decode.abort(other.seq_id)
     assert_all_blocks_free(decode)
+
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_as_if_never_interrupted(params):
+    """A request cut after k tokens (a dead worker, a failed handoff) and resumed elsewhere from
+    prompt + those k tokens, on one engine or through a handoff, ends with exactly the tokens of
+    the uninterrupted run: greedy, and seeded (the draw at each position depends on the seed
+    and the position only)."""
+    prompts = PROMPTS[:6]
+    cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=256))
+    full = [r.token_ids for r in LLMEngine(cfg).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    cuts = [1, 2, 5, 11, 17, 23]                                # 23 of 24: one token left
+    resume_from = [f[:k] for f, k in zip(full, cuts)]
+    other = LLMEngine(cfg)
+    seqs = [other.add_request(prompt_token_ids=p, params=params, output_token_ids=r)
+            for p, r in zip(prompts, resume_from)]
+    while other.has_unfinished():
+        other.step()
+    assert [s.output_token_ids for s in seqs] == full
+    assert all(s.finish_reason == "length" for s in seqs)      # max_tokens counts the resumed ones
+    assert handoff(LLMEngine(cfg), LLMEngine(cfg), prompts, params, resume_from) == full
+    assert_all_blocks_free(other)
+
+
+def test_seeded_output_is_the_same_through_a_handoff():
+    prompts = PROMPTS[:6]
+    cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=256))
+    single = [r.token_ids for r in LLMEngine(cfg).generate([{"prompt_token_ids": p} for p in prompts], SEEDED)]
+    assert len({tuple(t[:2]) for t in single}) > 1 and any(t[0] != t[1] for t in single)
+    assert handoff(LLMEngine(cfg), LLMEngine(cfg), prompts, SEEDED) == single
+
+
+def test_nothing_left_to_generate_is_refused():
+    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=64)))
+    with pytest.raises(ValueError, match="nothing left to generate"):
+        engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=3), output_token_ids=[4, 5, 6])
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=3), output_token_ids=[10**6])

@@ -148,20 +148,30 @@ class LLMEngine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prefill_only: bool = False) -> Sequence:
-        """Queue a request. With prefill_only, it stops after its first token and its blocks
-        are held (see `held_block_ids` / `release`) for a decode worker to pull."""
-        seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time)
+                    prefill_only: bool = False, output_token_ids: list[int] = ()) -> Sequence:
+        """Queue a request. With prefill_only, it stops after its next token and its blocks
+        are held (see `held_block_ids` / `release`) for a decode worker to pull. With
+        `output_token_ids` it resumes: those tokens were generated already (elsewhere); they are
+        computed with the prompt, count against max_tokens and stop strings, and sampling
+        continues after them."""
+        seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq
 
-    def _new_seq(self, prompt, prompt_token_ids, params, request_id, priority, arrival_time) -> Sequence:
+    def _new_seq(self, prompt, prompt_token_ids, params, request_id, priority, arrival_time,
+                 output_token_ids=()) -> Sequence:
         ids = self.tokenize(prompt, prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params or SamplingParams(), priority, arrival_time)
+        if output_token_ids:
+            self._check_ids(output_token_ids, "output_token_ids")
+            seq.token_ids.extend(output_token_ids)
+            if seq.num_tokens >= self.max_model_len or seq.num_output_tokens >= seq.params.max_tokens:
+                raise ValueError(f"nothing left to generate: {seq.num_output_tokens} tokens already out of "
+                                 f"max_tokens={seq.params.max_tokens}, max_model_len={self.max_model_len}")
         self._seqs[rid] = seq
         return seq
 
@@ -180,23 +190,23 @@ class LLMEngine:
         self.scheduler.finish(seq, seq.finish_reason or "transferred")
         return True
 
-    def reserve(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+    def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
                 num_receiving: int = 0) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from a prefill worker. Returns the
-        block ids to receive into, or None when there is no room now (backpressure: call again
-        later). `token_ids` is the prompt plus the first token the prefill worker sampled;
-        `num_receiving` counts the sequences already reserved (they will join the batch)."""
-        seq = self._new_seq(None, token_ids[:num_prompt_tokens], params, request_id, priority, arrival_time)
-        seq.token_ids.extend(token_ids[num_prompt_tokens:])
+        """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
+        output but the last (the last was sampled there and is computed here, by the first
+        decode step). Returns the block ids to receive into, or None when there is no room now
+        (backpressure: call again later); `num_receiving` counts the sequences already reserved
+        (they will join the batch)."""
+        seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
+        num_kv = seq.num_tokens - 1
         sched = self.scheduler
         fits = (num_receiving + len(sched.running) < self.cfg.scheduler.max_num_seqs and
-                self.kv.can_allocate(seq, num_prompt_tokens, [], 0,
-                                     sched.watermark_blocks if sched.running else 0))
+                self.kv.can_allocate(seq, num_kv, [], 0, sched.watermark_blocks if sched.running else 0))
         if not fits:
             del self._seqs[request_id]
             return None
-        self.kv.allocate(seq, num_prompt_tokens, [], 0, index=False)
+        self.kv.allocate(seq, num_kv, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
         return list(self.kv.block_ids(seq))
 
@@ -204,8 +214,8 @@ class LLMEngine:
         """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""
         seq = self._seqs[request_id]
         assert seq.status is SequenceStatus.RECEIVING, seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.kv.commit(seq, seq.num_prompt_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.commit(seq, seq.num_computed_tokens)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         self.scheduler.add_running(seq)
@@ -219,15 +229,18 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+            self._check_ids(ids, "prompt_token_ids")
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token)")
         return ids
+
+    def _check_ids(self, ids, name: str) -> None:
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must be integers in [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is (queued, running, swapped, held, receiving)."""

@@ -16,6 +16,23 @@ code path is the same, only the group's constructor differs.
 
 Transfers on one pair must be issued in the same order on both sides; `transfer_id` lets
 the caller make a reordering an error instead of swapped KV.
+
+Failures, and how the other side learns of them (keys in the pair's part of the receiver's store):
+
+- A side whose transfer breaks destroys its group (Gloo closes its sockets only then), so a
+  peer blocked in the header or the payload fails at once, not at its deadline.
+- It bumps the pair's `epoch`; each side compares it with the one it connected at before each
+  transfer, so a failure seen by one side only (the receiver failing after the sender finished,
+  or the reverse) rebuilds the pair on both sides at the next transfer, instead of failing it
+  on a stale group.
+- It records the transfer id it gave up on (`gave_up/send`, `gave_up/recv`; ids > 0 only, the
+  worker's are unique per pair): a peer that had not connected for that transfer yet, or is
+  waiting to, fails at once. A receiver also joins only a generation opened for its transfer
+  by a sender still waiting (`abandoned`), and marks the others `skipped`, which ends them.
+
+Every error raised carries `point`: where the transfer was (connect, before_header,
+mid_payload, after_payload). A `FaultPlan` (workers/faults.py) passed per call fails or stalls
+a transfer at those points, for tests and drills.
 """
 from __future__ import annotations
 
@@ -23,6 +40,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -32,6 +50,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from workers.faults import FaultPlan
 from workers.messages import TransferHeader
 from workers.names import TRANSPORTS
 
@@ -42,6 +61,8 @@ _SENDER, _RECEIVER = 0, 1
 _TAG_HEADER, _TAG_PAYLOAD = 1, 2          # NCCL ignores tags: there the issue order matches ops
 _STORE_TIMEOUT_S = 300.0                  # the store's default; every wait here passes its own
 _NCCL_WATCHDOG_S = 600.0                  # NCCL's watchdog bound; each op waits with a shorter deadline
+_TELL_PEER_S = 2.0                        # telling the peer of a failure: best effort, bounded
+_SIDES = {_SENDER: "send", _RECEIVER: "recv"}
 
 
 class KVLayoutMismatch(ValueError):
@@ -53,7 +74,9 @@ class KVTransferMismatch(ValueError):
 
 
 class KVTransferError(RuntimeError):
-    """The peer vanished or the connection broke; the pair's group has been dropped."""
+    """The peer vanished or the connection broke; the pair's group has been dropped. `point`:
+    where the transfer was (connect, before_header, mid_payload, after_payload)."""
+    point: str | None = None
 
 
 class KVTransferTimeout(KVTransferError, TimeoutError):
@@ -118,6 +141,8 @@ class _Pair:
     addr: str | None
     layout: KVLayout
     staging: torch.Tensor                   # uint8, grown on demand, reused across transfers
+    signals: dist.Store                     # the directed pair's keys in the receiver's store
+    epoch: int                              # the pair's failure count when this group was built
 
 
 def _wait_listening(host: str, port: int, deadline: float) -> None:
@@ -135,6 +160,30 @@ def _wait_listening(host: str, port: int, deadline: float) -> None:
 
 def _remaining(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
+def _waited(store: dist.Store, key: str, deadline: float, slice_s: float = 0.05) -> bool:
+    """Wait up to `slice_s` (not past the deadline) for `key`; False when it is not there yet."""
+    try:
+        store.wait([key], timedelta(seconds=max(min(slice_s, deadline - time.monotonic()), 0.001)))
+        return True
+    except Exception:                        # the store's timeout; a broken store fails the next call
+        return False
+
+
+def _mark(store: dist.Store, key: str, value: str = "1") -> None:
+    """Best effort: the peer reads it if it can."""
+    try:
+        store.set(key, value)
+    except Exception:
+        pass
+
+
+def _check_gave_up(store: dist.Store, side: str, transfer_id: int, peer: str) -> None:
+    """Raise when the peer (`side`) already failed this (named) transfer."""
+    key = f"gave_up/{side}"
+    if transfer_id and store.check([key]) and int(store.get(key)) == transfer_id:
+        raise KVTransferError(f"{peer} gave up on transfer {transfer_id}")
 
 
 class KVTransport(ABC):
@@ -165,16 +214,19 @@ class KVTransport(ABC):
         return f"{self.host}:{self._serve().port}"
 
     def send_blocks(self, peer: KVPeer, kv_caches: KVCaches, block_ids: list[int],
-                    timeout_s: float = 30.0, transfer_id: int = 0) -> int:
-        """Send these blocks to `peer`, which receives them into its own block ids. Returns bytes."""
+                    timeout_s: float = 30.0, transfer_id: int = 0, faults: FaultPlan | None = None) -> int:
+        """Send these blocks to `peer`, which receives them into its own block ids. Returns bytes.
+        `faults`: the plan's `send` rules act at their points (tests, drills)."""
         return self._transfer(peer.worker_id, _SENDER, kv_caches, block_ids, timeout_s, transfer_id,
-                              peer.store_addr)
+                              peer.store_addr, faults)
 
     def recv_blocks(self, peer: str, kv_caches: KVCaches, block_ids: list[int],
-                    timeout_s: float = 30.0, transfer_id: int = 0) -> int:
-        """Receive blocks from the prefill worker `peer` into these block ids. Returns bytes."""
+                    timeout_s: float = 30.0, transfer_id: int = 0, faults: FaultPlan | None = None) -> int:
+        """Receive blocks from the prefill worker `peer` into these block ids. Returns bytes.
+        On an error the blocks may hold part of the payload: the caller must not use them.
+        `faults`: the plan's `recv` rules act at their points (tests, drills)."""
         self._serve()
-        return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None)
+        return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None, faults)
 
     def close(self, peer: str) -> None:
         """Forget the groups with `peer`; the next transfer reconnects."""
@@ -200,81 +252,157 @@ class KVTransport(ABC):
         with self._mutex:
             return self._locks.setdefault(key, threading.Lock())
 
-    def _drop(self, key: tuple[str, int], failed: bool) -> None:
+    def _drop(self, key: tuple[str, int], failed: bool) -> _Pair | None:
         pair = self._pairs.pop(key, None)
         if pair is not None:
             try:   # abort unblocks a broken NCCL communicator; shutdown lets a healthy one finish
                 pair.group.abort() if failed else pair.group.shutdown()
             except Exception:
                 pass
+            pair.group = None               # its last reference: Gloo closes the sockets now
+        return pair
+
+    def _gave_up(self, peer: str, rank: int, pair: _Pair | None, transfer_id: int) -> None:
+        """After a failure: bump the pair's epoch and record the transfer id (best effort, bounded)."""
+        if rank == _RECEIVER:
+            signals = dist.PrefixStore(f"kv/{peer}->{self.worker_id}", self._server)
+        elif pair is not None:              # a client of the receiver's store
+            signals = pair.signals
+            pair.store.set_timeout(timedelta(seconds=_TELL_PEER_S))
+        else:                               # a sender that never connected: its generation says so
+            return
+        try:
+            if pair is not None:
+                signals.add("epoch", 1)
+            if transfer_id:
+                signals.set(f"gave_up/{_SIDES[rank]}", str(transfer_id))
+        except Exception:                   # the peer's store is gone: so is its side of the pair
+            pass
+
+    def _stale(self, pair: _Pair, rank: int, deadline: float) -> bool:
+        """The peer dropped the pair after a failure since this group was built (one store
+        round trip: local on the receiver, to the receiver on the sender, within the deadline)."""
+        if rank == _RECEIVER:
+            return pair.signals.add("epoch", 0) != pair.epoch
+        pair.store.set_timeout(_remaining(deadline))
+        try:
+            return pair.signals.add("epoch", 0) != pair.epoch
+        finally:
+            pair.store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
 
     def _transfer(self, peer: str, rank: int, kv_caches: KVCaches, block_ids: list[int],
-                  timeout_s: float, transfer_id: int, addr: str | None) -> int:
+                  timeout_s: float, transfer_id: int, addr: str | None, faults: FaultPlan | None = None) -> int:
         start = time.monotonic()
         deadline = start + timeout_s
         layout = KVLayout.of(kv_caches)
         _check_block_ids(kv_caches, block_ids, unique=rank == _RECEIVER)
         key = (peer, rank)
+        at = ["connect"]                    # where the transfer is: _move advances it
         with self._lock_for(key):
             try:
                 pair = self._pairs.get(key)
                 connect_s = 0.0
+                if pair is not None and self._stale(pair, rank, deadline):
+                    self._drop(key, failed=True)
+                    pair = None
                 if pair is None or pair.addr != addr or pair.layout != layout:
                     self._drop(key, failed=False)
-                    pair = self._connect(peer, rank, layout, addr, deadline)
+                    pair = self._connect(peer, rank, layout, addr, deadline, transfer_id)
                     self._pairs[key] = pair
                     connect_s = time.monotonic() - start
-                stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s)
-            except (KVLayoutMismatch, KVTransferMismatch):
+                stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s, faults, at)
+            except (KVLayoutMismatch, KVTransferMismatch) as e:
+                e.point = at[0]
                 raise                       # both sides refused the same way; nothing is broken
-            except Exception as e:          # torch's DistError family and gloo's RuntimeErrors
-                self._drop(key, failed=True)
+            except Exception as e:          # torch's DistError family, gloo's RuntimeErrors, InjectedFault
+                # Gloo closes its sockets (so the peer fails at once instead of at its deadline) only
+                # when the group is destroyed: drop every reference, the failed frames' included.
+                pair = None
+                traceback.clear_frames(e.__traceback__)
+                self._gave_up(peer, rank, self._drop(key, failed=True), transfer_id)
                 elapsed = time.monotonic() - start
                 me, arrow = self.worker_id, "->" if rank == _SENDER else "<-"
                 message = str(e).lower()
                 if time.monotonic() >= deadline - 0.01 or "timed out" in message or "timeout" in message:
-                    raise KVTransferTimeout(
-                        f"KV transfer {me} {arrow} {peer} timed out after {elapsed:.2f}s "
-                        f"(timeout {timeout_s}s): is {peer} alive and calling its side?") from e
-                raise KVTransferError(f"KV transfer {me} {arrow} {peer} failed after {elapsed:.2f}s: "
-                                      f"{str(e).splitlines()[0]}") from e
+                    error = KVTransferTimeout(
+                        f"KV transfer {me} {arrow} {peer} timed out after {elapsed:.2f}s at {at[0]} "
+                        f"(timeout {timeout_s}s): is {peer} alive and calling its side?")
+                else:
+                    error = KVTransferError(f"KV transfer {me} {arrow} {peer} failed after {elapsed:.2f}s "
+                                            f"at {at[0]}: {(str(e).splitlines() or [type(e).__name__])[0]}")
+                error.point = at[0]
+                raise error from e
         self.last_stats = stats
         return stats.num_bytes
 
-    def _connect(self, peer: str, rank: int, layout: KVLayout, addr: str | None, deadline: float) -> _Pair:
+    def _connect(self, peer: str, rank: int, layout: KVLayout, addr: str | None, deadline: float,
+                 transfer_id: int) -> _Pair:
+        hello = {"worker_id": self.worker_id, "backend": self.backend, "transfer_id": transfer_id,
+                 "layout": {f.name: getattr(layout, f.name) for f in fields(layout)}}
         if rank == _SENDER:
             host, port = addr.rsplit(":", 1)
             _wait_listening(host, int(port), deadline)
             store = dist.TCPStore(host, int(port), None, False, _remaining(deadline), wait_for_workers=False)
             store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))   # later reads (NCCL's) are not ours
             base = dist.PrefixStore(f"kv/{self.worker_id}->{peer}", store)
+            _check_gave_up(base, "recv", transfer_id, peer)     # the receiver failed it before we came
             gen = base.add("gen", 1)        # each connect opens a fresh generation of keys
+            pair_store = dist.PrefixStore(str(gen), base)
+            pair_store.set(f"hello/{rank}", msgpack.packb(hello))
+            try:
+                # In slices: a receiver that gives up on this transfer, or skips this generation
+                # (it moved on to a later transfer), ends this attempt at once.
+                while not _waited(pair_store, f"hello/{_RECEIVER}", deadline):
+                    _check_gave_up(base, "recv", transfer_id, peer)
+                    if pair_store.check(["skipped"]):
+                        raise KVTransferError(f"{peer} moved on from transfer {transfer_id}")
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"timed out waiting for {peer} to join")
+            except Exception:
+                _mark(pair_store, "abandoned")   # a receiver arriving later skips this generation
+                if transfer_id:
+                    _mark(base, "gave_up/send", str(transfer_id))
+                raise
+            theirs = msgpack.unpackb(pair_store.get(f"hello/{_RECEIVER}"))
         else:
             store = self._server
             base = dist.PrefixStore(f"kv/{peer}->{self.worker_id}", store)
-            # Join the newest generation not joined before: a sender that timed out and retried
-            # may have opened several while we were away.
-            base.wait([f"{self._gens.get(peer, 0) + 1}/hello/{_SENDER}"], _remaining(deadline))
-            gen = base.add("gen", 0)
-            self._gens[peer] = gen
-        pair_store = dist.PrefixStore(str(gen), base)
-        hello = {"worker_id": self.worker_id, "backend": self.backend,
-                 "layout": {f.name: getattr(layout, f.name) for f in fields(layout)}}
-        pair_store.set(f"hello/{rank}", msgpack.packb(hello))
-        pair_store.wait([f"hello/{1 - rank}"], _remaining(deadline))
-        theirs = msgpack.unpackb(pair_store.get(f"hello/{1 - rank}"))
+            # Join the newest generation not joined before (a sender that timed out and retried may
+            # have opened several while we were away), if its sender came for this transfer and is
+            # still there; else skip it (telling a sender that still waits) and wait for a newer one.
+            while True:
+                while not _waited(base, f"{self._gens.get(peer, 0) + 1}/hello/{_SENDER}", deadline):
+                    _check_gave_up(base, "send", transfer_id, peer)
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"timed out waiting for {peer} to connect")
+                gen = base.add("gen", 0)
+                self._gens[peer] = gen
+                pair_store = dist.PrefixStore(str(gen), base)
+                pair_store.wait([f"hello/{_SENDER}"], _remaining(deadline))     # set right after the add
+                theirs = msgpack.unpackb(pair_store.get(f"hello/{_SENDER}"))
+                if theirs.get("transfer_id") == transfer_id and not pair_store.check(["abandoned"]):
+                    break
+                _mark(pair_store, "skipped")
+            pair_store.set(f"hello/{rank}", msgpack.packb(hello))
         # Both sides read both hellos, so both refuse a mismatch before any group exists.
         if theirs["backend"] != self.backend:
             raise KVLayoutMismatch(f"KV transport differs: {self.backend} here vs {theirs['backend']} "
                                    f"on {peer}: use the same --kv-transport on both pools")
         layout.check_compatible(KVLayout(**theirs["layout"]), peer)
+        # Both sides read the epoch after both hellos: after any failure either side saw before.
+        epoch = base.add("epoch", 0)
         group = self._new_group(dist.PrefixStore("group", pair_store), rank, _remaining(deadline))
         self.num_connects += 1
-        return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device))
+        return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device), base, epoch)
 
-    def _move(self, pair: _Pair, rank: int, kv_caches: KVCaches, block_ids: list[int],
-              transfer_id: int, deadline: float, connect_s: float) -> TransferStats:
+    def _move(self, pair: _Pair, rank: int, kv_caches: KVCaches, block_ids: list[int], transfer_id: int,
+              deadline: float, connect_s: float, faults: FaultPlan | None, at: list[str]) -> TransferStats:
         other, group, layout = 1 - rank, pair.group, pair.layout
+
+        def reach(point: str) -> None:      # record where we are; let the fault plan act there
+            at[0] = point
+            if faults and faults.hit(_SIDES[rank], point) and time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out: stalled at {point} past the deadline")
         n = len(block_ids)
         nbytes = n * layout.bytes_per_block
         if pair.staging.numel() < nbytes:
@@ -289,6 +417,7 @@ class KVTransport(ABC):
         pack_s = unpack_s = 0.0
         # NCCL runs p2p ops in issue order, so the two sides' sequences mirror each other
         # (both sending first would leave both blocked in send).
+        reach("before_header")
         if rank == _SENDER:
             header = group.send([mine], other, _TAG_HEADER)
             if n:                                               # hidden under the header's round trip
@@ -296,27 +425,40 @@ class KVTransport(ABC):
             header.wait(_remaining(deadline))
             group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
             _check_headers(mine, theirs)
+            reach("mid_payload")                                # the receiver has the header, no payload
             if n:
                 group.send([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
         else:
             group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
             group.send([mine], other, _TAG_HEADER).wait(_remaining(deadline))
             _check_headers(theirs, mine)
+            at[0] = "mid_payload"
             if n:
                 group.recv([buf], other, _TAG_PAYLOAD).wait(_remaining(deadline))
-                unpack_s = self._copy_blocks(kv_caches, idx, packed, pack=False)
+                # The fault point sits halfway through the copy: the blocks hold part of the payload.
+                unpack_s = self._copy_blocks(kv_caches, idx, packed, pack=False,
+                                             midway=lambda: reach("mid_payload"))
+            else:
+                reach("mid_payload")
+        reach("after_payload")
         wire_s = time.perf_counter() - t0 - pack_s - unpack_s
         return TransferStats(n, nbytes, connect_s, pack_s, wire_s, unpack_s)
 
-    def _copy_blocks(self, kv_caches: KVCaches, idx: torch.Tensor, packed: torch.Tensor, pack: bool) -> float:
-        """Gather the blocks into the buffer (pack) or scatter the buffer into them; seconds."""
+    def _copy_blocks(self, kv_caches: KVCaches, idx: torch.Tensor, packed: torch.Tensor, pack: bool,
+                     midway=None) -> float:
+        """Gather the blocks into the buffer (pack) or scatter the buffer into them; seconds.
+        `midway()` runs once half the caches (layers 0..L/2-1, K and V; K of layer 0 when L is 1)
+        are copied."""
         t0 = time.perf_counter()
-        for layer, (k, v) in enumerate(kv_caches):
-            for cache, part in ((k, packed[layer, 0]), (v, packed[layer, 1])):
-                if pack:
-                    torch.index_select(cache, 0, idx, out=part)
-                else:
-                    cache.index_copy_(0, idx, part)
+        parts = [(cache, packed[layer, i]) for layer, kv in enumerate(kv_caches) for i, cache in enumerate(kv)]
+        for i, (cache, part) in enumerate(parts):
+            if midway is not None and i == len(parts) // 2:
+                self._sync()
+                midway()
+            if pack:
+                torch.index_select(cache, 0, idx, out=part)
+            else:
+                cache.index_copy_(0, idx, part)
         self._sync()
         return time.perf_counter() - t0
 

@@ -38,11 +38,13 @@ message(SamplingParams)             # the sampling parameters travel as they are
 @message
 @dataclass(slots=True)
 class GenerateOp:
-    """Colocated: run the whole request."""
+    """Colocated: run the whole request. `output_token_ids`: tokens the client already has (a
+    resumed request): they are recomputed with the prompt, and generation continues after them."""
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @message
@@ -54,11 +56,12 @@ class PrefillOp(GenerateOp):
 @message
 @dataclass(slots=True)
 class DecodeOp:
-    """Reserve blocks when there is room, pull the prompt's KV from `prefill_id`, decode on."""
+    """Reserve blocks when there is room, pull the KV from `prefill_id`, decode on. The prefill
+    worker holds the KV of every token but the last of prompt + output_token_ids."""
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    first_tokens: list[int]           # sampled by the prefill worker, already sent to the client
+    output_token_ids: list[int]       # already sent to the client; the last one sampled by prefill
     prefill_id: str
     priority: int = 0
 
@@ -94,6 +97,7 @@ class ErrorEvent:
     rid: str
     error: str
     retryable: bool = False
+    cause: str = ""                   # retryable: "handoff_failed", "worker_died", "worker_hung"
 
 
 Event = TokenEvent | ErrorEvent
@@ -107,6 +111,7 @@ class TransferTotals:
     count: int = 0
     seconds: float = 0.0
     failures: int = 0
+    failures_by_point: dict[str, int] = field(default_factory=dict)    # workers/faults.py's FAILURE_POINTS
 
 
 @message

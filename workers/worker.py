@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -32,6 +33,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.faults import FaultPlan
 from workers.handoff import HandoffBook, Outcome
 from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, KVSendRequest,
                               LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
@@ -49,6 +51,7 @@ class Worker:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         torch.set_num_threads(num_threads)
         self.worker_id, self.role, self.cluster_id = worker_id, role, cluster_id
+        self.faults = FaultPlan.from_env()            # PDCLUSTER_KV_FAULTS (workers/faults.py); off when unset
         self.engine = LLMEngine(engine_cfg)
         self.transfer_timeout_s = transfer_timeout_s
         self.handoffs = HandoffBook(lease_s)          # touched by the loop thread only
@@ -73,7 +76,8 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "max_model_len": e.max_model_len,
                 "num_blocks": e.layout.num_blocks, "block_size": e.layout.block_size,
                 "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
-                "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip()}
+                "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
+                "pid": os.getpid()}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
@@ -126,9 +130,17 @@ class Worker:
         try:
             return self._get_transport().send_blocks(KVPeer(req.peer_id, req.store_addr),
                                                      self.engine.runner.kv_caches, block_ids,
-                                                     self.transfer_timeout_s, req.transfer_id)
+                                                     self.transfer_timeout_s, req.transfer_id, self.faults)
         finally:
             self._call_in_loop(lambda: self._apply(req.rid, self.handoffs.end_send(req.rid)))
+
+    def forget_peer(self, peer_id: str) -> None:
+        """A peer died or was restarted: drop the transport's pairs with its old process (the
+        next transfer builds new ones)."""
+        with self._cv:
+            transport = self._transport
+        if transport is not None:
+            transport.close(peer_id)
 
     def release_kv(self, request_id: str) -> None:
         """The decode worker has the KV (or gave up): free our copy (full blocks stay cached)."""
@@ -226,7 +238,8 @@ class Worker:
                 self.handoffs.wait_for_room(op.rid, op)
             else:
                 self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
-                                        priority=op.priority, prefill_only=isinstance(op, PrefillOp))
+                                        priority=op.priority, prefill_only=isinstance(op, PrefillOp),
+                                        output_token_ids=op.output_token_ids)
         except ValueError as e:
             self._emit(ErrorEvent(op.rid, str(e)))
 
@@ -242,8 +255,8 @@ class Worker:
     def _admit_pending(self) -> None:
         """Reserve blocks for waiting decode requests, oldest first, while there is room."""
         def reserve(op: DecodeOp):
-            return self.engine.reserve(op.rid, op.prompt_token_ids + op.first_tokens, len(op.prompt_token_ids),
-                                       op.params, op.priority, num_receiving=self.handoffs.num_receiving)
+            return self.engine.reserve(op.rid, op.prompt_token_ids, op.output_token_ids, op.params, op.priority,
+                                       num_receiving=self.handoffs.num_receiving)
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
             threading.Thread(target=self._pull, args=(op, dst), daemon=True, name=f"pull-{op.rid}").start()
@@ -251,6 +264,7 @@ class Worker:
     def _pull(self, op: DecodeOp, dst: list[int]) -> None:
         """Transfer thread: ask the prefill worker to send, receive into the reserved blocks."""
         rid, prefill_id = op.rid, op.prefill_id
+        point = "request"                   # where the pull is (workers/faults.py's FAILURE_POINTS)
         try:
             prefill = _peer(self.cluster_id, prefill_id)
             transport = self._get_transport()
@@ -262,15 +276,26 @@ class Worker:
                 t0 = time.monotonic()
                 sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid)))
                 nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
-                                               self.transfer_timeout_s, tid)
+                                               self.transfer_timeout_s, tid, self.faults)
+                point = "after_payload"     # every byte is here; the sender must confirm it sent them all
                 _wait_ref(sent, self.transfer_timeout_s)
-                self._record_transfer(nbytes, time.monotonic() - t0)
+                seconds = time.monotonic() - t0
+            point = "before_commit"
+            self.faults.hit("recv", "before_commit")
+            self._record_transfer(nbytes, seconds)
         except Exception as e:
-            log.warning("worker %s: KV pull of %s failed: %s", self.worker_id, rid, e)
+            # The transport's errors say where it was; the blocks may hold part of the payload,
+            # so the failure path below frees them and the sequence never joins the batch.
+            if point == "request":
+                point = getattr(e, "point", None) or point
+            log.warning("worker %s: KV pull of %s failed at %s: %s", self.worker_id, rid, point, e)
             with self._cv:
-                self._transfer_totals.failures += 1
+                t = self._transfer_totals
+                t.failures += 1     # a new dict: load reports already built keep theirs
+                t.failures_by_point = {**t.failures_by_point, point: t.failures_by_point.get(point, 0) + 1}
             _release_on(self.cluster_id, prefill_id, rid)
-            error = ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True)   # `e` ends with this block
+            # (built here: `e` is unbound once this block ends)
+            error = ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True, cause="handoff_failed")
 
             def failed():
                 if self.handoffs.finish_transfer(rid, ok=False) is Outcome.FREE:

@@ -1,0 +1,151 @@
+"""Worker faults lose nothing and change nothing. Worker processes are killed (SIGKILL) or
+frozen (SIGSTOP) while streams run; every stream must equal the fault-free output of the same
+request (the oracle: the offline single engine, greedy or seeded), none may fail, the pools
+come back to their size, and every KV block comes back.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster import promtext
+from cluster.launcher import ClusterSpec
+from cluster.offline import generate
+from cluster.serve import ServingCluster, free_port
+from common import wait_for, wait_pools_clean
+from router.config import RouterConfig
+
+NUM_STREAMS, MAX_TOKENS = 40, 80
+WORDS = "the a KV cache block prefill decode token stream worker router lease pool".split()
+
+
+def word_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 120))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def chaos(ray_session):
+    spec = ClusterSpec(model="tiny", num_prefill=2, num_decode=2, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 1024}, "scheduler": {"max_num_batched_tokens": 1024}},
+                       lease_s=20, transfer_timeout_s=10)
+    with ServingCluster(spec, RouterConfig(port=free_port(), worker_hang_timeout_s=3)) as c:
+        yield c
+
+
+def worker_pids(c: ServingCluster) -> dict[str, int]:
+    return {i["worker_id"]: i["pid"] for i in ray.get([w.handle.ready.remote() for w in c.workers])}
+
+
+def pools(c: ServingCluster) -> dict:
+    return httpx.get(f"http://{c.host}:{c.port}/health", timeout=10).json()["workers"]
+
+
+def metric(c: ServingCluster, name: str, **labels) -> float:
+    return promtext.total(promtext.scrape(f"http://{c.host}:{c.port}/metrics"), name, **labels)
+
+
+async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], faults: list) -> list[list[int]]:
+    """Stream every prompt at once (each with its sampling parameters); `faults` are (after this
+    many chunks received in all, a callable), run from the event loop as the traffic passes."""
+    client = openai.AsyncOpenAI(base_url=c.base_url, api_key="x", max_retries=0, timeout=300)
+    received = 0
+    pending = sorted(faults, key=lambda f: f[0])
+
+    async def one(prompt: str, p: dict) -> list[int]:
+        nonlocal received
+        ids: list[int] = []
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+                                                 extra_body={"ignore_eos": True}, **p)
+        async for chunk in stream:
+            if chunk.choices:
+                ids += chunk.choices[0].token_ids or []
+            received += 1
+            while pending and received >= pending[0][0]:
+                pending.pop(0)[1]()
+        return ids
+
+    try:
+        return list(await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params))))
+    finally:
+        await client.close()
+
+
+def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list) -> callable:
+    def do():
+        pids = worker_pids(c)
+        victim = rng.choice(sorted(pids))
+        os.kill(pids[victim], sig)
+        killed.append(victim)
+    return do
+
+
+def offline(prompts: list[str], params: list[dict]) -> list[list[int]]:
+    reqs = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, **q} for p, q in zip(prompts, params)]
+    return [r["token_ids"] for r in generate(reqs, model="tiny")]
+
+
+def recovered(c: ServingCluster) -> None:
+    """Pools back to 2 + 2 (the killed workers restarted and rejoined), and no block in use."""
+    wait_for(lambda: pools(c), lambda p: p == {"prefill": 2, "decode": 2, "colocated": 0}, 120)
+    wait_pools_clean(c, 60)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_killed_workers_change_no_stream(chaos, seeded):
+    """40 streams at once on 2 prefill + 2 decode workers; a random worker process is killed
+    (SIGKILL) when a tenth of the tokens have arrived and again at half."""
+    rng = random.Random(int(seeded))
+    prompts = word_prompts(NUM_STREAMS, seed=int(seeded))
+    params = [{"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
+              for i in range(NUM_STREAMS)]
+    want = offline(prompts, params)
+    resumed0 = metric(chaos, "pdcluster:requests_resumed_total")
+    died0 = metric(chaos, "pdcluster:workers_lost_total", cause="died")
+    killed: list[str] = []
+    total = NUM_STREAMS * MAX_TOKENS
+    got = asyncio.run(stream_all(chaos, prompts, params, [(total // 10, kill(chaos, rng, signal.SIGKILL, killed)),
+                                                          (total // 2, kill(chaos, rng, signal.SIGKILL, killed))]))
+    assert len(killed) == 2, killed
+    assert all(len(g) == MAX_TOKENS for g in got), [len(g) for g in got]
+    changed = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not changed, f"{len(changed)} of {NUM_STREAMS} streams differ from the fault-free output, e.g. {changed[:5]}"
+    assert metric(chaos, "pdcluster:requests_resumed_total") > resumed0      # the kills hit live requests
+    recovered(chaos)
+    assert metric(chaos, "pdcluster:workers_lost_total", cause="died") == died0 + 2
+
+
+def test_a_hung_worker_is_restarted_and_its_requests_resume(chaos):
+    """SIGSTOP freezes a decode worker mid-stream: no poll answers, so after the hang timeout
+    the router takes it as lost, resumes its requests on the other decode worker, and has Ray
+    restart it (its process is killed); the pool comes back to 2 + 2."""
+    recovered(chaos)
+    prompts = word_prompts(8, seed=7)
+    want = offline(prompts, [{"temperature": 0}] * len(prompts))
+    hung0 = metric(chaos, "pdcluster:workers_lost_total", cause="hung")
+    frozen: list[int] = []
+
+    def freeze():
+        pids = worker_pids(chaos)
+        frozen.append(pids["decode-0"])
+        os.kill(pids["decode-0"], signal.SIGSTOP)
+
+    got = asyncio.run(stream_all(chaos, prompts, [{"temperature": 0}] * len(prompts), [(8 * 10, freeze)]))
+    try:
+        assert got == want
+        assert metric(chaos, "pdcluster:workers_lost_total", cause="hung") == hung0 + 1
+        recovered(chaos)
+        assert worker_pids(chaos)["decode-0"] != frozen[0]                # a new process
+    finally:
+        for pid in frozen:                       # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
