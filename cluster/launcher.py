@@ -16,6 +16,7 @@ import ray
 
 from cluster.spec import ClusterSpec
 from router.dispatch import WorkerState
+from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.worker import Worker, actor_name
 
 __all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "shutdown"]
@@ -101,6 +102,8 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
                     num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
         if spec.placement == "spread":        # Ray's SPREAD: each next worker on the next node with room
             opts["scheduling_strategy"] = "SPREAD"
+        if os.environ.get(FAULTS_ENV):        # a fault drill: every worker gets the plan, on any node
+            opts["runtime_env"] = {"env_vars": {FAULTS_ENV: os.environ[FAULTS_ENV]}}
         h = ray.remote(Worker).options(**opts).remote(
             worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id)
         handles.append((worker_id, role, h))

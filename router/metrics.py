@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from router.slo import SLOTargets, SLOWindow, judge
+from workers.faults import FAILURE_POINTS
 from workers.messages import LoadReport
 from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 
@@ -95,7 +96,8 @@ class Metrics:
         self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes received", labels, registry=r)
         self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Duration of one KV pull", labels,
                                              registry=r, buckets=TRANSFER_BUCKETS)
-        self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls", labels, registry=r)
+        self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls, by where they failed",
+                                            labels + ["point"], registry=r)
         self.kv_in_flight = Gauge(P + "kv_transfers_in_flight", "KV pulls under way", labels, registry=r)
         # -- pools -----------------------------------------------------------------------------
         self.pool_size = Gauge(P + "pool_workers", "Live workers per role", ["role"], registry=r)
@@ -144,7 +146,9 @@ class Metrics:
         for mode in PREEMPTION_KINDS:
             self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), r.preemptions.get(mode, 0))
         self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), r.kv_transfer.bytes)
-        self._grow(self.kv_transfer_failures.labels(w, role), (w, "xf"), r.kv_transfer.failures)
+        for point in FAILURE_POINTS:
+            self._grow(self.kv_transfer_failures.labels(w, role, point), (w, "xf", point),
+                       r.kv_transfer.failures_by_point.get(point, 0))
 
     def observe_samples(self, worker: str, role: str, samples: dict) -> None:
         """Per-step and per-transfer samples a worker buffered since its last poll."""

@@ -53,10 +53,15 @@ def wait_pools_clean(cluster, deadline_s: float = 30.0) -> list:
     """Every worker of a ServingCluster: no referenced block, nothing held, queued or running
     (within a deadline: aborts and releases travel asynchronously); their LoadReports."""
     import ray
-    return wait_for(lambda: ray.get([w.handle.stats.remote() for w in cluster.workers]),
-                    lambda stats: all(s.kv_blocks_used == 0 and s.held == 0 and s.running == 0
-                                      and s.waiting == 0 and s.pending == 0 and s.receiving == 0
-                                      for s in stats), deadline_s)
+
+    def probe():
+        try:
+            return ray.get([w.handle.stats.remote() for w in cluster.workers], timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None                     # one is being restarted: ask again
+    return wait_for(probe, lambda stats: stats is not None and all(
+        s.kv_blocks_used == 0 and s.held == 0 and s.running == 0 and s.waiting == 0 and s.pending == 0
+        and s.receiving == 0 for s in stats), deadline_s)
 
 
 def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float = 0.02):

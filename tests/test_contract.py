@@ -16,7 +16,7 @@ from workers.sequence import SamplingParams
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, stop=["\n"], stop_token_ids=[7], logprobs=2)
 LOAD = msg.LoadReport("decode-0", "decode", waiting=1, running=3, swapped=0, queued_prefill_tokens=0,
                       kv_blocks_used=12, kv_blocks_total=64, steps=9, pending=2, receiving=1,
-                      preemptions={"recompute": 1, "swap": 0}, kv_transfer=msg.TransferTotals(4096, 2, 0.5, 1))
+                      preemptions={"recompute": 1, "swap": 0}, kv_transfer=msg.TransferTotals(4096, 2, 0.5, 1, {"mid_payload": 1}))
 
 EXAMPLES = [
     msg.GenerateOp("r1.0", [1, 2, 3], PARAMS, priority=-1, output_token_ids=[7, 8]),

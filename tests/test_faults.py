@@ -41,7 +41,15 @@ def chaos(ray_session):
 
 
 def worker_pids(c: ServingCluster) -> dict[str, int]:
-    return {i["worker_id"]: i["pid"] for i in ray.get([w.handle.ready.remote() for w in c.workers])}
+    """The process of each worker that answers now (one being restarted does not)."""
+    out = {}
+    for w in c.workers:
+        try:
+            info = ray.get(w.handle.ready.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue
+        out[info["worker_id"]] = info["pid"]
+    return out
 
 
 def pools(c: ServingCluster) -> dict:

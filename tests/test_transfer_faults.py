@@ -557,6 +557,33 @@ def test_partly_received_blocks_are_never_computed_on(pool, reference):
         w.shutdown()
 
 
+def test_a_pull_of_kv_no_longer_held_is_refused_at_once(pool, reference):
+    """The prefill side dropped the KV (its request was aborted, or its lease ran out) before the
+    decode side pulled: the sender says so in its header, so the receiver fails at once instead
+    of waiting out its transfer timeout (which would also stall every later pull from that
+    prefill worker); the pair stays usable for the next request."""
+    import time
+
+    from workers import messages as msg
+    spec, P, D, _ = pool
+    rid = "refused.0"
+    first = prefill(P, rid)
+    P.submit(msg.AbortOp(rid))
+    wait_for(lambda: P.stats(), lambda s: s.held == 0)
+    before = D.stats().kv_transfer
+    t0 = time.monotonic()
+    D.submit(msg.DecodeOp(rid, PROMPT, params(), output_token_ids=[first], prefill_id=P_ID))
+    ev = D.wait_event(lambda e: e.rid == rid)
+    assert time.monotonic() - t0 < spec.transfer_timeout_s / 2
+    assert isinstance(ev, msg.ErrorEvent) and ev.retryable and "no longer holds" in ev.error, ev
+    after = D.stats().kv_transfer
+    assert after.failures_by_point.get("refused", 0) == before.failures_by_point.get("refused", 0) + 1
+    assert_clean(P, D)
+    first, ev = handoff(P, D, "refused.1")                            # the same pair, next request
+    assert isinstance(ev, msg.TokenEvent) and ev.finished, ev
+    assert [first] + D.tokens("refused.1") == reference
+
+
 def test_a_request_resumes_through_a_failed_handoff(pool, reference):
     """End to end through the router's dispatcher (last in this module: its pumps drain the
     workers' events): the decode worker fails the first pull at mid-payload; the request resumes
@@ -592,3 +619,4 @@ def test_a_request_resumes_through_a_failed_handoff(pool, reference):
     assert after.failures_by_point.get("mid_payload", 0) == before.failures_by_point.get("mid_payload", 0) + 1
     assert after.count == before.count + 1
     assert_clean(P, D)
+

@@ -31,7 +31,7 @@ POINTS = ("before_header", "mid_payload", "after_payload", "before_commit")
 SIDE_POINTS = {"send": POINTS[:3], "recv": POINTS}
 # Where a failed pull was when it failed (the decode side's view; a metric label): asking the
 # prefill worker, building the pair's group, then the fault points above.
-FAILURE_POINTS = ("request", "connect") + POINTS
+FAILURE_POINTS = ("request", "connect", "refused") + POINTS     # refused: the sender held no KV
 
 
 class FaultSpecError(ValueError):

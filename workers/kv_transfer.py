@@ -73,6 +73,11 @@ class KVTransferMismatch(ValueError):
     """The two sides disagree on a transfer (block count or transfer id); the pair stays usable."""
 
 
+class KVTransferRefused(KVTransferMismatch):
+    """The sender holds no KV for this transfer (released, aborted, lease expired): it said so in
+    its header at once, instead of leaving the receiver to wait out its timeout."""
+
+
 class KVTransferError(RuntimeError):
     """The peer vanished or the connection broke; the pair's group has been dropped. `point`:
     where the transfer was (connect, before_header, mid_payload, after_payload)."""
@@ -220,6 +225,12 @@ class KVTransport(ABC):
         return self._transfer(peer.worker_id, _SENDER, kv_caches, block_ids, timeout_s, transfer_id,
                               peer.store_addr, faults)
 
+    def refuse(self, peer: KVPeer, kv_caches: KVCaches, timeout_s: float = 30.0, transfer_id: int = 0) -> None:
+        """Tell `peer`, waiting in recv for this transfer, that there is nothing to send: its recv
+        raises KVTransferRefused at once, and the pair stays usable."""
+        self._transfer(peer.worker_id, _SENDER, kv_caches, [], timeout_s, transfer_id, peer.store_addr,
+                       None, refused=True)
+
     def recv_blocks(self, peer: str, kv_caches: KVCaches, block_ids: list[int],
                     timeout_s: float = 30.0, transfer_id: int = 0, faults: FaultPlan | None = None) -> int:
         """Receive blocks from the prefill worker `peer` into these block ids. Returns bytes.
@@ -291,7 +302,8 @@ class KVTransport(ABC):
             pair.store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
 
     def _transfer(self, peer: str, rank: int, kv_caches: KVCaches, block_ids: list[int],
-                  timeout_s: float, transfer_id: int, addr: str | None, faults: FaultPlan | None = None) -> int:
+                  timeout_s: float, transfer_id: int, addr: str | None, faults: FaultPlan | None = None,
+                  refused: bool = False) -> int:
         start = time.monotonic()
         deadline = start + timeout_s
         layout = KVLayout.of(kv_caches)
@@ -310,9 +322,10 @@ class KVTransport(ABC):
                     pair = self._connect(peer, rank, layout, addr, deadline, transfer_id)
                     self._pairs[key] = pair
                     connect_s = time.monotonic() - start
-                stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s, faults, at)
+                stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s, faults, at,
+                                   refused)
             except (KVLayoutMismatch, KVTransferMismatch) as e:
-                e.point = at[0]
+                e.point = "refused" if isinstance(e, KVTransferRefused) else at[0]
                 raise                       # both sides refused the same way; nothing is broken
             except Exception as e:          # torch's DistError family, gloo's RuntimeErrors, InjectedFault
                 # Gloo closes its sockets (so the peer fails at once instead of at its deadline) only
@@ -396,7 +409,8 @@ class KVTransport(ABC):
         return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device), base, epoch)
 
     def _move(self, pair: _Pair, rank: int, kv_caches: KVCaches, block_ids: list[int], transfer_id: int,
-              deadline: float, connect_s: float, faults: FaultPlan | None, at: list[str]) -> TransferStats:
+              deadline: float, connect_s: float, faults: FaultPlan | None, at: list[str],
+              refused: bool = False) -> TransferStats:
         other, group, layout = 1 - rank, pair.group, pair.layout
 
         def reach(point: str) -> None:      # record where we are; let the fault plan act there
@@ -411,7 +425,8 @@ class KVTransport(ABC):
         packed = buf.view(layout.torch_dtype).view(layout.num_layers, 2, n, layout.block_size,
                                                    layout.num_kv_heads, layout.head_dim)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        mine = torch.tensor(TransferHeader(n, transfer_id).as_ints(), dtype=torch.int64, device=self.device)
+        count = TransferHeader.REFUSED if refused else n
+        mine = torch.tensor(TransferHeader(count, transfer_id).as_ints(), dtype=torch.int64, device=self.device)
         theirs = torch.empty_like(mine)
         t0 = time.perf_counter()
         pack_s = unpack_s = 0.0
@@ -424,6 +439,8 @@ class KVTransport(ABC):
                 pack_s = self._copy_blocks(kv_caches, idx, packed, pack=True)
             header.wait(_remaining(deadline))
             group.recv([theirs], other, _TAG_HEADER).wait(_remaining(deadline))
+            if refused:                                         # said; nothing follows
+                return TransferStats(0, 0, connect_s, 0.0, time.perf_counter() - t0, 0.0)
             _check_headers(mine, theirs)
             reach("mid_payload")                                # the receiver has the header, no payload
             if n:
@@ -469,6 +486,9 @@ class KVTransport(ABC):
 
 def _check_headers(sender: torch.Tensor, receiver: torch.Tensor) -> None:
     s, r = TransferHeader.from_ints(sender.tolist()), TransferHeader.from_ints(receiver.tolist())
+    if s.num_blocks == TransferHeader.REFUSED and s.transfer_id == r.transfer_id:
+        raise KVTransferRefused(f"transfer {s.transfer_id}: the sender no longer holds this KV (released, aborted "
+                                "or its lease expired)")
     if s != r:
         raise KVTransferMismatch(f"sender has {s.num_blocks} blocks for transfer {s.transfer_id}, receiver "
                                  f"expects {r.num_blocks} for transfer {r.transfer_id}: reserve one block per "

@@ -12,6 +12,7 @@ simulator and the tests use the same types without Ray or torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import msgpack
 
@@ -163,8 +164,10 @@ class KVSendRequest:
 class TransferHeader:
     """What both sides of one transfer exchange before the payload (as two int64s on the
     transport's own channel, not msgpack: it travels through the collective library)."""
-    num_blocks: int
+    num_blocks: int                   # REFUSED: the sender has nothing for this transfer
     transfer_id: int
+
+    REFUSED: ClassVar[int] = -1
 
     def as_ints(self) -> list[int]:
         return [self.num_blocks, self.transfer_id]

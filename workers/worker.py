@@ -34,7 +34,7 @@ import torch
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.faults import FaultPlan
-from workers.handoff import HandoffBook, Outcome
+from workers.handoff import HandoffBook, HandoffError, Outcome, Phase
 from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, KVSendRequest,
                               LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
 from workers.names import ROLES
@@ -124,12 +124,17 @@ class Worker:
         req = decode(payload, KVSendRequest)
 
         def start():
-            self.handoffs.start_send(req.rid)           # HandoffError when not held: the pull fails
+            if self.handoffs.phase(req.rid) is not Phase.HELD:
+                return None                             # released, aborted, expired: say so at once
+            self.handoffs.start_send(req.rid)
             return self.engine.held_block_ids(req.rid)
         block_ids = self._in_loop(start)
+        peer = KVPeer(req.peer_id, req.store_addr)
+        if block_ids is None:
+            self._get_transport().refuse(peer, self.engine.runner.kv_caches, self.transfer_timeout_s, req.transfer_id)
+            raise HandoffError(f"request {req.rid}: no KV held here (released, aborted or its lease expired)")
         try:
-            return self._get_transport().send_blocks(KVPeer(req.peer_id, req.store_addr),
-                                                     self.engine.runner.kv_caches, block_ids,
+            return self._get_transport().send_blocks(peer, self.engine.runner.kv_caches, block_ids,
                                                      self.transfer_timeout_s, req.transfer_id, self.faults)
         finally:
             self._call_in_loop(lambda: self._apply(req.rid, self.handoffs.end_send(req.rid)))
