@@ -198,9 +198,16 @@ def cmd_demo(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from cluster.serve import ServingCluster, serve_forever
+    from cluster.ports import check_port_free
     spec = cluster_spec_from_args(a, engine_config_from_args(a))
-    return serve_forever(ServingCluster(spec, router_config_from_args(a)))
+    router = router_config_from_args(a)
+    # What can fail in a second fails before the seconds of imports, Ray and model loading.
+    check_port_free(router.host, router.port)
+    from cluster.launcher import check_fits, connect
+    if connect(spec):
+        check_fits(spec)
+    from cluster.serve import ServingCluster, serve_forever
+    return serve_forever(ServingCluster(spec, router))
 
 
 def cmd_bench(a) -> int:

@@ -17,7 +17,6 @@ import ray
 from cluster.spec import ClusterSpec
 from router.dispatch import WorkerState
 from workers.faults import ENV_VAR as FAULTS_ENV
-from workers.worker import Worker, actor_name
 
 __all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "shutdown"]
 
@@ -92,6 +91,7 @@ def check_fits(spec: ClusterSpec) -> None:
 
 def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
     """Create the workers and wait until each has loaded its model (or fail clearly)."""
+    from workers.worker import Worker, actor_name      # torch: only once workers are made
     gpus = gpus_per_worker(spec)
     engine = spec.engine
     if gpus and engine.device == "auto":

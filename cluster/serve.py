@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import shlex
 import signal
-import socket
 import sys
 import threading
 import time
@@ -17,6 +15,7 @@ import ray
 import uvicorn
 
 from cluster.launcher import ClusterSpec, check_fits, connect, launch, restart, shutdown
+from cluster.ports import check_port_free, free_port
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
@@ -24,6 +23,7 @@ from router.config import RouterConfig
 from workers.names import ROLES
 from workers.checkpoint import load_tokenizer
 
+__all__ = ["ServingCluster", "banner", "free_port", "serve_forever"]   # free_port: for tests and tools
 log = logging.getLogger("pdcluster.serve")
 
 
@@ -189,26 +189,6 @@ class ServingCluster:
         self.stop_serving()
         shutdown(self.workers)
         self.workers = []
-
-
-def check_port_free(host: str, port: int) -> None:
-    """A ValueError naming the fix when the HTTP server could not bind host:port (uvicorn binds
-    with SO_REUSEADDR too, so a port in TIME_WAIT counts as free)."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-            raise ValueError(f"{host}:{port} {why}: choose another --port (or --host)") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def banner(cluster: ServingCluster) -> list[str]:
