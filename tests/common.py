@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,3 +129,137 @@ def kill_all(procs: dict[tuple[int, str], str]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# -- `pdcluster serve` as a user runs it: the console script in a subprocess ---------------------
+ROOT = Path(__file__).resolve().parent.parent
+PDCLUSTER = ROOT / ".venv" / "bin" / "pdcluster"
+SMALL_KV = ["--kv-cache-memory-mib", "16", "--swap-space-mib", "0"]
+
+
+def pdcluster_cmd(*args: str) -> list[str]:
+    exe = [str(PDCLUSTER)] if PDCLUSTER.exists() else [sys.executable, "-m", "cluster.cli"]
+    return exe + list(args)
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)          # a local Ray of its own, never the session's
+    return env
+
+
+class ServeProcess:
+    """`pdcluster serve ARGS --port P` in its own session; `with` waits until it answers and its
+    workers run, and afterwards kills whatever it started that is still there (a failed test)."""
+
+    def __init__(self, log: Path, *args: str, port: int, num_workers: int = 2):
+        self.log, self.port, self.num_workers = log, port, num_workers
+        self.cmd = pdcluster_cmd("serve", "--model", "tiny", "--port", str(port), *args)
+        self.tree: dict = {}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def __enter__(self) -> ServeProcess:
+        import httpx
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=subprocess_env(), stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            def health():
+                if self.proc.poll() is not None:
+                    return "exited"
+                try:
+                    return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json().get("status")
+                except (httpx.HTTPError, ValueError):
+                    return None
+            status = wait_for(health, lambda s: s in ("ok", "exited"), deadline_s=240, poll_s=0.2,
+                              describe=lambda: self.output[-3000:])
+            assert status == "ok", self.output[-3000:]
+            # Its workers are actor processes of its own Ray, under the serve process.
+            self.tree = wait_for(lambda: descendants(self.proc.pid),
+                                 lambda d: sum("ray::Worker" in c for c in d.values()) >= self.num_workers, 60,
+                                 lambda: self.output[-3000:])
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def signal(self, sig: int) -> None:
+        self.tree = descendants(self.proc.pid) | self.tree          # anything started since
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout_s: float = 90) -> int:
+        """Its exit code; by then everything it started must be gone too."""
+        rc = self.proc.wait(timeout=timeout_s)
+        wait_for(lambda: still_running(self.tree), lambda alive: not alive, deadline_s=60)
+        return rc
+
+    def stop(self, sig: int, timeout_s: float = 90) -> int:
+        self.signal(sig)
+        return self.wait_exit(timeout_s)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        kill_all(self.tree)
+
+
+# -- a second process for transport tests: it runs the `_op_<name>` functions of a test module ----
+CHILD_START_S = 90          # spawning imports torch: slow on two busy cores
+CHILD_REPLY_S = 20
+
+
+def _child_main(conn, module: str) -> None:
+    import importlib
+
+    import torch
+    torch.set_num_threads(1)
+    ops = importlib.import_module(module)
+    while (msg := conn.recv()) is not None:
+        op, args = msg
+        t0 = time.monotonic()
+        try:
+            conn.send(("ok", getattr(ops, f"_op_{op}")(*args), time.monotonic() - t0))
+        except Exception as e:          # reported to the test, which decides
+            cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
+            conn.send(("err", (type(e).__name__, str(e), getattr(e, "point", None), cause),
+                       time.monotonic() - t0))
+
+
+class Child:
+    """A spawned process that runs `module`'s `_op_NAME(*args)` on request; an error comes back
+    as ("err", (type name, message, transfer point, cause type name), seconds)."""
+
+    def __init__(self, module: str):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(child_conn, module), daemon=True)
+        self.proc.start()
+
+    def start(self, op: str, *args) -> None:
+        self.conn.send((op, args))
+
+    def result(self, deadline_s: float = CHILD_REPLY_S):
+        """(status, value, elapsed_s) of the started op."""
+        assert self.conn.poll(deadline_s), f"child did not answer within {deadline_s}s"
+        return self.conn.recv()
+
+    def call_raw(self, op: str, *args, deadline_s: float = CHILD_REPLY_S):
+        self.start(op, *args)
+        return self.result(deadline_s)
+
+    def call(self, op: str, *args, deadline_s: float = CHILD_REPLY_S):
+        status, value, _ = self.call_raw(op, *args, deadline_s=deadline_s)
+        assert status == "ok", f"child {op} failed: {value}"
+        return value
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,7 @@ import ray
 from cluster.launcher import ClusterSpec
 from cluster.offline import generate
 from cluster.serve import ServingCluster, free_port
-from common import descendants, kill_all, still_running, wait_for, wait_pools_clean
-from test_serve_cli import ROOT, SMALL, pdcluster_cmd, subprocess_env
+from common import SMALL_KV, ServeProcess, wait_for, wait_pools_clean
 
 PROMPT = list(range(40, 90))
 LONG = 2000                                  # far more than a drain's timeout lets the tiny model make
@@ -139,30 +137,9 @@ def test_drain_timeout_ends_what_is_left_with_an_error_and_frees_its_blocks(ray_
 
 def test_sigterm_drains_then_exits_143_without_a_traceback(tmp_path):
     port = free_port()
-    log = tmp_path / "serve.log"
-    cmd = pdcluster_cmd("serve", "--model", "tiny", "--port", str(port), "--prefill", "1", "--decode", "1",
-                        "--drain-timeout-s", "3", *SMALL)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    tree: dict = {}
     short = 64                               # a fraction of a second here, well within the drain
-    try:
-        def health():
-            if proc.poll() is not None:
-                return "exited"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("status")
-            except (httpx.HTTPError, ValueError):
-                return None
-
-        status = wait_for(health, lambda s: s in ("ok", "exited"), deadline_s=240, poll_s=0.2,
-                          describe=lambda: log.read_text(errors="replace")[-3000:])
-        assert status == "ok", log.read_text(errors="replace")[-3000:]
-        tree = wait_for(lambda: descendants(proc.pid),
-                        lambda d: sum("ray::Worker" in c for c in d.values()) >= 2, deadline_s=60)
-        tree = descendants(proc.pid) | tree
-
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--drain-timeout-s", "3",
+                      *SMALL_KV, port=port) as serve:
         url = f"http://127.0.0.1:{port}/v1/completions"
         with ThreadPoolExecutor(2) as pool:
             long_first, short_first = threading.Event(), threading.Event()
@@ -170,13 +147,14 @@ def test_sigterm_drains_then_exits_143_without_a_traceback(tmp_path):
             assert long_first.wait(60)
             short_stream = pool.submit(read_stream, url, short, short_first)
             assert short_first.wait(60)
-            proc.send_signal(signal.SIGTERM)
+            serve.signal(signal.SIGTERM)
             t0 = time.monotonic()
             short_ids, short_reason, short_error = parse(short_stream.result(60))
             long_ids, long_reason, long_error = parse(long_stream.result(60))
-        rc = proc.wait(timeout=90)
+        serve.proc.wait(timeout=90)
         took = time.monotonic() - t0
-        output = log.read_text(errors="replace")
+        rc = serve.wait_exit()                        # and nothing it started is left
+        output = serve.output
         assert rc == 143, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
         assert "draining 2 request(s)" in output, output[-3000:]     # both were in flight at SIGTERM
@@ -185,9 +163,3 @@ def test_sigterm_drains_then_exits_143_without_a_traceback(tmp_path):
         assert long_error is not None and long_error["code"] == "server_shutdown", long_error
         assert 0 < len(long_ids) < LONG and long_ids == offline(len(long_ids))
         assert took < 3 + 30, took                    # the drain's 3 s, then the workers' shutdown
-        wait_for(lambda: still_running(tree), lambda alive: not alive, deadline_s=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        kill_all(tree)

@@ -2,21 +2,19 @@
 child, which answers commands over a pipe. Every wait on the child has a deadline."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import time
 
 import pytest
 import torch
 
+from common import CHILD_START_S, Child
 from workers.kv_transfer import (GlooTransport, KVLayout, KVLayoutMismatch, KVPeer, KVTransferError,
                                  KVTransferMismatch, KVTransferTimeout, NcclTransport, make_transport,
                                  transport_backend)
 
 TINY = {"num_layers": 4, "block_size": 16, "num_kv_heads": 4, "head_dim": 32, "dtype": "float32"}
 HOST = "127.0.0.1"
-CHILD_START_S = 90          # spawning imports torch: slow on two busy cores
-CHILD_REPLY_S = 20
 
 
 def make_caches(num_blocks: int, seed: int, layout: dict = TINY):
@@ -62,48 +60,14 @@ def _op_close(worker_id, peer_id):
     _WORKERS[worker_id][0].close(peer_id)
 
 
-def _child_main(conn) -> None:
-    torch.set_num_threads(1)
-    while (msg := conn.recv()) is not None:
-        op, args = msg
-        t0 = time.monotonic()
-        try:
-            conn.send(("ok", globals()[f"_op_{op}"](*args), time.monotonic() - t0))
-        except Exception as e:          # reported to the test, which decides
-            conn.send(("err", (type(e).__name__, str(e)), time.monotonic() - t0))
-
-
-class Child:
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child_conn,), daemon=True)
-        self.proc.start()
-
-    def start(self, op: str, *args) -> None:
-        self.conn.send((op, args))
-
-    def result(self, deadline_s: float = CHILD_REPLY_S):
-        """(status, value, elapsed_s) of the started op."""
-        assert self.conn.poll(deadline_s), f"child did not answer within {deadline_s}s"
-        return self.conn.recv()
-
-    def call(self, op: str, *args, deadline_s: float = CHILD_REPLY_S):
-        self.start(op, *args)
-        status, value, _ = self.result(deadline_s)
-        assert status == "ok", f"child {op} failed: {value}"
-        return value
-
-
 @pytest.fixture(scope="module")
 def child():
-    c = Child()
-    assert c.call("ping", deadline_s=CHILD_START_S)
-    yield c
-    c.conn.send(None)
-    c.proc.join(5)
-    if c.proc.is_alive():
-        c.proc.kill()
+    c = Child("test_kv_transfer")
+    try:
+        assert c.call("ping", deadline_s=CHILD_START_S)
+        yield c
+    finally:
+        c.close()
 
 
 def local(worker_id: str, num_blocks: int, seed: int, layout: dict = TINY):
@@ -191,7 +155,7 @@ def test_layout_mismatch_is_refused_on_both_sides(child, field, value):
     with pytest.raises(KVLayoutMismatch) as here:
         d.recv_blocks(sender, caches, [2, 3], timeout_s=20.0)
     assert time.monotonic() - t0 < 5.0, "a mismatch must be refused, not waited out"
-    status, (kind, message), elapsed = child.result()
+    status, (kind, message, *_), elapsed = child.result()
     assert (status, kind) == ("err", "KVLayoutMismatch") and elapsed < 5.0
     for text in (str(here.value), message):
         assert field in text and str(TINY[field]) in text and str(value) in text
@@ -203,7 +167,7 @@ def test_block_count_mismatch_is_refused_on_both_sides_and_the_pair_survives(chi
     child.start("send", "p-count", "d-count", d.store_addr, [0, 1, 2], 10.0)
     with pytest.raises(KVTransferMismatch, match="3 blocks"):
         d.recv_blocks("p-count", caches, [5, 6], timeout_s=10.0)
-    status, (kind, _), elapsed = child.result()
+    status, (kind, *_), elapsed = child.result()
     assert (status, kind) == ("err", "KVTransferMismatch") and elapsed < 5.0
     # Both sides agreed on the refusal, so the same group carries the next transfer.
     before = clone(caches)
@@ -252,7 +216,7 @@ def test_a_receiver_that_stops_receiving_times_out_the_sender_and_the_pair_recov
     d.recv_blocks("p-stall", caches, [2], timeout_s=10.0)
     assert child.result()[0] == "ok"
     child.start("send", "p-stall", "d-stall", d.store_addr, [3], 2.0)     # nobody receives it
-    status, (kind, message), elapsed = child.result()
+    status, (kind, message, *_), elapsed = child.result()
     assert (status, kind) == ("err", "KVTransferTimeout") and elapsed < 3.5, (kind, message, elapsed)
     assert "d-stall" in message
     d.close("p-stall")                                # the orchestrator closes the failed pair

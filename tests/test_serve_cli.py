@@ -10,14 +10,11 @@ graceful shutdown; cluster/serve.py turns it into an exit that runs the cleanup)
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,17 +22,9 @@ import pytest
 
 from cluster.offline import generate
 from cluster.serve import free_port
-from common import descendants, kill_all, still_running, wait_for
+from common import ROOT, SMALL_KV, ServeProcess, pdcluster_cmd, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
-PDCLUSTER = ROOT / ".venv" / "bin" / "pdcluster"
-SMALL = ["--kv-cache-memory-mib", "16", "--swap-space-mib", "0"]
 PROMPT, MAX_TOKENS = "The quick brown fox", 12
-
-
-def pdcluster_cmd(*args: str) -> list[str]:
-    exe = [str(PDCLUSTER)] if PDCLUSTER.exists() else [sys.executable, "-m", "cluster.cli"]
-    return exe + list(args)
 
 
 def replay_curl(argv: list[str]) -> httpx.Response:
@@ -58,42 +47,13 @@ def replay_curl(argv: list[str]) -> httpx.Response:
     return httpx.post(url, headers=headers, content=data, timeout=60)
 
 
-def subprocess_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)          # a local Ray of its own, never the session's
-    return env
-
-
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code):
     port = free_port()
-    log = tmp_path / "serve.log"
-    cmd = pdcluster_cmd("serve", "--model", "tiny", "--port", str(port), "--prefill", "1", "--decode", "1",
-                        "--api-key", "k", *SMALL)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    tree: dict = {}
-    try:
-        def health():
-            if proc.poll() is not None:
-                return "exited"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("status")
-            except (httpx.HTTPError, ValueError):
-                return None
-
-        status = wait_for(health, lambda s: s in ("ok", "exited"), deadline_s=240, poll_s=0.2,
-                          describe=lambda: log.read_text(errors="replace")[-3000:])
-        assert status == "ok", log.read_text(errors="replace")[-3000:]
-
-        # Its workers are actor processes of its own Ray, under the serve process.
-        tree = wait_for(lambda: descendants(proc.pid),
-                        lambda d: sum("ray::Worker" in c for c in d.values()) >= 2, deadline_s=60,
-                        describe=lambda: log.read_text(errors="replace")[-3000:])
-
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--api-key", "k", *SMALL_KV,
+                      port=port) as serve:
         # The banner's example request works as printed (the API key's header included).
-        try_line = next(line for line in log.read_text().splitlines() if line.strip().startswith("try: curl "))
+        try_line = next(line for line in serve.output.splitlines() if line.strip().startswith("try: curl "))
         example = shlex.split(try_line.strip().removeprefix("try: "))
         assert "Authorization: Bearer k" in example, try_line
         reply = replay_curl(example)
@@ -109,24 +69,15 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX_TOKENS
         client.close()
 
-        tree = descendants(proc.pid) | tree            # anything started since
-        proc.send_signal(sig)
-        rc = proc.wait(timeout=90)
-        output = log.read_text(errors="replace")
-        assert rc == code, output[-3000:]
-        assert "Traceback" not in output, output[-3000:]
         # Nothing it started outlives it: Ray's daemons and the worker actors are gone.
-        wait_for(lambda: still_running(tree), lambda alive: not alive, deadline_s=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        kill_all(tree)                              # only on failure: what this test started
+        rc = serve.stop(sig)
+        assert rc == code, serve.output[-3000:]
+        assert "Traceback" not in serve.output, serve.output[-3000:]
 
 
 def test_demo_runs_and_reports_every_request():
     n = 8
-    res = subprocess.run(pdcluster_cmd("demo", "--num-prompts", str(n), *SMALL), cwd=ROOT, env=subprocess_env(),
+    res = subprocess.run(pdcluster_cmd("demo", "--num-prompts", str(n), *SMALL_KV), cwd=ROOT, env=subprocess_env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr, res.stderr

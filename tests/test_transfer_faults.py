@@ -14,21 +14,18 @@ on either side, breaks cleanly and recovers.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import time
 
 import pytest
 import torch
 
-from common import wait_for
+from common import CHILD_START_S, Child, wait_for
 from workers.faults import ENV_VAR, FAILURE_POINTS, FaultPlan, FaultSpecError, InjectedFault
 from workers.kv_transfer import GlooTransport, KVLayout, KVPeer, KVTransferError, KVTransferTimeout
 
 LAYOUT = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_dim": 16}
 HOST = "127.0.0.1"
-CHILD_START_S = 90          # spawning imports torch: slow on two busy cores
-CHILD_REPLY_S = 20
 TIMEOUT_S = 3.0             # one transfer's timeout in the transport tests
 
 
@@ -118,56 +115,16 @@ def _op_num_connects(worker_id):
     return _SENDERS[worker_id][0].num_connects
 
 
-def _child_main(conn) -> None:
-    torch.set_num_threads(1)
-    while (msg := conn.recv()) is not None:
-        op, args = msg
-        t0 = time.monotonic()
-        try:
-            conn.send(("ok", globals()[f"_op_{op}"](*args), time.monotonic() - t0))
-        except Exception as e:          # reported to the test, which decides
-            cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
-            conn.send(("err", (type(e).__name__, str(e), getattr(e, "point", None), cause),
-                       time.monotonic() - t0))
-
-
-class Child:
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child_conn,), daemon=True)
-        self.proc.start()
-
-    def start(self, op: str, *args) -> None:
-        self.conn.send((op, args))
-
-    def result(self, deadline_s: float = CHILD_REPLY_S):
-        """(status, value, elapsed_s) of the started op."""
-        assert self.conn.poll(deadline_s), f"child did not answer within {deadline_s}s"
-        return self.conn.recv()
-
-    def call_raw(self, op: str, *args, deadline_s: float = CHILD_REPLY_S):
-        self.start(op, *args)
-        return self.result(deadline_s)
-
-    def call(self, op: str, *args, deadline_s: float = CHILD_REPLY_S):
-        self.start(op, *args)
-        status, value, _ = self.result(deadline_s)
-        assert status == "ok", f"child {op} failed: {value}"
-        return value
-
-
 @pytest.fixture(scope="module")
 def child():
-    c = Child()
-    c.start("num_connects", "nobody")                  # any answer: the child is up
-    assert c.conn.poll(CHILD_START_S), "the child process did not start"
-    c.conn.recv()
-    yield c
-    c.conn.send(None)
-    c.proc.join(5)
-    if c.proc.is_alive():
-        c.proc.kill()
+    c = Child("test_transfer_faults")
+    try:
+        c.start("num_connects", "nobody")                  # any answer: the child is up
+        assert c.conn.poll(CHILD_START_S), "the child process did not start"
+        c.conn.recv()
+        yield c
+    finally:
+        c.close()
 
 
 class Pair:
