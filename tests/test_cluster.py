@@ -16,6 +16,7 @@ import ray
 
 from cluster import promtext
 from cluster.launcher import ClusterSpec
+from cluster.offline import generate
 from common import wait_for, wait_pools_clean
 from cluster.serve import ServingCluster, free_port
 from workers.checkpoint import builtin_config
@@ -111,6 +112,26 @@ def test_colocated_matches_single_engine(colocated, prompts, offline_reference):
     got = asyncio.run(send_all(colocated.base_url, prompts))
     assert got == offline_reference
     wait_pools_clean(colocated)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_seeded_sampling_equals_the_offline_engine(mode, request):
+    """Temperature 1, top-p 0.9 and a seed per request: the same tokens offline, colocated and
+    disaggregated (the draw at each position depends on the seed and the position, not on which
+    worker makes it: the decode worker continues the prefill worker's stream)."""
+    cluster = request.getfixturevalue(mode)
+    prompts = mixed_prompts(8, seed=5)
+    params = [{"temperature": 1.0, "top_p": 0.9, "seed": 4242 + i, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+              for i in range(len(prompts))]
+    want = [r["token_ids"] for r in generate([{"prompt_token_ids": p, **q} for p, q in zip(prompts, params)],
+                                             model="tiny")]
+    assert len({tuple(w) for w in want}) == len(want) and any(w[0] != w[1] for w in want)   # really sampled
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    got = [client.completions.create(model="tiny", prompt=p, **{k: v for k, v in q.items() if k != "ignore_eos"},
+                                     extra_body={"ignore_eos": True}).choices[0].token_ids
+           for p, q in zip(prompts, params)]
+    client.close()
+    assert got == want
 
 
 def test_chat_and_models(disaggregated):
