@@ -167,13 +167,17 @@ def _remaining(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
 
-def _waited(store: dist.Store, key: str, deadline: float, slice_s: float = 0.05) -> bool:
-    """Wait up to `slice_s` (not past the deadline) for `key`; False when it is not there yet."""
+def _waited(store: dist.Store, key: str, deadline: float, slice_s: float = 0.02) -> bool:
+    """Wait up to `slice_s` (not past the deadline) for `key`; False when it is not there yet.
+    `check` and a sleep, not a short `wait`: each timed-out `wait` logs a c10d warning line, which
+    would flood a worker's log while a peer takes its time."""
     try:
-        store.wait([key], timedelta(seconds=max(min(slice_s, deadline - time.monotonic()), 0.001)))
-        return True
-    except Exception:                        # the store's timeout; a broken store fails the next call
+        if store.check([key]):
+            return True
+    except Exception:                        # a broken store: the next call fails with the reason
         return False
+    time.sleep(max(min(slice_s, deadline - time.monotonic()), 0.0))
+    return False
 
 
 def _mark(store: dist.Store, key: str, value: str = "1") -> None:
