@@ -20,6 +20,8 @@ from router.slo import SLOTargets, judge, tpot_s
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
+KEEPALIVE_S = 3.0           # below the 5 s after which uvicorn-based servers close idle connections
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -200,7 +202,10 @@ async def run_load(target: Target, requests: list[BenchRequest], rate: float = m
     LoadInterrupted with those that had finished."""
     gaps = arrival_gaps(len(requests), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+    # Idle connections are dropped before servers drop them (uvicorn, hence vLLM, after 5 s): a
+    # request sent on a connection the server is closing fails with "Server disconnected".
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True,
+                                     keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     started = 0
 

@@ -155,8 +155,10 @@ class ServingCluster:
         app = build_app(server)
         app.state.dispatcher = dispatcher
         app.router.lifespan_context = _lifespan
+        # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
+        # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=75)
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 

@@ -29,10 +29,18 @@ def load():
     # Named by content and built from a copy inside its own build directory: every checkout
     # of the same source shares one build (the build files name no checkout path), and a
     # changed source never finds a stale one.
-    key = _SRC.read_bytes() + " ".join(flags + ldflags).encode() + _cpu_model().encode()   # -march=native
+    import torch
+    key = (_SRC.read_bytes() + " ".join(flags + ldflags).encode() + _cpu_model().encode()      # -march=native
+           + torch.__version__.encode())                                                      # the ABI
     digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"pdcluster_paged_attention_{digest}"
     build_dir = cache_dir() / name
+    so, built = build_dir / f"{name}.so", build_dir / "built"
+    if so.exists() and built.exists():
+        # Built before (by any checkout or venv with this torch): load it as it is. Going through
+        # torch's loader would run ninja, whose build file names the venv that built it, and so
+        # rebuild whenever two venvs take turns.
+        return _load_extension(name, so)
     _prefer_our_ninja()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -45,11 +53,21 @@ def load():
             log.warning("building the C++ paged-attention kernel for this CPU in %s (once per source "
                         "version, about 30 s)", build_dir)
         from torch.utils.cpp_extension import load as build
-        return build(name=name, sources=[str(src)], build_directory=str(build_dir),
-                     extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
+        module = build(name=name, sources=[str(src)], build_directory=str(build_dir),
+                       extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
+        built.write_text(torch.__version__)          # last: a half-built .so is never loaded as is
+        return module
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
+
+
+def _load_extension(name: str, path: Path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cache_dir() -> Path:
