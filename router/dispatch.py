@@ -190,6 +190,15 @@ class Dispatcher:
                  for w in pool]
         return self.workers[self.prefill_picker.pick(loads)]
 
+    async def _pick_live(self, role: str) -> WorkerState:
+        """Pick from the pool; when all of its workers are being restarted (a one-worker pool
+        that lost its worker), wait for one to come back rather than fail the request."""
+        deadline = time.monotonic() + self.restart_timeout_s
+        while not self._alive(role) and any(w.role == role for w in self.workers.values()) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self._pick(role)
+
     async def generate(self, req: GenerationRequest):
         """Async iterator of TokenEvents; raises RequestFailed when resumes run out."""
         base = f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
@@ -237,7 +246,7 @@ class Dispatcher:
         after the `delivered` output tokens (a resumed request)."""
         outputs = list(delivered)
         role = first_role(self.mode)
-        w = self._pick(role)
+        w = await self._pick_live(role)
         involved.append(w)
         w.sent(rid, len(req.prompt_token_ids) + len(outputs))
         op = msg.GenerateOp if role == COLOCATED else msg.PrefillOp
@@ -255,7 +264,7 @@ class Dispatcher:
             if ev.held:
                 break
         # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
-        d = self._pick(DECODE)
+        d = await self._pick_live(DECODE)
         involved.append(d)
         d.sent(rid, 1)
         _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,

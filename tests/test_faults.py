@@ -157,3 +157,26 @@ def test_a_hung_worker_is_restarted_and_its_requests_resume(chaos):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_pool_of_one_waits_for_its_restarted_worker(ray_session):
+    """1 prefill + 1 decode: the only decode worker is killed mid-stream. The requests cannot
+    resume elsewhere; they wait for Ray to bring it back, then continue, equal to the offline
+    engine (before, with no live decode worker the request failed at once)."""
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 512}}, transfer_timeout_s=10)
+    with ServingCluster(spec, RouterConfig(port=free_port())) as c:
+        prompts = word_prompts(4, seed=11)
+        params = [{"temperature": 0}] * len(prompts)
+        killed: list[str] = []
+
+        def kill_decode():
+            pids = worker_pids(c)
+            os.kill(pids["decode-0"], signal.SIGKILL)
+            killed.append("decode-0")
+
+        got = asyncio.run(stream_all(c, prompts, params, [(4 * 20, kill_decode)]))
+        assert killed == ["decode-0"]
+        assert got == offline(prompts, params)
+        wait_for(lambda: pools(c), lambda p: p == {"prefill": 1, "decode": 1, "colocated": 0}, 120)
+        wait_pools_clean(c, 60)
