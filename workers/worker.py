@@ -41,6 +41,7 @@ from workers.names import ROLES
 
 log = logging.getLogger("pdcluster.worker")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
+REPORT_EVERY_S = 0.01               # the load report's freshness (polls read the latest)
 
 
 class Worker:
@@ -66,7 +67,7 @@ class Worker:
         self._transfer_totals = TransferTotals()
         self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
         self.steps = 0
-        self._load = self._report()
+        self._load, self._reported_at = self._report(), time.monotonic()
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
 
@@ -190,9 +191,13 @@ class Worker:
                         # Idle: a command wakes us; the timeout only paces lease expiry and retries
                         # of pending reservations (room appears through commands: aborts, commits).
                         self._cv.wait(0.05)
-            report = self._report()
-            with self._cv:
-                self._load = report
+            # The report walks the waiting queue: build it at most every REPORT_EVERY_S, not
+            # every step (polls come every 0.5 s; an idle loop turns every 0.05 s anyway).
+            now = time.monotonic()
+            if now - self._reported_at >= REPORT_EVERY_S:
+                report = self._report()
+                with self._cv:
+                    self._load, self._reported_at = report, now
 
     def _step(self) -> None:
         t0 = time.monotonic()
