@@ -103,9 +103,10 @@ class Worker:
         return encode(PollReply(events, load, samples))
 
     def stats(self) -> LoadReport:
-        """The latest load report (what `poll` carries), for tools and tests."""
-        with self._cv:
-            return self._load
+        """A load report built now on the loop thread, so it counts everything the worker has
+        already said in its events (a poll carries the latest periodic one, up to
+        REPORT_EVERY_S old). For tools and tests."""
+        return self._in_loop(self._report)
 
     def shutdown(self) -> None:
         """Stop the loop and close the transport's connections (the launcher then kills the actor)."""
