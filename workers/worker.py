@@ -228,16 +228,12 @@ class Worker:
 
     def _report(self) -> LoadReport:
         """Built on the loop thread (the engine's state is read nowhere else)."""
-        s, kv, h = self.engine.scheduler, self.engine.kv, self.handoffs
+        h = self.handoffs
         with self._cv:
             totals = dataclasses.replace(self._transfer_totals)
-        return LoadReport(
-            worker_id=self.worker_id, role=self.role, waiting=len(s.waiting), running=len(s.running),
-            swapped=len(s.swapped), queued_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
-            kv_blocks_used=kv.pool.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.pool.num_blocks,
-            steps=self.steps, held=h.num_held, pending=h.num_pending, receiving=h.num_receiving,
-            prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
-            preemptions=dict(s.stats.num_preemptions), kv_transfer=totals)
+        return LoadReport(worker_id=self.worker_id, role=self.role, steps=self.steps, held=h.num_held,
+                          pending=h.num_pending, receiving=h.num_receiving, kv_transfer=totals,
+                          **self.engine.load_fields())
 
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, op) -> None:

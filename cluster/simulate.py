@@ -1,0 +1,293 @@
+"""`pdcluster simulate`: the whole cluster as a discrete-event simulation on a virtual clock.
+
+What runs is the serving code: each simulated worker is an `EngineCore` (the real scheduler and
+KV cache manager: chunking, prefix caching, the watermark, preemption), the router's `Picker`
+chooses workers on the same load signals, and admission turns requests away past
+`max_pending` as the HTTP layer does. Only the model is replaced: a step takes the cost model's
+time for its batch shape, and a KV handoff takes bytes over the link's bandwidth plus latency.
+
+Events, in virtual seconds:
+
+    arrival ─▶ pick (prefill | colocated) ─▶ worker inbox ─▶ step starts (schedule_step)
+    step ends (finish_step) ─▶ tokens to the request; a held prompt ─▶ pick decode ─▶ reserve
+    (waits for room, as a real decode worker does) ─▶ transfer on the decode worker's link
+    ─▶ commit there, release on the prefill side ─▶ decode steps ─▶ finished
+
+A worker applies its inbox between steps, as the real worker loop does, so a request that
+arrives mid-step waits for the next one. The result is `pdcluster bench`'s summary with its
+field names, so a simulated run and a real one compare line by line.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.loadgen import RequestResult
+from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from workers import messages as msg
+from workers.config import EngineConfig
+from workers.cost_model import CostModel
+from workers.engine_core import EngineCore, KVCacheLayout
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL
+from workers.scheduler import SchedulerOutput
+from workers.sequence import SamplingParams, Sequence
+
+FILLER_TOKEN = 0            # every generated token (outputs end by length: ignore_eos)
+
+
+@dataclass(slots=True)
+class SimRequest:
+    arrival_s: float                 # virtual seconds from the start
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class SimCluster:
+    """The cluster's shape and its costs: one cost model per pool (a pool's workers share a
+    tensor-parallel degree; `gpus` per worker is that degree)."""
+    mode: str = DISAGGREGATED
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 2
+    prefill_cost: CostModel | None = None
+    decode_cost: CostModel | None = None        # colocated workers use prefill_cost
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    policy: str = "p2c"
+    max_pending: int = 512
+    seed: int = 0
+    request_overhead_s: float = 0.0             # router + HTTP time before a request reaches a worker
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+        if self.mode == COLOCATED and self.num_colocated < 1:
+            raise ValueError("colocated mode needs at least one worker")
+        if self.prefill_cost is None or (self.mode == DISAGGREGATED and self.decode_cost is None):
+            raise ValueError("a cost model for every pool is needed")
+
+    @property
+    def num_gpus(self) -> int:
+        if self.mode == COLOCATED:
+            return self.num_colocated * self.prefill_cost.tp
+        return self.num_prefill * self.prefill_cost.tp + self.num_decode * self.decode_cost.tp
+
+
+class SimEngine(EngineCore):
+    """A worker's engine with the cost model in place of the model."""
+
+    def __init__(self, engine: EngineConfig, cost: CostModel, clock, vocab_size: int, max_model_len: int):
+        block = engine.cache.block_size
+        layout = KVCacheLayout(cost.kv_bytes_per_token, block, max(1, cost.kv_capacity_tokens // block), 0)
+        super().__init__(engine.scheduler, layout, min(max_model_len, layout.max_resident_tokens), vocab_size,
+                         engine.cache.enable_prefix_caching, clock=clock)
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int], None]:
+        seqs = sampled(out)
+        return seqs, [FILLER_TOKEN] * len(seqs), None
+
+
+def sampled(out: SchedulerOutput) -> list[Sequence]:
+    """The sequences a step samples for: those whose scheduled tokens reach their last."""
+    return [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
+
+
+class SimWorker:
+    __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
+                 "receiving", "link_free_at", "steps", "busy_s")
+
+    def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
+        self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
+        self.busy = False
+        self.inbox: list = []               # callables applied between steps
+        self.inbox_tokens = 0               # prompt tokens in the inbox (sent, not yet in a report)
+        self.waiting_room: deque = deque()  # decode: handoffs waiting for blocks (rid, request, prefill worker)
+        self.receiving = 0                  # decode: reserved, KV in flight
+        self.link_free_at = 0.0             # decode: its link carries one transfer at a time
+        self.steps = 0
+        self.busy_s = 0.0
+
+    def report(self) -> msg.LoadReport:
+        return msg.LoadReport(worker_id=self.worker_id, role=self.role, steps=self.steps,
+                              pending=len(self.waiting_room), receiving=self.receiving,
+                              **self.engine.load_fields())
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the client of one request sees."""
+    request: SimRequest
+    sent_s: float
+    token_times: list[float] = field(default_factory=list)
+    end_s: float | None = None
+    error: str = ""
+
+
+class Simulator:
+    def __init__(self, cluster: SimCluster, vocab_size: int = 32000, max_model_len: int = 1 << 30):
+        self.c = cluster
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        self.num_events = 0
+        clock = lambda: self.now                                     # noqa: E731
+        if cluster.mode == COLOCATED:
+            roles = [(f"{COLOCATED}-{i}", COLOCATED, cluster.prefill_cost) for i in range(cluster.num_colocated)]
+        else:
+            roles = ([(f"{PREFILL}-{i}", PREFILL, cluster.prefill_cost) for i in range(cluster.num_prefill)] +
+                     [(f"{DECODE}-{i}", DECODE, cluster.decode_cost) for i in range(cluster.num_decode)])
+        self.workers = {wid: SimWorker(wid, role, SimEngine(cluster.engine, cost, clock, vocab_size, max_model_len),
+                                       cost) for wid, role, cost in roles}
+        self.pools = {role: [w for w in self.workers.values() if w.role == role] for role in (PREFILL, DECODE,
+                                                                                                COLOCATED)}
+        self.prefill_picker = Picker(cluster.policy, cluster.seed)
+        self.decode_picker = Picker(cluster.policy, cluster.seed + 1)
+        self._tracked: dict[str, _Tracked] = {}
+        self.in_flight = 0
+
+    # -- the event loop ------------------------------------------------------------------------
+    def _at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def run(self, requests: list[SimRequest]) -> tuple[list[RequestResult], float]:
+        """Serve `requests` (arrival times from 0); returns bench's per-request results and the
+        run's duration (first send to last completion, as bench measures it)."""
+        for i, r in enumerate(requests):
+            self._at(r.arrival_s, self._arrive, f"r{i}", r)
+        events = self._events
+        while events:
+            t, _, fn, args = heapq.heappop(events)
+            self.now = t
+            self.num_events += 1
+            fn(*args)
+        results = [self._result(self._tracked[f"r{i}"]) for i in range(len(requests))]
+        return results, self.now
+
+    def _result(self, tr: _Tracked) -> RequestResult:
+        r = tr.request
+        out = RequestResult(prompt_len=len(r.prompt_token_ids), start=tr.sent_s, error=tr.error)
+        if tr.end_s is None or tr.error:
+            out.error = tr.error or "the simulation ended before this request did"
+            return out
+        times = tr.token_times
+        out.success, out.output_len = True, len(times)
+        out.ttft, out.latency = times[0] - tr.sent_s, tr.end_s - tr.sent_s
+        out.itl = [b - a for a, b in zip(times, times[1:])]
+        return out
+
+    # -- the router ------------------------------------------------------------------------------
+    def _arrive(self, rid: str, r: SimRequest) -> None:
+        self._tracked[rid] = _Tracked(r, self.now)
+        if self.in_flight >= self.c.max_pending:
+            self._tracked[rid].error = f"HTTP 429: {self.c.max_pending} requests in flight"
+            return
+        self.in_flight += 1
+        self._at(self.now + self.c.request_overhead_s, self._dispatch, rid, r)
+
+    def _dispatch(self, rid: str, r: SimRequest) -> None:
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        colocated = self.c.mode == COLOCATED
+        w = self._pick(COLOCATED if colocated else PREFILL)
+
+        def submit(engine=w.engine):
+            try:
+                engine.add_request(prompt_token_ids=r.prompt_token_ids, params=params, request_id=rid,
+                                   arrival_time=self._tracked[rid].sent_s, prefill_only=not colocated)
+            except ValueError as e:                  # too long for this model: a 400 in the real server
+                self._fail(rid, f"HTTP 400: {e}")
+        self._submit(w, submit, len(r.prompt_token_ids))
+
+    def _pick(self, role: str) -> SimWorker:
+        pool = self.pools[role]
+        if len(pool) == 1:
+            return pool[0]
+        if role == DECODE:
+            loads = [WorkerLoad(w.worker_id, decode_load(w.report(), 0)) for w in pool]
+            return self.workers[self.decode_picker.pick(loads)]
+        loads = [WorkerLoad(w.worker_id, prefill_load(w.report(), w.inbox_tokens)) for w in pool]
+        return self.workers[self.prefill_picker.pick(loads)]
+
+    def _submit(self, w: SimWorker, fn, num_tokens: int = 0) -> None:
+        w.inbox.append(fn)
+        w.inbox_tokens += num_tokens
+        if not w.busy:
+            w.busy = True                 # claimed now; the step starts after this instant's events
+            self._at(self.now, self._start_step, w)
+
+    def _fail(self, rid: str, error: str) -> None:
+        tr = self._tracked[rid]
+        tr.error, tr.end_s = error, self.now
+        self.in_flight -= 1
+
+    def _tokens(self, rid: str, n: int, finished: bool) -> None:
+        tr = self._tracked[rid]
+        tr.token_times.extend([self.now] * n)
+        if finished:
+            tr.end_s = self.now
+            self.in_flight -= 1
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _start_step(self, w: SimWorker) -> None:
+        inbox, w.inbox, w.inbox_tokens = w.inbox, [], 0
+        for fn in inbox:
+            fn()
+        if w.waiting_room:
+            self._reserve(w)
+        engine = w.engine
+        out = engine.schedule_step() if engine.has_unfinished() else None
+        if out is None or out.is_empty:
+            w.busy = False
+            return
+        dt = w.cost.step_s(engine.last_shape)
+        w.steps += 1
+        w.busy_s += dt
+        self._at(self.now + dt, self._end_step, w, out)
+
+    def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
+        seqs = sampled(out)
+        for o in w.engine.finish_step(out, seqs, [FILLER_TOKEN] * len(seqs), None):
+            self._tokens(o.request_id, len(o.new_token_ids), o.finished)
+            if o.held:
+                self._hand_off(o.request_id, w)
+        self._start_step(w)
+
+    # -- the KV handoff --------------------------------------------------------------------------
+    def _hand_off(self, rid: str, prefill: SimWorker) -> None:
+        d = self._pick(DECODE)
+        seq = prefill.engine._seqs[rid]
+        d.waiting_room.append((rid, seq, prefill))
+        if not d.busy:
+            self._reserve(d)
+
+    def _reserve(self, d: SimWorker) -> None:
+        """Reserve blocks for waiting handoffs in order, while they fit; start their transfers."""
+        while d.waiting_room:
+            rid, seq, prefill = d.waiting_room[0]
+            blocks = d.engine.reserve(rid, seq.prompt_token_ids, seq.output_token_ids, seq.params,
+                                      arrival_time=seq.arrival_time, num_receiving=d.receiving)
+            if blocks is None:
+                return
+            d.waiting_room.popleft()
+            d.receiving += 1
+            start = max(self.now, d.link_free_at)
+            d.link_free_at = start + d.cost.handoff_s(seq.num_tokens - 1)
+            self._at(d.link_free_at, self._received, rid, prefill, d)
+
+    def _received(self, rid: str, prefill: SimWorker, d: SimWorker) -> None:
+        d.receiving -= 1
+        prefill.engine.release(rid)
+        self._submit(prefill, lambda: None)           # its freed blocks may admit waiting prompts
+        self._submit(d, lambda: d.engine.commit_received(rid))
+
+
+def utilization(sim: Simulator) -> dict[str, float]:
+    """Per pool: the fraction of the run its workers spent stepping."""
+    if sim.now <= 0:
+        return {}
+    return {role: sum(w.busy_s for w in pool) / (len(pool) * sim.now)
+            for role, pool in sim.pools.items() if pool and math.isfinite(sim.now)}

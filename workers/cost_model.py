@@ -1,0 +1,384 @@
+"""The cost model: seconds of an engine step from its batch shape, of a KV handoff, and KV room.
+
+One model serves the cluster simulator, admission control and the pool controller, so a
+decision tested in simulation is taken on the same numbers in the cluster. Two step models
+speak one protocol, `step_s(shape) -> seconds`: a profiled linear fit (DistServe's form) and a
+roofline from hardware and model shape for what nobody has profiled yet. Plain Python: numpy
+is imported only inside `LinearStepModel.fit`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, astuple, dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What one engine step computes."""
+    num_prefill: int = 0        # prefill chunks in the step
+    prefill_tokens: int = 0     # Σ l, l = chunk length
+    prefill_sq: int = 0         # Σ l² (attention inside the chunk grows with it)
+    prefill_ctx: int = 0        # Σ l·c, c = tokens of that sequence with KV before the chunk
+    num_decode: int = 0         # decoding rows, one token each
+    decode_context: int = 0     # Σ context over decoding rows, the new token included
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.num_decode
+
+    def __add__(self, other: BatchShape) -> BatchShape:
+        return BatchShape(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+def batch_shape(scheduled) -> BatchShape:
+    """The shape of a SchedulerOutput.scheduled list of (seq, n), read before the step advances
+    `num_computed_tokens`. A row is decode when it computes the one missing token and that token
+    is an output; anything else (including a recompute) is a prefill chunk. Runs every simulated
+    step, hence one plain loop over locals."""
+    n_pre = pre_tok = pre_sq = pre_ctx = n_dec = dec_ctx = 0
+    for seq, n in scheduled:
+        c = seq.num_computed_tokens
+        if n == 1 and c == seq.num_tokens - 1 and c >= seq.num_prompt_tokens:
+            n_dec += 1
+            dec_ctx += c + 1
+        else:
+            n_pre += 1
+            pre_tok += n
+            pre_sq += n * n
+            pre_ctx += n * c
+    return BatchShape(n_pre, pre_tok, pre_sq, pre_ctx, n_dec, dec_ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStepModel:
+    """DistServe's profiled form, in seconds:
+        prefill part: p0 + p1·Σl + p2·Σl² + pc·Σl·c + p3·chunks   (c = 0, p3 = 0: DistServe's
+                                                                 a + b·Σl + c·Σl²)
+        decode part:  d0 + d1·Σcontext + d2·num_decode
+    Σl² + 2·Σl·c is twice the attended token pairs, so with pc = 2·p2 (the default, None) a
+    chunk on cached context pays for the pairs it really computes; a fit may give the pairs on
+    cached context their own price (on CPU they go through the paged kernel, slower per pair
+    than a fresh prompt's). A mixed step pays one fixed cost, max(p0, d0), since both parts
+    share the launch and weight read; an empty step costs 0. `p3`, a cost per prefill chunk
+    (its sampled row, its metadata), is 0 in DistServe's form; fitted on small models, where
+    per-sequence work is a visible share of a step.
+    """
+    p0: float
+    p1: float
+    p2: float
+    d0: float
+    d1: float
+    d2: float
+    p3: float = 0.0
+    pc: float | None = None
+
+    def step_s(self, shape: BatchShape) -> float:
+        t = base = 0.0
+        if shape.num_prefill:
+            base = self.p0
+            pc = 2 * self.p2 if self.pc is None else self.pc
+            t += (self.p1 * shape.prefill_tokens + self.p2 * shape.prefill_sq + pc * shape.prefill_ctx
+                  + self.p3 * shape.num_prefill)
+        if shape.num_decode:
+            base = max(base, self.d0)
+            t += self.d1 * shape.decode_context + self.d2 * shape.num_decode
+        return base + t
+
+    @classmethod
+    def fit(cls, samples: list[tuple[BatchShape, float]], per_chunk: bool = False) -> LinearStepModel:
+        """Least squares on prefill-only and decode-only (shape, seconds) samples; mixed steps are
+        left out because they cannot tell the two fixed costs apart. Coefficients stay >= 0: a
+        negative one is dropped and the rest refit, as a small active-set NNLS; rows are weighted
+        by 1 / time, so the fit minimizes relative error. `per_chunk`
+        also fits p3 and pc (the samples must include chunks on cached context)."""
+        import numpy as np
+
+        def solve(rows, kind, names):
+            k = len(rows[0][0]) if rows else 3
+            if len({x for x, _ in rows}) < k:
+                raise ValueError(f"need at least {k} distinct {kind}-only samples to fit, got {len(rows)}")
+            a = np.array([x for x, _ in rows], dtype=float)
+            scale = np.abs(a).max(axis=0)       # columns span 1 to ~1e7: scale them to one range
+            a /= scale
+            if np.linalg.matrix_rank(a) < k:
+                raise ValueError(f"{kind} samples are collinear in ({names}): vary them independently")
+            y = np.array([t for _, t in rows], dtype=float)
+            # Relative error is what matters (a 4 ms step off by 2 ms is as wrong as a 100 ms
+            # one off by 50): weight each row by 1 / its time.
+            w = 1.0 / np.maximum(y, 1e-9)
+            a, y = a * w[:, None], y * w
+            active = list(range(k))
+            while True:
+                coef = np.zeros(k)
+                coef[active] = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+                if coef.min() >= 0:
+                    return [float(v) for v in coef / scale]
+                active.remove(int(coef.argmin()))
+
+        if per_chunk:
+            pre = [((1, s.prefill_tokens, s.prefill_sq, s.num_prefill, s.prefill_ctx), t)
+                   for s, t in samples if s.num_prefill and not s.num_decode]
+        else:
+            pre = [((1, s.prefill_tokens, s.prefill_sq + 2 * s.prefill_ctx), t)
+                   for s, t in samples if s.num_prefill and not s.num_decode]
+        dec = [((1, s.decode_context, s.num_decode), t)
+               for s, t in samples if s.num_decode and not s.num_prefill]
+        p0, p1, p2, *rest = solve(pre, "prefill", "1, Σl, Σl², chunks, Σlc" if per_chunk else "1, Σl, Σl²+2Σlc")
+        return cls(p0, p1, p2, *solve(dec, "decode", "1, Σcontext, rows"), *rest)
+
+
+# DistServe's simulator profile for OPT-13B, TP1, A100-80GB (LLMServe/DistServe,
+# simdistserve/estimators/profile_data/profiler-a100-80g.distserve.json; milliseconds there).
+# Their decode has two fits split at batch 95; this is the small-batch one (batch < 95). The
+# large-batch fit is d0=7.1662 ms, d1=5.798e-4 ms/token, d2=0.15831 ms/row. Their simulator
+# also adds 1 ms to every prefill step (a pipeline-overhead placeholder), left out here.
+DISTSERVE_OPT13B_A100 = LinearStepModel(
+    p0=18.10254647486372e-3, p1=0.1019122572698738e-3, p2=7.122264314252114e-09,
+    d0=19.934702624895458e-3, d1=0.0006269356524350583e-3, d2=0.03850697740828398e-3)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    flops: float        # dense bf16 FLOP/s
+    mem_bw: float       # HBM B/s
+    mem_bytes: int      # HBM as nvidia-smi reports it: the "80 GB" parts hold 80 GiB
+    nvlink_bw: float    # B/s per direction per GPU: half NVIDIA's bidirectional figure
+
+
+# NVIDIA's NVLink numbers (A100 600 GB/s, H100/H200 900 GB/s) add both directions; a ring
+# all-reduce or a one-way KV copy moves data at the per-direction half.
+HARDWARE = {h.name: h for h in (
+    Hardware("a100-80g", 312e12, 2.039e12, 81920 * 2**20, 300e9),
+    Hardware("h100-sxm", 989e12, 3.35e12, 81559 * 2**20, 450e9),
+    Hardware("h200", 989e12, 4.8e12, 143771 * 2**20, 450e9),
+)}
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    name: str
+    bandwidth: float    # B/s one way, as achieved rather than signalled
+    latency_s: float
+
+
+LINKS = {k.name: k for k in (
+    Link("nvlink-a100", 300e9, 5e-6),
+    Link("nvlink-h100", 450e9, 5e-6),
+    Link("pcie4", 25e9, 10e-6),     # x16: 32 GB/s signalled, ~25 achieved
+    Link("pcie5", 50e9, 10e-6),
+    Link("ib-200", 25e9, 5e-6),     # 200 Gb/s HDR
+    Link("ib-400", 50e9, 5e-6),     # 400 Gb/s NDR
+)}
+
+
+def nvlink(gpu: Hardware) -> Link:
+    """The NVLink between two GPUs of one node of this type."""
+    return Link(f"nvlink-{gpu.name}", gpu.nvlink_bw, 5e-6)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A decoder's sizes, enough to count its FLOPs, weights and KV bytes."""
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool = True          # Llama: gate, up and down; OPT: fc1 and fc2
+    max_len: int = 2048
+    tied_embeddings: bool = False   # OPT ties the LM head to the token embedding
+
+    def num_block_params(self) -> int:
+        """Weights every token multiplies: the blocks' matrices (norms and biases left out, <0.1%)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden * (q + 2 * kv) + q * self.hidden
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return self.num_layers * (attn + mlp)
+
+    def num_params(self) -> int:
+        return self.num_block_params() + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, d: dict, name: str = "") -> ModelShape:
+        """Llama/Qwen2/Mistral keys, or OPT's (model_type "opt": ffn_dim, plain MLP, tied head)."""
+        opt = d.get("model_type") == "opt"
+        try:
+            heads = d["num_attention_heads"]
+            return cls(name=name or d.get("_name_or_path", "") or d.get("model_type", ""),
+                       num_layers=d["num_hidden_layers"], hidden=d["hidden_size"], num_heads=heads,
+                       num_kv_heads=heads if opt else d.get("num_key_value_heads") or heads,
+                       head_dim=(None if opt else d.get("head_dim")) or d["hidden_size"] // heads,
+                       intermediate=d["ffn_dim"] if opt else d["intermediate_size"], vocab=d["vocab_size"],
+                       gated_mlp=not opt, max_len=d.get("max_position_embeddings", 2048),
+                       tied_embeddings=d.get("tie_word_embeddings", opt))
+        except KeyError as e:
+            raise ValueError(f"config has no {e.args[0]!r}: expected a Llama/Qwen2/Mistral or OPT "
+                             f"config.json") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelShape:
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()), name=str(path))
+
+    @classmethod
+    def from_model_config(cls, cfg, name: str = "") -> ModelShape:
+        """From the engine's workers.config.ModelConfig (always a gated Llama-family MLP)."""
+        return cls(name or cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, True,
+                   cfg.max_position_embeddings, cfg.tie_word_embeddings)
+
+
+# From the models' config.json (OPT-175B from the OPT paper: it has no public HF config).
+# pdcluster's tiny/small live in workers/checkpoint.py, which imports torch: use
+# ModelShape.from_model_config(builtin_config(name)) where torch is at hand.
+MODELS = {m.name: m for m in (
+    ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, True, 8192),
+    ModelShape("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, True, 8192),
+    ModelShape("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, False, 2048, True),
+    ModelShape("opt-66b", 64, 9216, 72, 72, 128, 36864, 50272, False, 2048, True),
+    ModelShape("opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, False, 2048, True),
+)}
+
+
+def _pick(table: dict, name: str, what: str):
+    try:
+        return table[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}") from None
+
+
+def model_shape(name_or_dir: str) -> ModelShape:
+    if name_or_dir.lower() not in MODELS and (Path(name_or_dir) / "config.json").is_file():
+        return ModelShape.from_hf_dir(name_or_dir)
+    return _pick(MODELS, name_or_dir, "model (or a directory with a config.json)")
+
+
+def hardware(name: str) -> Hardware:
+    return _pick(HARDWARE, name, "GPU")
+
+
+def link(name: str) -> Link:
+    return _pick(LINKS, name, "link")
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineStepModel:
+    """A step costs the slower of its FLOPs and its HBM bytes, plus tensor-parallel all-reduces
+    (they wait on the link, not on compute) and a fixed overhead. The efficiencies are what real
+    kernels reach of the datasheet; the 2 ms overhead is the scheduler, input preparation,
+    kernel launches and sampling of a real engine step, which no FLOP count sees."""
+    model: ModelShape
+    gpu: Hardware
+    tp: int = 1
+    dtype_bytes: int = 2
+    compute_eff: float = 0.6
+    bandwidth_eff: float = 0.8
+    step_overhead_s: float = 2e-3
+    allreduce_link: Link | None = None      # None: the GPU's NVLink
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.allreduce_link is None:
+            object.__setattr__(self, "allreduce_link", nvlink(self.gpu))
+
+    def step_s(self, shape: BatchShape) -> float:
+        if not shape.num_prefill and not shape.num_decode:
+            return 0.0
+        m, tokens = self.model, shape.num_tokens
+        pairs = shape.prefill_sq / 2 + shape.prefill_ctx + shape.decode_context
+        flops = (2 * m.num_block_params() * tokens + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+                 + 2 * m.hidden * m.vocab * shape.batch_size)
+        # KV of earlier tokens is read once per chunk: Σl·c / mean l is Σc when chunks are equal.
+        ctx_read = shape.decode_context
+        if shape.num_prefill:
+            ctx_read += shape.prefill_ctx * shape.num_prefill / shape.prefill_tokens
+        hbm = (m.num_params() * self.dtype_bytes
+               + (ctx_read + tokens) * m.kv_bytes_per_token(self.dtype_bytes))
+        t = max(flops / (self.tp * self.gpu.flops * self.compute_eff),
+                hbm / (self.tp * self.gpu.mem_bw * self.bandwidth_eff))
+        if self.tp > 1:     # two ring all-reduces per layer (after attention, after the MLP)
+            ring = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * self.dtype_bytes
+            t += 2 * m.num_layers * (ring / self.allreduce_link.bandwidth + self.allreduce_link.latency_s)
+        return t + self.step_overhead_s
+
+
+def kv_capacity_tokens(model: ModelShape, gpu: Hardware, tp: int, dtype_bytes: int = 2,
+                       gpu_memory_utilization: float = 0.9, activation_reserve_bytes: int = 2 * GiB) -> int:
+    """Tokens of KV one worker of `tp` GPUs holds. The reserve is per GPU: each shard keeps its
+    own activations, workspace and CUDA graphs."""
+    free = tp * (gpu.mem_bytes * gpu_memory_utilization - activation_reserve_bytes)
+    weights = model.num_params() * dtype_bytes
+    if weights >= free:
+        raise ValueError(f"{model.name} ({weights / 1e9:.0f} GB of weights) does not fit on {tp} x {gpu.name} "
+                         f"({free / 1e9:.0f} GB usable): raise tp")
+    return int((free - weights) // model.kv_bytes_per_token(dtype_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """One worker's costs (a worker = tp GPUs)."""
+    step: LinearStepModel | RooflineStepModel
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int         # tokens of KV one worker holds
+    link: Link                      # the KV handoff link between a prefill and a decode worker
+    tp: int = 1
+    source: str = ""                # "roofline a100-80g opt-13b tp2", "profile FILE"
+
+    def step_s(self, shape: BatchShape) -> float:
+        return self.step.step_s(shape)
+
+    def handoff_s(self, num_tokens: int) -> float:
+        return self.link.latency_s + num_tokens * self.kv_bytes_per_token / self.link.bandwidth
+
+    def max_batch_at(self, context_len: int, block_size: int = 16) -> int:
+        """Sequences of this context that fit, each holding whole blocks."""
+        blocks_per_seq = -(-context_len // block_size)
+        return (self.kv_capacity_tokens // block_size) // max(1, blocks_per_seq)
+
+    def to_json(self) -> dict:
+        kind = "linear" if isinstance(self.step, LinearStepModel) else "roofline"
+        return {"version": 1, "kind": kind, "step": asdict(self.step), "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_capacity_tokens": self.kv_capacity_tokens, "link": asdict(self.link), "tp": self.tp,
+                "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CostModel:
+        if d.get("version") != 1:
+            raise ValueError(f"cost model version {d.get('version')!r} is not supported (expected 1)")
+        s = dict(d["step"])
+        if d["kind"] == "linear":
+            step = LinearStepModel(**s)
+        elif d["kind"] == "roofline":
+            step = RooflineStepModel(**{**s, "model": ModelShape(**s["model"]), "gpu": Hardware(**s["gpu"]),
+                                        "allreduce_link": Link(**s["allreduce_link"])})
+        else:
+            raise ValueError(f"unknown step model kind {d['kind']!r}; expected 'linear' or 'roofline'")
+        return cls(step, d["kv_bytes_per_token"], d["kv_capacity_tokens"], Link(**d["link"]), d["tp"],
+                   d.get("source", ""))
+
+
+def roofline(model: str | ModelShape, gpu: str | Hardware, tp: int = 1, link: str | Link | None = None,
+             dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9, **efficiencies) -> CostModel:
+    """A worker's costs from first principles. The handoff link defaults to the GPU's NVLink
+    (prefill and decode workers in one node); pass "ib-200" and the like across nodes."""
+    m = model_shape(model) if isinstance(model, str) else model
+    g = hardware(gpu) if isinstance(gpu, str) else gpu
+    lk = nvlink(g) if link is None else _pick(LINKS, link, "link") if isinstance(link, str) else link
+    step = RooflineStepModel(m, g, tp, dtype_bytes, **efficiencies)
+    return CostModel(step, m.kv_bytes_per_token(dtype_bytes),
+                     kv_capacity_tokens(m, g, tp, dtype_bytes, gpu_memory_utilization), lk, tp,
+                     f"roofline {g.name} {m.name} tp{tp}")

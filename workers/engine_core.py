@@ -1,0 +1,328 @@
+"""The engine's bookkeeping without a model: requests, the handoff verbs, and the step around an
+`_execute` that computes the scheduled tokens.
+
+`LLMEngine` (workers/engine.py) executes with the model runner; the simulator
+(cluster/simulate.py) executes with the cost model on a virtual clock. Both run this code, the
+real scheduler and the real KV cache manager, so a simulated worker chunks, caches prefixes,
+holds back at the watermark and preempts as a served one does. Plain Python: no torch, no Ray.
+
+A step is `schedule_step()` (what runs, and its shape) then `finish_step()` (the sampled tokens
+appended, stops checked); `step()` does both around `_execute`. The simulator calls the halves
+itself, at the start and the end of the step's modelled time.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from workers.config import SchedulerConfig
+from workers.cost_model import BatchShape, batch_shape
+from workers.kv_cache_manager import KVCacheManager
+from workers.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
+from workers.sequence import SamplingParams, Sequence, SequenceStatus
+
+
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (new tokens), and whether it has ended.
+    (A NamedTuple: one is built per sequence per step, and it builds several times faster
+    than a frozen dataclass.)"""
+    request_id: str
+    new_token_ids: list[int]
+    num_output_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[dict] | None = None
+    held: bool = False              # prefill-only: its KV is held for a decode worker to pull
+
+
+class StepStats(NamedTuple):
+    """The shape of the last step, for the worker's metrics."""
+    num_seqs: int                       # sequences in the batch
+    num_tokens: int                     # tokens computed (prefill chunks + one per decoding row)
+    queue_times_s: tuple[float, ...]    # arrival -> first scheduled, for sequences starting now
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int = 0
+    logprobs: list[dict] | None = None
+
+    def to_json(self) -> dict:
+        d = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            d["logprobs"] = [{"logprob": lp["logprob"], "top": {str(k): v for k, v in lp["top"].items()}}
+                             for lp in self.logprobs]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """The arithmetic behind the cache size, logged at start-up."""
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    num_host_blocks: int
+
+    @property
+    def max_resident_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def max_batch_at(self, context_len: int) -> int:
+        return self.num_blocks // -(-context_len // self.block_size)
+
+    def describe(self, context_len: int) -> str:
+        mib = self.bytes_per_token * self.block_size * self.num_blocks / 2**20
+        return (f"KV cache: {self.bytes_per_token} B/token x {self.block_size} tokens/block = "
+                f"{self.bytes_per_token * self.block_size} B/block; {self.num_blocks} blocks "
+                f"({mib:.1f} MiB) hold {self.max_resident_tokens} tokens; max batch at "
+                f"{context_len}-token context: {self.max_batch_at(context_len)}; "
+                f"{self.num_host_blocks} host swap blocks")
+
+
+class EngineCore:
+    def __init__(self, scheduler_cfg: SchedulerConfig, layout: KVCacheLayout, max_model_len: int,
+                 vocab_size: int, enable_prefix_caching: bool = True, eos_token_ids=(), tokenizer=None,
+                 preemption_cost: PreemptionCostModel | None = None, clock: Callable[[], float] = time.monotonic):
+        self.layout = layout
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.kv = KVCacheManager(layout.num_blocks, layout.block_size, enable_prefix_caching, layout.num_host_blocks)
+        self.scheduler = Scheduler(scheduler_cfg, self.kv, preemption_cost)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.last_step = StepStats(0, 0, ())
+        self.last_shape = BatchShape()
+        self.eos_token_ids = set(eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None,
+                    prefill_only: bool = False, output_token_ids: list[int] = ()) -> Sequence:
+        """Queue a request. With prefill_only, it stops after its next token and its blocks
+        are held (see `held_block_ids` / `release`) for a decode worker to pull. With
+        `output_token_ids` it resumes: those tokens were generated already (elsewhere); they are
+        computed with the prompt, count against max_tokens and stop strings, and sampling
+        continues after them."""
+        seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_seq(self, prompt, prompt_token_ids, params, request_id, priority, arrival_time,
+                 output_token_ids=()) -> Sequence:
+        ids = self.tokenize(prompt, prompt_token_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params or SamplingParams(), priority,
+                       self.clock() if arrival_time is None else arrival_time)
+        if output_token_ids:
+            self._check_ids(output_token_ids, "output_token_ids")
+            seq.token_ids.extend(output_token_ids)
+            if seq.num_tokens >= self.max_model_len or seq.num_output_tokens >= seq.params.max_tokens:
+                raise ValueError(f"nothing left to generate: {seq.num_output_tokens} tokens already out of "
+                                 f"max_tokens={seq.params.max_tokens}, max_model_len={self.max_model_len}")
+        self._seqs[rid] = seq
+        return seq
+
+    # -- KV handoff: the prefill side holds, the decode side reserves then commits --------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks holding a held request's prompt KV, in token order."""
+        seq = self._seqs[request_id]
+        assert seq.status is SequenceStatus.HELD, seq
+        return self.kv.block_ids(seq)[:-(-seq.num_computed_tokens // self.kv.block_size)]
+
+    def release(self, request_id: str) -> bool:
+        """The decode side has the KV (or gave up): free the held blocks; full ones stay cached."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, seq.finish_reason or "transferred")
+        return True
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
+                num_receiving: int = 0) -> list[int] | None:
+        """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
+        output but the last (the last was sampled there and is computed here, by the first
+        decode step). Returns the block ids to receive into, or None when there is no room now
+        (backpressure: call again later); `num_receiving` counts the sequences already reserved
+        (they will join the batch)."""
+        seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
+        num_kv = seq.num_tokens - 1
+        sched = self.scheduler
+        fits = (num_receiving + len(sched.running) < sched.cfg.max_num_seqs and
+                self.kv.can_allocate(seq, num_kv, [], 0, sched.watermark_blocks if sched.running else 0))
+        if not fits:
+            del self._seqs[request_id]
+            return None
+        self.kv.allocate(seq, num_kv, [], 0, index=False)
+        seq.status = SequenceStatus.RECEIVING
+        return list(self.kv.block_ids(seq))
+
+    def commit_received(self, request_id: str) -> None:
+        """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""
+        seq = self._seqs[request_id]
+        assert seq.status is SequenceStatus.RECEIVING, seq
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.commit(seq, seq.num_computed_tokens)
+        if seq.first_token_time is None:
+            seq.first_token_time = self.clock()
+        self.scheduler.add_running(seq)
+
+    def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: send prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            self._check_ids(ids, "prompt_token_ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        return ids
+
+    def _check_ids(self, ids, name: str) -> None:
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must be integers in [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is (queued, running, swapped, held, receiving)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def load_fields(self) -> dict:
+        """The engine's part of a LoadReport (workers/messages.py): queues, KV use, counters."""
+        s, kv = self.scheduler, self.kv
+        return dict(waiting=len(s.waiting), running=len(s.running), swapped=len(s.swapped),
+                    queued_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
+                    kv_blocks_used=kv.pool.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.pool.num_blocks,
+                    prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
+                    preemptions=dict(s.stats.num_preemptions))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.schedule_step()
+        if out.is_empty:
+            return []
+        seqs, token_ids, logprobs = self._execute(out)
+        return self.finish_step(out, seqs, token_ids, logprobs)
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int], list | None]:
+        """Compute the scheduled tokens: the sequences whose chunk reaches their last token,
+        and a sampled token (and its logprobs, or None) for each."""
+        raise NotImplementedError
+
+    def schedule_step(self) -> SchedulerOutput:
+        """The first half of a step: what runs, recorded in `last_step` and `last_shape`."""
+        out = self.scheduler.schedule()
+        # A sequence's first chunk starts where the prefix cache left it, before any output
+        # (later chunks, decode rows and received sequences all start further on).
+        t = self.clock()
+        self.last_step = StepStats(len(out.scheduled), out.num_batched_tokens, tuple(
+            t - s.arrival_time for s, _ in out.scheduled
+            if s.num_computed_tokens == s.num_cached_tokens and not s.num_preemptions and not s.num_output_tokens))
+        self.last_shape = batch_shape(out.scheduled)
+        return out
+
+    def finish_step(self, out: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
+                    logprobs: list | None) -> list[RequestOutput]:
+        """The second half: the scheduled tokens have KV; append the sampled ones, check stops."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+        # Per sampled sequence, every step: kept flat (no helper call, no object per token),
+        # since it is a good part of the step's Python time.
+        outputs = []
+        now = self.clock()
+        for seq, token_id, lps in zip(seqs, token_ids, logprobs or [None] * len(seqs)):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_ids.append(token_id)
+            if seq.output_logprobs is not None:
+                seq.output_logprobs.append(lps)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.seq_id, None)
+            elif seq.prefill_only:
+                self.scheduler.hold(seq)
+            outputs.append(RequestOutput(
+                seq.seq_id, [token_id], seq.num_output_tokens, reason is not None, reason,
+                None if lps is None else [lps], reason is None and seq.prefill_only))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if token_id in p.stop_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            # Only the tail can hold a new match: decode a window of recent tokens (a stop
+            # string of n characters spans at most 4n byte-level tokens), not the whole output
+            # every step; the full text is decoded once, on a match.
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(seq.output_token_ids[-(4 * longest + 4):])
+            hit = next((s for s in p.stop if s in tail), None)
+            if hit is not None:
+                text = self.tokenizer.decode(seq.output_token_ids)
+                seq.stop_reason = hit
+                seq.text = text[:text.find(hit)]
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def result(self, seq: Sequence) -> CompletionResult:
+        self._seqs.pop(seq.seq_id, None)
+        text = seq.text
+        if not text and self.tokenizer is not None and not isinstance(seq.stop_reason, str):
+            text = self.tokenizer.decode(seq.output_token_ids)
+        return CompletionResult(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, text,
+                                seq.finish_reason, seq.num_cached_tokens, seq.output_logprobs)
+
+    def generate(self, requests: list[dict | str], params: SamplingParams | None = None) -> list[CompletionResult]:
+        """Run requests to completion; results in input order. A request is a prompt string or
+        a dict with `prompt` or `prompt_token_ids` and optional sampling fields."""
+        seqs = []
+        for i, r in enumerate(requests):
+            if isinstance(r, str):
+                r = {"prompt": r}
+            try:
+                seqs.append(self.add_request(r.get("prompt"), r.get("params", params),
+                                             prompt_token_ids=r.get("prompt_token_ids"),
+                                             priority=r.get("priority", 0)))
+            except ValueError as e:
+                for s in seqs:                   # all or nothing: no half-submitted batch
+                    self.abort(s.seq_id)
+                raise ValueError(f"{r.get('where', f'request {i}')}: {e}") from None
+        while self.has_unfinished():
+            self.step()
+        return [self.result(s) for s in seqs]
