@@ -1,7 +1,8 @@
 """`pdcluster bench`: load tests that report latency and SLO-attainment goodput.
 
-One run sends `--num-prompts` requests at `--request-rate` and reports TTFT, TPOT, ITL and E2E
-latency. With `--goodput`, requests meeting every SLO count as good; `--sweep` runs several
+One run sends `--num-prompts` requests at `--request-rate` (or, with `--dataset-name trace`, at
+a production trace's own timestamps) and reports TTFT, TPOT, ITL and E2E latency. `workload`
+gives the same requests and send times without a server, for `pdcluster simulate`. With `--goodput`, requests meeting every SLO count as good; `--sweep` runs several
 rates and reports the highest one at which at least `--slo-attainment` of requests are good
 (DistServe's goodput), per worker and per GPU when the server says how many it has; when the
 highest rate tried still passes, that is a lower bound and the report says so.
@@ -27,13 +28,14 @@ from pathlib import Path
 import httpx
 
 from cluster import loadgen, promtext
-from cluster.bench_data import (BenchRequest, load_custom, sample_prefix_repetition, sample_random,
-                                sample_sharegpt)
+from cluster.bench_data import (TRACES, BenchRequest, TraceRow, load_custom, load_trace, sample_prefix_repetition,
+                                sample_random, sample_sharegpt, sample_trace)
 from workers.names import DISAGGREGATED, MODES
 
 LAUNCH_SKIPS = ("--model", "--seed")      # engine flags whose names bench already uses
 ATTAINMENT = 0.9
 KEEP_PACE = 0.5        # a sweep point must complete at least this fraction of its offered rate
+DATASETS = ("random", "sharegpt", "prefix-repetition", "custom", "trace")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -48,29 +50,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: OPENAI_API_KEY)")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
 
-    d = p.add_argument_group("workload")
-    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix-repetition", "custom"])
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, or JSONL for custom")
-    d.add_argument("--num-prompts", type=int, default=100)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0)
-    d.add_argument("--random-prefix-len", type=int, default=0)
-    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    d.add_argument("--sharegpt-output-len", type=int, default=None)
-    d.add_argument("--custom-output-len", type=int, default=256)
-    d.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's extension)")
-    d.add_argument("--seed", type=int, default=0)
-
-    r = p.add_argument_group("load")
-    r.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    r.add_argument("--max-concurrency", type=int, default=None)
-    r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="SLOs, e.g. ttft:500 tpot:50 e2el:5000; a request is good if it meets all")
+    add_dataset_args(p)
+    r = add_rate_args(p)
     r.add_argument("--sweep", action="store_true", help="run several rates and report the highest with "
                    "enough SLO attainment (needs --goodput)")
     r.add_argument("--sweep-rates", default=None, help="comma-separated rates; default: found by doubling, "
@@ -79,17 +60,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--sweep-steps", type=int, default=3, help="bisection steps after the doubling")
     r.add_argument("--sweep-duration", type=float, default=30.0, help="seconds of arrivals per sweep rate at "
                    "least (more than --num-prompts requests where needed), so that overload shows as queueing")
-    r.add_argument("--slo-attainment", type=float, default=ATTAINMENT, help="fraction of requests that must "
-                   "be good (default 0.9)")
-
-    o = p.add_argument_group("output")
-    o.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
-    o.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    o.add_argument("--save-result", action="store_true", help="write the JSON result (and PNG plots)")
-    o.add_argument("--result-dir", default=".")
-    o.add_argument("--result-filename", default=None)
-    o.add_argument("--no-plots", action="store_true", help="with --save-result, skip the PNG plots")
-    o.add_argument("--disable-tqdm", action="store_true")
+    add_output_args(p)
 
     j = p.add_argument_group("as a Ray job (`ray job submit -- pdcluster bench ... --save-result`)")
     j.add_argument("--from-ray-job", default=None, metavar="SUBMISSION_ID",
@@ -107,6 +78,63 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     # The served engine's flags, as `pdcluster serve` takes them (--model and --seed are bench's own).
     from cluster.cli import add_engine_args
     add_engine_args(p, skip=LAUNCH_SKIPS)
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The workload: which requests (and, for a trace, when). Shared with `pdcluster simulate`."""
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset-name", default="random", choices=DATASETS)
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, JSONL for custom, or for trace a CSV "
+                   f"(arrived_at,num_prefill_tokens,num_decode_tokens) or a built-in trace: {', '.join(TRACES)}")
+    d.add_argument("--num-prompts", type=int, default=100, help="requests to send (trace: its first N, all if "
+                   "it has fewer)")
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--random-prefix-len", type=int, default=0)
+    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--trace-time-scale", type=float, default=1.0, help="trace: divide its timestamps by this "
+                   "(2 sends at twice the trace's rate). A trace's timestamps are the send times: "
+                   "--request-rate, --burstiness and --sweep are refused with it")
+    d.add_argument("--trace-length-scale", type=float, default=1.0, help="trace: multiply its prompt and "
+                   "output lengths by this (rounded, at least 1)")
+    d.add_argument("--trace-max-len", type=int, default=None, help="trace: cut prompts so that prompt + output "
+                   "fits in this many tokens (e.g. the served model's context)")
+    d.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's extension)")
+    d.add_argument("--seed", type=int, default=0)
+    return d
+
+
+def add_rate_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """When requests are sent, and what counts as good. Shared with `pdcluster simulate`."""
+    r = p.add_argument_group("load")
+    r.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once; "
+                   "not with --dataset-name trace, whose timestamps set the send times)")
+    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:5000; a request is good if it meets all")
+    r.add_argument("--slo-attainment", type=float, default=ATTAINMENT, help="fraction of requests that must "
+                   "be good (default 0.9)")
+    return r
+
+
+def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The report and the result file. Shared with `pdcluster simulate`."""
+    o = p.add_argument_group("output")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    o.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    o.add_argument("--save-result", action="store_true", help="write the JSON result (and PNG plots)")
+    o.add_argument("--result-dir", default=".")
+    o.add_argument("--result-filename", default=None)
+    o.add_argument("--no-plots", action="store_true", help="with --save-result, skip the PNG plots")
+    o.add_argument("--disable-tqdm", action="store_true")
+    return o
 
 
 @dataclass(slots=True)
@@ -127,21 +155,41 @@ def parse_options(a: argparse.Namespace) -> BenchOptions:
         raise ValueError(f"--metric-percentiles must be numbers, got {a.metric_percentiles!r}") from None
     if not pcts or any(not 0 < p <= 100 for p in pcts):
         raise ValueError("--metric-percentiles must be in (0, 100]")
+    check_workload(a)
+    if not 0 < a.slo_attainment <= 1:
+        raise ValueError("--slo-attainment must be in (0, 1]")
+    slos = loadgen.parse_goodput(a.goodput)
+    sweeping = getattr(a, "sweep", False)           # (bench's own flag; `simulate` has none)
+    if sweeping and not slos:
+        raise ValueError("--sweep needs --goodput (the SLOs that define a good request)")
+    if sweeping and a.sweep_duration < 0:
+        raise ValueError("--sweep-duration must be non-negative")
+    if sweeping and a.dataset_name == "trace":
+        raise ValueError("--sweep does not apply to --dataset-name trace: a trace sets its own rate "
+                         "(run it at several --trace-time-scale values instead)")
+    return BenchOptions(metrics, pcts, slos)
+
+
+def check_workload(a: argparse.Namespace) -> None:
+    """The dataset and rate flags (add_dataset_args, add_rate_args) make sense together."""
     if a.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
-    if not 0 < a.slo_attainment <= 1:
-        raise ValueError("--slo-attainment must be in (0, 1]")
     if a.dataset_name in ("sharegpt", "custom") and not a.dataset_path:
         raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path")
-    slos = loadgen.parse_goodput(a.goodput)
-    if a.sweep and not slos:
-        raise ValueError("--sweep needs --goodput (the SLOs that define a good request)")
-    if a.sweep_duration < 0:
-        raise ValueError("--sweep-duration must be non-negative")
     loadgen.arrival_gaps(0, a.request_rate, a.burstiness)           # validates both
-    return BenchOptions(metrics, pcts, slos)
+    if a.dataset_name == "trace":
+        if not a.dataset_path:
+            raise ValueError(f"--dataset-name trace needs --dataset-path: a CSV file or a built-in trace "
+                             f"({', '.join(TRACES)})")
+        if not math.isinf(a.request_rate) or a.burstiness != 1.0:
+            raise ValueError("--dataset-name trace sends at the trace's own timestamps: drop --request-rate "
+                             "and --burstiness (use --trace-time-scale to speed it up or slow it down)")
+        if not a.trace_time_scale > 0 or not a.trace_length_scale > 0:
+            raise ValueError("--trace-time-scale and --trace-length-scale must be positive")
+        if a.trace_max_len is not None and a.trace_max_len < 2:
+            raise ValueError("--trace-max-len must be at least 2 (a 1-token prompt and output)")
 
 
 def server_info(base_url: str, api_key: str | None) -> dict:
@@ -218,15 +266,29 @@ def server_report(s: dict) -> str:
     return "\n".join(lines + ["=" * w])
 
 
-def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
-                   seed: int | None = None) -> list[BenchRequest]:
-    """`num` requests (default --num-prompts) drawn with `seed` (default --seed): random
-    workloads draw that many; a file-based dataset with fewer rows than asked is cycled."""
-    name, want = a.dataset_name, num or a.num_prompts
-    seed = a.seed if seed is None else seed
+def trace_rows(a: argparse.Namespace, num: int | None = None) -> list[TraceRow]:
+    """The first `num` (default --num-prompts) rows of the --dataset-path trace, scaled by the
+    --trace-* flags."""
+    return load_trace(a.dataset_path, num or a.num_prompts, a.trace_time_scale, a.trace_length_scale,
+                      a.trace_max_len)
+
+
+def _need_tokenizer(name: str, tokenizer) -> None:
     if tokenizer is None and name != "custom":
         raise ValueError(f"--dataset-name {name} needs a tokenizer to size prompts: pass --tokenizer "
                          "(a built-in model name or a directory with tokenizer.json)")
+
+
+def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
+                   seed: int | None = None) -> list[BenchRequest]:
+    """`num` requests (default --num-prompts) drawn with `seed` (default --seed): random
+    workloads draw that many; a file-based dataset with fewer rows than asked is cycled; a
+    trace gives its first `num` rows (all of them, if fewer: see `workload` for their times)."""
+    name, want = a.dataset_name, num or a.num_prompts
+    seed = a.seed if seed is None else seed
+    _need_tokenizer(name, tokenizer)
+    if name == "trace":
+        return sample_trace(tokenizer, trace_rows(a, want), seed)
     if name == "random":
         return sample_random(tokenizer, want, a.random_input_len, a.random_output_len,
                              a.random_range_ratio, a.random_prefix_len, seed)
@@ -239,6 +301,20 @@ def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
     else:
         base = load_custom(a.dataset_path, tokenizer, a.num_prompts, a.custom_output_len)
     return [base[i % len(base)] for i in range(want)] if want > len(base) else base
+
+
+def workload(a: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[float]]:
+    """What one run sends, and when: the requests and their send times in seconds from the start
+    (non-decreasing). A trace's own (scaled) timestamps, else `loadgen.send_times` at
+    --request-rate and --burstiness, drawn with --seed: exactly what `run_load` would draw.
+    No server needed: `pdcluster simulate` replays the same workload as `pdcluster bench`."""
+    check_workload(a)
+    if a.dataset_name == "trace":
+        _need_tokenizer(a.dataset_name, tokenizer)
+        rows = trace_rows(a)
+        return sample_trace(tokenizer, rows, a.seed), [r.arrival_s for r in rows]
+    requests = build_requests(a, tokenizer)
+    return requests, loadgen.send_times(len(requests), a.request_rate, a.burstiness, a.seed)
 
 
 def _tokenizer(a: argparse.Namespace, model: str):
@@ -283,15 +359,22 @@ class BenchInterrupted(KeyboardInterrupt):
         self.result = result
 
 
+def offered_rate(arrivals: list[float]) -> float:
+    """The mean rate of these send times: requests after the first over the time they span."""
+    span = arrivals[-1] - arrivals[0] if arrivals else 0.0
+    return (len(arrivals) - 1) / span if span > 0 else math.inf
+
+
 def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, a, opts: BenchOptions,
-             desc: str) -> dict:
-    """One run's summary; on Ctrl-C, BenchInterrupted with the summary of the requests that
-    finished (those in flight or not yet sent are `not_finished`: neither completed nor failed)."""
+             desc: str, arrivals: list[float] | None = None) -> dict:
+    """One run's summary, at `rate` or at the given send times (`workload`'s); on Ctrl-C,
+    BenchInterrupted with the summary of the requests that finished (those in flight or not
+    yet sent are `not_finished`: neither completed nor failed)."""
     progress = Progress(len(requests), desc, a.disable_tqdm)
     cut = None
     try:
         results, duration = asyncio.run(loadgen.run_load(target, requests, rate, a.burstiness,
-                                                         a.max_concurrency, a.seed, progress))
+                                                         a.max_concurrency, a.seed, progress, arrivals))
     except loadgen.LoadInterrupted as e:
         cut = e
         results, duration = [r for r in e.results if r is not None], e.duration
@@ -300,6 +383,12 @@ def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, 
     out = loadgen.summarize(results, duration, opts.slos, opts.percentile_metrics, opts.percentiles)
     out.update(request_rate=rate if math.isfinite(rate) else "inf", burstiness=a.burstiness,
                max_concurrency=a.max_concurrency, num_prompts=len(requests))
+    if a.dataset_name == "trace" and arrivals is not None:
+        # The trace's rate (its mean over the requests sent), not a gamma process's.
+        trace_rate = offered_rate(arrivals)
+        out.update(request_rate=trace_rate if math.isfinite(trace_rate) else "inf", burstiness=None,
+                   trace=a.dataset_path, trace_time_scale=a.trace_time_scale,
+                   trace_length_scale=a.trace_length_scale, trace_max_len=a.trace_max_len)
     if cut is not None:
         out.update(interrupted=True, not_finished=len(requests) - len(results),
                    in_flight_at_interrupt=cut.started - len(results), not_sent=len(requests) - cut.started)
@@ -326,7 +415,10 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
         row("  not sent:", result["not_sent"])
     row("Request rate (req/s):", result["request_rate"] if isinstance(result["request_rate"], str)
         else f"{result['request_rate']:.2f}")
-    row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
+    if result.get("trace"):
+        row("Arrivals:", f"trace x{result['trace_time_scale']:g}")
+    else:
+        row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
     row("Max concurrency:", result["max_concurrency"] or "none")
     row("Benchmark duration (s):", f"{result['duration']:.2f}")
     row("Total input tokens:", result["total_input_tokens"])
@@ -463,7 +555,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         info = server_info(base_url, api_key)
         model = a.model if a.model and not a.launch else info["id"]     # launched: the served name
         tokenizer = _tokenizer(a, model)
-        requests = build_requests(a, tokenizer)
+        requests, arrivals = workload(a, tokenizer)
 
         def requests_for(n: int, k: int) -> list[BenchRequest]:
             # Sweep point k draws its own prompts: replaying the same ones at every rate would
@@ -476,7 +568,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                   "tokenizer_id": a.tokenizer or model, "dataset_name": a.dataset_name,
                   "num_workers": info.get("num_workers"), "num_gpus": info.get("num_gpus"),
                   "workers_by_role": info.get("workers_by_role")}
-        print(f"pdcluster bench: {len(requests)} requests ({a.dataset_name}) to {base_url}{a.endpoint}, "
+        what = (f"trace {a.dataset_path}, {arrivals[-1]:.1f} s of arrivals" if a.dataset_name == "trace"
+                else a.dataset_name)
+        print(f"pdcluster bench: {len(requests)} requests ({what}) to {base_url}{a.endpoint}, "
               f"model {model!r}" + (f", {info['num_workers']} workers" if info.get("num_workers") else ""),
               flush=True)
         interrupted = False
@@ -490,7 +584,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         else:
             before = server_totals(base_url)
             try:
-                run = run_once(target, requests, a.request_rate, a, opts, "requests")
+                run = run_once(target, requests, a.request_rate, a, opts, "requests", arrivals)
             except BenchInterrupted as e:
                 run, interrupted = e.result, True
             result = {**header, "interrupted": interrupted, **run}

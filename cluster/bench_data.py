@@ -1,13 +1,15 @@
 """Workloads for `pdcluster bench`: the datasets `vllm bench serve` users know.
 
 Every sampler returns `BenchRequest`s: the prompt text, its length in the client's tokenizer,
-and how many tokens to ask for. Prompts are text (both endpoints take text; token-id prompts
+and how many tokens to ask for. A timed trace (`load_trace`) also says when to send each. Prompts are text (both endpoints take text; token-id prompts
 are a completions-only extension), and lengths are re-measured after decoding, because
 random ids seldom round-trip through a tokenizer to the same count.
 """
 from __future__ import annotations
 
+import csv
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,4 +154,105 @@ def load_custom(path: str, tokenizer: Tokenizer | None, num: int, output_len: in
             break
     if not out:
         raise ValueError(f"--dataset-path {path}: no requests")
+    return out
+
+
+# -- timed traces: when each request arrives, how long its prompt and output are ----------------
+TRACES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
+TRACES = {"azure-conv": "azure_conv_2023.csv", "azure-code": "azure_code_2023.csv"}
+TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    arrival_s: float       # seconds from the first request of the trace (scaled)
+    prompt_len: int        # tokens
+    output_len: int        # tokens
+
+
+def resolve_trace(path: str) -> Path:
+    """A built-in trace name (azure-conv, azure-code: benchmarks/traces in this checkout) or a file."""
+    return TRACES_DIR / TRACES[path] if path in TRACES else Path(path)
+
+
+def _trace_number(path, lineno: int, column: str, text: str | None, integer: bool) -> float:
+    if text is None or not text.strip():
+        raise ValueError(f"{path}:{lineno}: no value for {column}")
+    try:
+        x = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}:{lineno}: {column} must be a number, got {text!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"{path}:{lineno}: {column} must be a non-negative number, got {text!r}")
+    if integer and not x.is_integer():
+        raise ValueError(f"{path}:{lineno}: {column} must be a whole number of tokens, got {text!r}")
+    return x
+
+
+def _trace_rows(file: Path, reader: csv.DictReader) -> list[tuple[float, float, float]]:
+    header = reader.fieldnames or []
+    missing = [c for c in TRACE_COLUMNS if c not in header]
+    if missing:
+        raise ValueError(f"{file}:1: expected a CSV header with the columns {','.join(TRACE_COLUMNS)}; "
+                         f"missing {', '.join(missing)} (got {','.join(header) or 'an empty file'})")
+    # DictReader skips blank lines; line_num is the line a row ends on.
+    return [tuple(_trace_number(file, reader.line_num, c, row.get(c), c != "arrived_at") for c in TRACE_COLUMNS)
+            for row in reader]
+
+
+def load_trace(path: str, num: int | None = None, time_scale: float = 1.0, length_scale: float = 1.0,
+               max_len: int | None = None) -> list[TraceRow]:
+    """The first `num` requests (None: all) of a CSV trace with the columns arrived_at (seconds),
+    num_prefill_tokens, num_decode_tokens, in order of arrival. `path` is a file or a built-in
+    name (TRACES). Times are made relative to the first request and divided by `time_scale`
+    (2: twice the rate); lengths are multiplied by `length_scale` (rounded, at least 1); with
+    `max_len`, the prompt is cut so that prompt + output <= max_len (each at least 1; an output
+    of max_len or more is cut to max_len - 1)."""
+    if not time_scale > 0 or not math.isfinite(time_scale):
+        raise ValueError(f"--trace-time-scale must be positive, got {time_scale}")
+    if not length_scale > 0 or not math.isfinite(length_scale):
+        raise ValueError(f"--trace-length-scale must be positive, got {length_scale}")
+    if max_len is not None and max_len < 2:
+        raise ValueError(f"--trace-max-len must be at least 2 (a 1-token prompt and output), got {max_len}")
+    if num is not None and num < 1:
+        raise ValueError(f"the number of trace requests must be at least 1, got {num}")
+    file = resolve_trace(path)
+    try:
+        f = file.open(newline="", encoding="utf-8-sig")     # -sig: a BOM is no header
+    except FileNotFoundError:
+        if path in TRACES:
+            raise FileNotFoundError(f"built-in trace {path}: {file} is missing (it ships in the checkout's "
+                                    "benchmarks/traces)") from None
+        raise FileNotFoundError(f"--dataset-path {path}: no such file (built-in traces: "
+                                f"{', '.join(TRACES)})") from None
+    except OSError as e:
+        raise ValueError(f"--dataset-path {path}: cannot read it ({e.strerror or e})") from None
+    with f:
+        try:
+            raw = _trace_rows(file, csv.DictReader(f))
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise ValueError(f"{file}: not a CSV text file ({e})") from None
+    if not raw:
+        raise ValueError(f"{file}: no requests in the trace")
+    raw.sort(key=lambda r: r[0])                                 # stable: ties keep the file's order
+    raw = raw[:num] if num is not None else raw
+    t0 = raw[0][0]
+    out = []
+    for t, n_in, n_out in raw:
+        n_in, n_out = max(1, round(n_in * length_scale)), max(1, round(n_out * length_scale))     # ints
+        if max_len is not None:
+            n_out = min(n_out, max_len - 1)
+            n_in = min(n_in, max_len - n_out)
+        out.append(TraceRow((t - t0) / time_scale, n_in, n_out))
+    return out
+
+
+def sample_trace(tokenizer: Tokenizer, rows: list[TraceRow], seed: int = 0) -> list[BenchRequest]:
+    """One request per trace row: random text of the row's prompt length (as sample_random makes
+    it), asking for the row's output length."""
+    gen = RandomText(tokenizer, random.Random(seed))
+    out = []
+    for row in rows:
+        text, n = gen.text(row.prompt_len)
+        out.append(BenchRequest(text, n, row.output_len))
     return out

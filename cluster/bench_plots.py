@@ -32,7 +32,10 @@ def plot_distributions(result: dict, path: Path) -> Path:
         ax.set_title(f"{name} distribution ({xs.size} samples)")
         _slo_line(ax, result, metric)
         ax.legend()
-    fig.suptitle(f"{result.get('model_id', '')} at {result.get('request_rate')} req/s: "
+    rate = result.get("request_rate")
+    rate = f"{rate:.3g}" if isinstance(rate, float) else rate
+    trace = f" ({Path(result['trace']).name} trace)" if result.get("trace") else ""
+    fig.suptitle(f"{result.get('model_id', '')} at {rate} req/s{trace}: "
                  f"{result['completed']} ok, {result['failed']} failed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

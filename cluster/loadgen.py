@@ -54,6 +54,12 @@ def arrival_gaps(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) 
     return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num)
 
 
+def send_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """When `run_load` sends each of `num` requests, in seconds from its start: the cumulative
+    sums of `arrival_gaps` (the first request waits one gap; all at 0 when rate is inf)."""
+    return np.cumsum(arrival_gaps(num, rate, burstiness, seed)).tolist()
+
+
 @dataclass(slots=True)
 class Target:
     base_url: str                      # http://host:port (no /v1)
@@ -195,12 +201,17 @@ class LoadInterrupted(KeyboardInterrupt):
 
 async def run_load(target: Target, requests: list[BenchRequest], rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                   on_done=None) -> tuple[list[RequestResult], float]:
-    """Send `requests` open-loop at `rate` (gamma gaps), at most `max_concurrency` in flight;
-    returns the results in request order and the wall duration (first send to last finish).
-    Cancelled (Ctrl-C under `asyncio.run`), it cancels the requests in flight and raises
-    LoadInterrupted with those that had finished."""
-    gaps = arrival_gaps(len(requests), rate, burstiness, seed)
+                   on_done=None, arrivals: list[float] | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests` open-loop at `rate` (gamma gaps: `send_times`), or at the given `arrivals`
+    (seconds from the start, one per request, in order: a trace's times; rate, burstiness and
+    seed are then unused), at most `max_concurrency` in flight (a request due while all seats
+    are taken waits for one); returns the results in request order and the wall duration
+    (start to last finish). Cancelled (Ctrl-C under `asyncio.run`), it cancels the requests in
+    flight and raises LoadInterrupted with those that had finished."""
+    if arrivals is None:
+        arrivals = send_times(len(requests), rate, burstiness, seed)
+    elif len(arrivals) != len(requests):
+        raise ValueError(f"{len(arrivals)} send times for {len(requests)} requests")
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     # Idle connections are dropped before servers drop them (uvicorn, hence vLLM, after 5 s): a
     # request sent on a connection the server is closing fails with "Server disconnected".
@@ -224,11 +235,10 @@ async def run_load(target: Target, requests: list[BenchRequest], rate: float = m
             return res
 
         t0 = time.perf_counter()
-        due, tasks = t0, []
+        tasks = []
         try:
-            for req, gap in zip(requests, gaps):
-                due += gap
-                delay = due - time.perf_counter()
+            for req, at in zip(requests, arrivals):
+                delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(req)))

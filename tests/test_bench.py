@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster import bench, loadgen
 from cluster.bench import search_rate
-from cluster.bench_data import sample_random
+from cluster.bench_data import TraceRow, load_trace, sample_random, sample_trace
 from cluster.cli import main
 from cluster.serve import free_port
 from workers.checkpoint import load_tokenizer
@@ -33,6 +33,7 @@ FAST_MS, SLOW_MS, ITL_MS, TOKENS = 60.0, 400.0, 130.0, 8
 TTFT_TOL_MS = 60.0
 LATENESS: list[float] = []    # s: per request, the injected server's own delay past its schedule
 LIMITED_ITL_MS = 25.0          # the capacity-limited endpoint's token gap (the sweep test)
+RECEIVED: list[tuple[float, str, int]] = []   # every request: (perf_counter on arrival, prompt, max_tokens)
 
 
 def injected_app() -> FastAPI:
@@ -59,6 +60,7 @@ def injected_app() -> FastAPI:
         received = time.perf_counter()
         body = await request.json()
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        RECEIVED.append((received, prompt, body["max_tokens"]))
         if prompt.startswith("fail"):
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error",
                                            "param": None, "code": None}}, status_code=500)
@@ -378,6 +380,12 @@ def test_ctrl_c_during_a_sweep_keeps_the_rates_it_finished(injected_url, tmp_pat
     (["--percentile-metrics", "ttft,foo"], "unknown metric 'foo'"),
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
     (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
+    (["--dataset-name", "trace"], "--dataset-name trace needs --dataset-path"),
+    (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--request-rate", "4"], "drop --request-rate"),
+    (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--burstiness", "0.5"], "drop --request-rate"),
+    (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--goodput", "ttft:100", "--sweep"],
+     "--sweep does not apply to --dataset-name trace"),
+    (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--trace-max-len", "1"], "at least 2"),
 ])
 def test_bad_bench_input_gets_one_clear_line(capsys, args, message):
     rc = main(["bench", "--disable-tqdm", "--base-url", "http://127.0.0.1:9", *args])
@@ -446,3 +454,133 @@ def test_datasets_size_prompts_in_the_tokenizer(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: needs a non-empty string 'prompt'"):
         load_custom(str(tmp_path / "bad.jsonl"), tok, 10, 8)
+
+
+def write_trace(path, rows: list[tuple]) -> str:
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(",".join(map(str, r)) + "\n"
+                                                                              for r in rows))
+    return str(path)
+
+
+def test_load_trace_sorts_scales_and_clips(tmp_path):
+    # Out of order and not starting at 0; a blank line is skipped; "7.0" tokens is a whole number.
+    path = str(tmp_path / "t.csv")
+    Path(path).write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n12.5,100,10\n10,40,300\n\n11.0,7.0,1\n")
+    assert load_trace(path) == [TraceRow(0.0, 40, 300), TraceRow(1.0, 7, 1), TraceRow(2.5, 100, 10)]
+    assert load_trace(path, num=2) == [TraceRow(0.0, 40, 300), TraceRow(1.0, 7, 1)]         # the first 2 in time
+    # time_scale 2: twice the rate; lengths scaled and rounded, at least 1.
+    assert load_trace(path, time_scale=2, length_scale=0.25) == [
+        TraceRow(0.0, 10, 75), TraceRow(0.5, 2, 1), TraceRow(1.25, 25, 2)]
+    # max_len: the prompt gives way so that prompt + output fits; an output alone too long is cut.
+    rows = load_trace(path, max_len=64)
+    assert [(r.prompt_len, r.output_len) for r in rows] == [(1, 63), (7, 1), (54, 10)]
+    assert all(r.prompt_len + r.output_len <= 64 for r in rows)
+    assert [(r.prompt_len, r.output_len) for r in load_trace(path, max_len=2)] == [(1, 1)] * 3
+    # Extra columns are fine; the three named ones are what counts.
+    (tmp_path / "x.csv").write_text("request_id,arrived_at,num_decode_tokens,num_prefill_tokens\nq1,3,5,9\n")
+    assert load_trace(str(tmp_path / "x.csv")) == [TraceRow(0.0, 9, 5)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("arrival_time,prompt_len,output_len\n0,1,1\n",
+     "t.csv:1: expected a CSV header with the columns arrived_at,num_prefill_tokens,num_decode_tokens"),
+    ("", "got an empty file"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n", "t.csv: no requests in the trace"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,5\n1,abc,5\n", "t.csv:3: num_prefill_tokens must be a number"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,5\n\n-1,5,5\n", "t.csv:4: arrived_at must be a non-negative"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,-2\n", "t.csv:2: num_decode_tokens must be a non-negative"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5.5,2\n", "t.csv:2: num_prefill_tokens must be a whole number"),
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5\n", "t.csv:2: no value for num_decode_tokens"),
+])
+def test_load_trace_names_the_file_and_line_of_a_bad_row(tmp_path, text, message):
+    (tmp_path / "t.csv").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_trace(str(tmp_path / "t.csv"))
+
+
+def test_load_trace_refuses_bad_scales_and_missing_files(tmp_path):
+    path = write_trace(tmp_path / "t.csv", [(0, 5, 5)])
+    for kwargs, message in (({"time_scale": 0}, "--trace-time-scale must be positive"),
+                            ({"length_scale": -1}, "--trace-length-scale must be positive"),
+                            ({"max_len": 1}, "--trace-max-len must be at least 2")):
+        with pytest.raises(ValueError, match=message):
+            load_trace(path, **kwargs)
+    with pytest.raises(FileNotFoundError, match="nope.csv: no such file .built-in traces: azure-conv, azure-code"):
+        load_trace(str(tmp_path / "nope.csv"))
+
+
+def test_built_in_traces_resolve_by_name():
+    for name, count in (("azure-conv", 19366), ("azure-code", 8819)):
+        rows = load_trace(name)
+        assert len(rows) == count and rows[0].arrival_s == 0.0
+        assert all(a.arrival_s <= b.arrival_s for a, b in zip(rows, rows[1:]))
+        assert 3400 < rows[-1].arrival_s < 3600 and min(r.prompt_len for r in rows) >= 1
+    assert len(load_trace("azure-code", num=10, time_scale=100)) == 10
+
+
+def test_workload_gives_the_send_times_run_load_uses(tmp_path):
+    # What `pdcluster simulate` gets without a server: a trace's scaled times, else the cumulative
+    # gamma gaps that run_load draws itself (the first request waits one gap).
+    from cluster.cli import build_parser
+    tok = load_tokenizer("tiny")
+    path = write_trace(tmp_path / "t.csv", [(5.0, 30, 8), (6.0, 300, 40), (9.0, 12, 100)])
+    a = build_parser().parse_args(["bench", "--dataset-name", "trace", "--dataset-path", path, "--trace-time-scale",
+                                   "4", "--trace-length-scale", "0.5", "--trace-max-len", "64", "--seed", "3"])
+    reqs, times = bench.workload(a, tok)
+    rows = load_trace(path, None, 4, 0.5, 64)
+    assert times == [0.0, 0.25, 1.0] == [r.arrival_s for r in rows]
+    assert [(q.prompt_len, q.output_len) for q in reqs] == [(15, 4), (44, 20), (6, 50)]
+    assert [(q.prompt, q.prompt_len) for q in reqs] == [(q.prompt, q.prompt_len) for q in sample_trace(tok, rows, 3)]
+    assert all(len(tok.encode(q.prompt)) == q.prompt_len for q in reqs)
+    a = build_parser().parse_args(["bench", "--num-prompts", "20", "--random-input-len", "8", "--random-output-len",
+                                   "4", "--request-rate", "10", "--burstiness", "2", "--seed", "5"])
+    reqs, times = bench.workload(a, tok)
+    assert len(reqs) == 20 and times == pytest.approx(np.cumsum(loadgen.arrival_gaps(20, 10, 2, 5)).tolist())
+    assert times == loadgen.send_times(20, 10, 2, 5) and 0 < times[0] and np.all(np.diff(times) >= 0)
+    a.request_rate = math.inf
+    assert bench.workload(a, tok)[1] == [0.0] * 20
+
+
+def test_trace_requests_are_sent_at_the_trace_times(injected_url, tmp_path, capsys, monkeypatch):
+    # Out of order in the file and starting at 100 s; --trace-time-scale 2 halves the gaps, so the
+    # first five are due 0, 0.1, 0.4, 0.6, 0.9 s after the start; the sixth is beyond --num-prompts.
+    path = write_trace(tmp_path / "t.csv", [(100.0, 20, 3), (100.8, 35, 2), (100.2, 12, 4), (101.8, 50, 3),
+                                            (101.2, 8, 2), (102.6, 30, 5)])
+    tok = load_tokenizer("tiny")
+    rows = load_trace(path, 5, time_scale=2)
+    due = [r.arrival_s for r in rows]
+    assert due == pytest.approx([0.0, 0.1, 0.4, 0.6, 0.9])
+    sent: list[tuple[float, str, int]] = []
+    send = loadgen.send
+
+    async def recording_send(session, target, req):          # the moment the client sends each
+        sent.append((time.perf_counter(), req.prompt, req.output_len))
+        return await send(session, target, req)
+
+    monkeypatch.setattr(loadgen, "send", recording_send)
+    RECEIVED.clear()
+    rc, out, err = run_bench(
+        capsys, "--base-url", injected_url, "--tokenizer", "tiny", "--dataset-name", "trace", "--dataset-path", path,
+        "--num-prompts", "5", "--trace-time-scale", "2", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "t.json", "--no-plots")
+    assert rc == 0, err
+    # Sent in the trace's order, each at its due time after the first (which goes at the start):
+    # never early, late by no more than a busy box's scheduling slack.
+    assert [p for _, p, _ in sent] == [q.prompt for q in sample_trace(tok, rows, seed=0)]
+    lateness = [t - sent[0][0] - d for (t, _, _), d in zip(sent, due)]
+    assert all(-0.005 <= x <= 0.1 for x in lateness), lateness
+    # ... with the trace's prompt lengths (by the client's tokenizer: the fake server's usage
+    # always says 7) and output lengths, and the server got exactly those requests, no earlier
+    # than they were sent (the bench and the server share this process's clock).
+    assert [len(tok.encode(p)) for _, p, _ in sent] == [r.prompt_len for r in rows] == [20, 12, 35, 8, 50]
+    assert [n for _, _, n in sent] == [r.output_len for r in rows] == [3, 4, 2, 2, 3]
+    at = {p: t for t, p, _ in sent}
+    assert sorted((p, n) for _, p, n in RECEIVED) == sorted((p, n) for _, p, n in sent)
+    assert all(t >= at[p] for t, p, _ in RECEIVED)
+    r = json.loads((tmp_path / "t.json").read_text())
+    assert (r["completed"], r["failed"], r["num_prompts"]) == (5, 0, 5)
+    assert r["output_lens"] == [3, 4, 2, 2, 3] and r["input_lens"] == [7] * 5           # (usage)
+    assert r["request_rate"] == pytest.approx(4 / 0.9) and r["burstiness"] is None
+    assert (r["trace"], r["trace_time_scale"], r["trace_length_scale"], r["trace_max_len"]) == (path, 2.0, 1.0, None)
+    assert r["duration"] >= 0.9
+    assert "5 requests (trace " in out and "0.9 s of arrivals" in out and "trace x2" in out

@@ -67,7 +67,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         held = self.holders.pop(i)
         order = data.draw(st.sampled_from(["as-held", "reversed"]))
         blocks = held if order == "as-held" else held[::-1]
-        self.pool.free([self.pool.blocks[b] for b in blocks])
+        self.pool.free([self.pool._made[b] for b in blocks])      # held blocks are made; look, don't make
         for b in blocks:
             if self.ref_cnt(b) == 0 and b not in self.free_order:
                 self.free_order.append(b)          # freed blocks go to the tail: taken last
@@ -78,7 +78,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         held = [b for h in self.holders for b in h]
         b = data.draw(st.sampled_from(held))
         h = data.draw(st.sampled_from(HASHES))
-        self.pool.cache_block(self.pool.blocks[b], h)
+        self.pool.cache_block(self.pool._made[b], h)
         if self.pool.enable_caching and b not in self.block_hash and h not in self.index:
             self.index[h] = b
             self.block_hash[b] = h
@@ -89,33 +89,46 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.index.clear()
         self.block_hash.clear()
 
-    # -- invariants ------------------------------------------------------------------------
+    # -- invariants (on the blocks made so far, so the lazy path is what runs) ---------------
+    def free_ids(self) -> list[int]:
+        """The order blocks would be taken in: never-made ids (in id order), then the free list."""
+        made = len(self.pool._made)
+        assert [b.block_id for b in self.pool._made] == list(range(made))
+        return list(range(made, self.pool.num_blocks)) + [b.block_id for b in self.pool.free_queue]
+
     @invariant()
     def refcounts_match_holders(self):
-        for b in self.pool.blocks:
+        for b in self.pool._made:
             assert b.ref_cnt >= 0
             assert b.ref_cnt == self.ref_cnt(b.block_id), b
 
     @invariant()
     def blocks_conserved(self):
-        free = [b.block_id for b in self.pool.free_queue]
+        free = self.free_ids()
         assert len(free) == len(set(free)) == self.pool.num_free
-        referenced = [b for b in self.pool.blocks if b.ref_cnt > 0]
+        referenced = [b for b in self.pool._made if b.ref_cnt > 0]
         assert self.pool.num_free + len(referenced) == self.pool.num_blocks
-        for b in self.pool.blocks:                # on the free list xor referenced
+        for b in self.pool._made:                 # on the free list xor referenced
             assert (b.block_id in free) != (b.ref_cnt > 0), b
 
     @invariant()
     def free_list_in_lru_order(self):
-        assert [b.block_id for b in self.pool.free_queue] == self.free_order
+        assert self.free_ids() == self.free_order
 
     @invariant()
     def index_matches_model(self):
         assert {h: b.block_id for h, b in self.pool.cached.items()} == self.index
         for h, b in self.pool.cached.items():
             assert b.block_hash == h
-        for b in self.pool.blocks:
+        for b in self.pool._made:
             assert b.block_hash == self.block_hash.get(b.block_id)
+
+    @rule()
+    def make_all(self):
+        """Asking for every block makes the rest, ahead of the free list, in id order."""
+        before = self.free_ids()
+        assert [b.block_id for b in self.pool.blocks] == list(range(self.pool.num_blocks))
+        assert [b.block_id for b in self.pool.free_queue] == before
 
 
 BlockPoolMachine.TestCase.settings = settings(

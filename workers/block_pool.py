@@ -49,6 +49,16 @@ class FreeBlockQueue:
         last.next, b.prev, b.next, self._tail.prev = b, last, self._tail, b
         self.num_free += 1
 
+    def push_front(self, blocks: list[KVBlock]) -> None:
+        """Put blocks, in order, ahead of the whole list (the next ones taken)."""
+        first = self._head.next
+        prev = self._head
+        for b in blocks:
+            prev.next, b.prev = b, prev
+            prev = b
+        prev.next, first.prev = first, prev
+        self.num_free += len(blocks)
+
     def remove(self, b: KVBlock) -> None:
         b.prev.next, b.next.prev = b.next, b.prev
         b.prev = b.next = None
@@ -69,16 +79,29 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
 
 
 class BlockPool:
+    """Blocks are made on first use: ids never handed out sit, in id order, ahead of the free
+    list (they are its least recently used end), so a big pool costs nothing until it fills.
+    `blocks` makes the rest at once (for tests and invariant checks)."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._made: list[KVBlock] = []
+        self.free_queue = FreeBlockQueue([])
         self.cached: dict[bytes, KVBlock] = {}
 
     @property
+    def blocks(self) -> list[KVBlock]:
+        made = self._made
+        if len(made) < self.num_blocks:
+            fresh = [KVBlock(i) for i in range(len(made), self.num_blocks)]
+            self.free_queue.push_front(fresh)
+            made.extend(fresh)
+        return made
+
+    @property
     def num_free(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.num_blocks - len(self._made)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -88,8 +111,13 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
         out = []
+        made = self._made
         for _ in range(n):
-            b = self.free_queue.popleft()
+            if len(made) < self.num_blocks:
+                b = KVBlock(len(made))
+                made.append(b)
+            else:
+                b = self.free_queue.popleft()
             assert b.ref_cnt == 0, b
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
