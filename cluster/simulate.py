@@ -19,14 +19,16 @@ field names, so a simulated run and a real one compare line by line.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
+from itertools import accumulate
 from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.loadgen import RequestResult
-from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from router.picker import Picker, decode_load, prefill_load
 from workers import messages as msg
 from workers.config import EngineConfig
 from workers.cost_model import CostModel
@@ -79,7 +81,14 @@ class SimCluster:
 
 
 class SimEngine(EngineCore):
-    """A worker's engine with the cost model in place of the model."""
+    """A worker's engine with the cost model in place of the model.
+
+    A steady decode batch (every running sequence decoding, nothing that could be admitted,
+    room for the next k tokens of each) goes through k steps that differ only in their
+    context, so the simulator takes them as one run: `steady_steps` finds k, `advance` applies
+    k tokens per sequence through the same KV verb (`append_slots`) a step uses. Without it, a
+    simulated hour would cost a Python step per token per sequence.
+    """
 
     def __init__(self, engine: EngineConfig, cost: CostModel, clock, vocab_size: int, max_model_len: int):
         block = engine.cache.block_size
@@ -87,9 +96,70 @@ class SimEngine(EngineCore):
         super().__init__(engine.scheduler, layout, min(max_model_len, layout.max_resident_tokens), vocab_size,
                          engine.cache.enable_prefix_caching, clock=clock)
 
+    def _check_ids(self, ids, name: str) -> None:
+        """The simulator makes its own token ids; checking each would cost a pass per prompt."""
+
     def _execute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int], None]:
         seqs = sampled(out)
         return seqs, [FILLER_TOKEN] * len(seqs), None
+
+    def steady_steps(self, limit: int) -> int:
+        """Steps (up to `limit`) the running batch can take as plain decode steps with nothing
+        else changing; 0 when the next step is anything else."""
+        s, kv = self.scheduler, self.kv
+        running = s.running
+        if not running or s.swapped or len(running) > s.cfg.max_num_batched_tokens:
+            return 0
+        k = limit
+        for seq in running:
+            c = seq.num_computed_tokens
+            if c != seq.num_tokens - 1 or c < seq.num_prompt_tokens:
+                return 0                                  # prefilling (a chunk or a recompute)
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        if s.waiting and self._admissible(s.waiting[0]):
+            return 0                                      # the next step admits it
+        bs = kv.block_size
+        have = [(seq.num_computed_tokens, kv.num_blocks_of(seq)) for seq in running]
+
+        def fits(k: int) -> bool:                         # blocks never come back during a run
+            return sum(-(-(c + k) // bs) - b for c, b in have) <= kv.num_free_blocks
+        if not fits(k):
+            lo, hi = 0, k                                 # fits(lo), not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            k = lo
+        return k if k >= 2 else 0
+
+    def _admissible(self, seq: Sequence) -> bool:
+        s = self.scheduler
+        budget = s.cfg.max_num_batched_tokens - len(s.running)
+        if len(s.running) >= s.cfg.max_num_seqs or budget <= 0:
+            return False
+        computed, num_cached = self.kv.get_computed_blocks(seq)
+        n = min(seq.num_tokens - num_cached, budget)
+        return self.kv.can_allocate(seq, n, computed, num_cached, s.watermark_blocks)
+
+    def run_batch(self) -> tuple[int, int]:
+        """(rows, summed context) of a steady run's first step."""
+        running = self.scheduler.running
+        return len(running), sum(seq.num_computed_tokens + 1 for seq in running)
+
+    def advance(self, k: int) -> list[tuple[str, bool]]:
+        """k decode steps of the running batch: (request id, finished) per sequence."""
+        out = []
+        kv, finish, filler = self.kv, self.scheduler.finish, [FILLER_TOKEN] * k
+        for seq in list(self.scheduler.running):
+            ok = kv.append_slots(seq, k)
+            assert ok, seq                                # steady_steps checked the room
+            seq.num_computed_tokens += k
+            seq.token_ids.extend(filler)
+            done = seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            if done:
+                finish(seq, "length")
+                self._seqs.pop(seq.seq_id, None)
+            out.append((seq.seq_id, done))
+        return out
 
 
 def sampled(out: SchedulerOutput) -> list[Sequence]:
@@ -99,7 +169,7 @@ def sampled(out: SchedulerOutput) -> list[Sequence]:
 
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
-                 "receiving", "link_free_at", "steps", "busy_s")
+                 "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -111,6 +181,9 @@ class SimWorker:
         self.link_free_at = 0.0             # decode: its link carries one transfer at a time
         self.steps = 0
         self.busy_s = 0.0
+        self.run: list[float] | None = None   # a steady run in progress: its steps' end times
+        self.run_id = 0                       # which scheduled end of a run is current
+        self.run_start = 0.0
 
     def report(self) -> msg.LoadReport:
         return msg.LoadReport(worker_id=self.worker_id, role=self.role, steps=self.steps,
@@ -120,17 +193,26 @@ class SimWorker:
 
 @dataclass(slots=True)
 class _Tracked:
-    """What the client of one request sees."""
+    """What the client of one request sees (every token's time only when ITLs are asked for:
+    TTFT and TPOT need the first, the last and the count)."""
     request: SimRequest
     sent_s: float
-    token_times: list[float] = field(default_factory=list)
+    times: list[float] | None = None
+    first_s: float = 0.0
+    last_s: float = 0.0
+    count: int = 0
     end_s: float | None = None
     error: str = ""
 
 
+MAX_RUN = 256           # steps of one steady run at most (a run is cut anyway when work arrives)
+
+
 class Simulator:
-    def __init__(self, cluster: SimCluster, vocab_size: int = 32000, max_model_len: int = 1 << 30):
+    def __init__(self, cluster: SimCluster, vocab_size: int = 32000, max_model_len: int = 1 << 30,
+                 record_itl: bool = True):
         self.c = cluster
+        self.record_itl = record_itl
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -145,6 +227,7 @@ class Simulator:
                                        cost) for wid, role, cost in roles}
         self.pools = {role: [w for w in self.workers.values() if w.role == role] for role in (PREFILL, DECODE,
                                                                                                 COLOCATED)}
+        self.pool_ids = {role: [w.worker_id for w in pool] for role, pool in self.pools.items()}
         self.prefill_picker = Picker(cluster.policy, cluster.seed)
         self.decode_picker = Picker(cluster.policy, cluster.seed + 1)
         self._tracked: dict[str, _Tracked] = {}
@@ -174,15 +257,15 @@ class Simulator:
         if tr.end_s is None or tr.error:
             out.error = tr.error or "the simulation ended before this request did"
             return out
-        times = tr.token_times
-        out.success, out.output_len = True, len(times)
-        out.ttft, out.latency = times[0] - tr.sent_s, tr.end_s - tr.sent_s
-        out.itl = [b - a for a, b in zip(times, times[1:])]
+        out.success, out.output_len = True, tr.count
+        out.ttft, out.latency = tr.first_s - tr.sent_s, tr.end_s - tr.sent_s
+        if tr.times is not None:
+            out.itl = [b - a for a, b in zip(tr.times, tr.times[1:])]
         return out
 
     # -- the router ------------------------------------------------------------------------------
     def _arrive(self, rid: str, r: SimRequest) -> None:
-        self._tracked[rid] = _Tracked(r, self.now)
+        self._tracked[rid] = _Tracked(r, self.now, [] if self.record_itl else None)
         if self.in_flight >= self.c.max_pending:
             self._tracked[rid].error = f"HTTP 429: {self.c.max_pending} requests in flight"
             return
@@ -203,30 +286,42 @@ class Simulator:
         self._submit(w, submit, len(r.prompt_token_ids))
 
     def _pick(self, role: str) -> SimWorker:
-        pool = self.pools[role]
-        if len(pool) == 1:
-            return pool[0]
-        if role == DECODE:
-            loads = [WorkerLoad(w.worker_id, decode_load(w.report(), 0)) for w in pool]
-            return self.workers[self.decode_picker.pick(loads)]
-        loads = [WorkerLoad(w.worker_id, prefill_load(w.report(), w.inbox_tokens)) for w in pool]
-        return self.workers[self.prefill_picker.pick(loads)]
+        ids, ws = self.pool_ids[role], self.workers
+        if role == DECODE:     # reports are fresh here: what was sent is in them (pending, receiving)
+            return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report(), 0))]
+        return ws[self.prefill_picker.choose(ids, lambda i: prefill_load(ws[i].report(), ws[i].inbox_tokens))]
 
     def _submit(self, w: SimWorker, fn, num_tokens: int = 0) -> None:
         w.inbox.append(fn)
         w.inbox_tokens += num_tokens
+        self._wake(w)
+
+    def _wake(self, w: SimWorker) -> None:
+        """New work for `w`: an idle worker steps now; a steady run ends at its next step's end
+        (as the real loop takes commands between steps)."""
         if not w.busy:
             w.busy = True                 # claimed now; the step starts after this instant's events
             self._at(self.now, self._start_step, w)
+        elif w.run is not None:
+            done = bisect.bisect_left(w.run, self.now) + 1     # steps ended by the next boundary
+            if done < len(w.run):
+                del w.run[done:]
+                w.run_id += 1
+                self._at(w.run[-1], self._end_run, w, w.run_id)
 
     def _fail(self, rid: str, error: str) -> None:
         tr = self._tracked[rid]
         tr.error, tr.end_s = error, self.now
         self.in_flight -= 1
 
-    def _tokens(self, rid: str, n: int, finished: bool) -> None:
+    def _tokens(self, rid: str, times: list[float], finished: bool) -> None:
         tr = self._tracked[rid]
-        tr.token_times.extend([self.now] * n)
+        if not tr.count:
+            tr.first_s = times[0]
+        tr.count += len(times)
+        tr.last_s = times[-1]
+        if tr.times is not None:
+            tr.times.extend(times)
         if finished:
             tr.end_s = self.now
             self.in_flight -= 1
@@ -239,6 +334,14 @@ class Simulator:
         if w.waiting_room:
             self._reserve(w)
         engine = w.engine
+        k = engine.steady_steps(MAX_RUN)
+        if k:
+            ends = list(accumulate(w.cost.decode_run_s(*engine.run_batch(), k), initial=self.now))
+            w.run_start = ends.pop(0)
+            w.run = ends
+            w.run_id += 1
+            self._at(ends[-1], self._end_run, w, w.run_id)
+            return
         out = engine.schedule_step() if engine.has_unfinished() else None
         if out is None or out.is_empty:
             w.busy = False
@@ -250,10 +353,21 @@ class Simulator:
 
     def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
         seqs = sampled(out)
+        now = [self.now]
         for o in w.engine.finish_step(out, seqs, [FILLER_TOKEN] * len(seqs), None):
-            self._tokens(o.request_id, len(o.new_token_ids), o.finished)
+            self._tokens(o.request_id, now, o.finished)
             if o.held:
                 self._hand_off(o.request_id, w)
+        self._start_step(w)
+
+    def _end_run(self, w: SimWorker, run_id: int) -> None:
+        if run_id != w.run_id:
+            return                                      # this run was cut short: a later event ends it
+        ends, w.run = w.run, None
+        w.steps += len(ends)
+        w.busy_s += ends[-1] - w.run_start
+        for rid, finished in w.engine.advance(len(ends)):
+            self._tokens(rid, ends, finished)
         self._start_step(w)
 
     # -- the KV handoff --------------------------------------------------------------------------
@@ -263,6 +377,8 @@ class Simulator:
         d.waiting_room.append((rid, seq, prefill))
         if not d.busy:
             self._reserve(d)
+        else:
+            self._wake(d)                                # a steady run stops to take it
 
     def _reserve(self, d: SimWorker) -> None:
         """Reserve blocks for waiting handoffs in order, while they fit; start their transfers."""

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.metrics import Metrics
-from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from router.picker import Picker, decode_load, prefill_load
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
 from workers.names import COLOCATED, DECODE, MODES, ROLES, first_role
@@ -183,12 +183,11 @@ class Dispatcher:
         pool = self._alive(role)
         if not pool:
             raise RequestFailed(f"no live {role} worker")
+        ids, ws = [w.worker_id for w in pool], self.workers
         if role == DECODE:
-            loads = [WorkerLoad(w.worker_id, decode_load(w.report, len(w.unreported))) for w in pool]
-            return self.workers[self.decode_picker.pick(loads)]
-        loads = [WorkerLoad(w.worker_id, prefill_load(w.report, sum(n for n, _ in w.unreported.values())))
-                 for w in pool]
-        return self.workers[self.prefill_picker.pick(loads)]
+            return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report, len(ws[i].unreported)))]
+        return ws[self.prefill_picker.choose(ids, lambda i: prefill_load(
+            ws[i].report, sum(n for n, _ in ws[i].unreported.values())))]
 
     async def _pick_live(self, role: str) -> WorkerState:
         """Pick from the pool; when all of its workers are being restarted (a one-worker pool

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.messages import LoadReport
@@ -32,16 +33,22 @@ class Picker:
         self._rr = itertools.count()
 
     def pick(self, candidates: list[WorkerLoad]) -> str:
-        if not candidates:
+        loads = {c.worker_id: c.load for c in candidates}
+        return self.choose(list(loads), loads.__getitem__)
+
+    def choose(self, worker_ids: list[str], load_of: Callable[[str], float]) -> str:
+        """Pick from `worker_ids`, asking `load_of` only for the loads it compares (two under
+        p2c, none otherwise), so a pick costs the same for 4 workers or 400."""
+        if not worker_ids:
             raise LookupError("no worker to pick from")
-        if len(candidates) == 1:
-            return candidates[0].worker_id
+        if len(worker_ids) == 1:
+            return worker_ids[0]
         if self.policy == "random":
-            return self._rng.choice(candidates).worker_id
+            return self._rng.choice(worker_ids)
         if self.policy == "round-robin":
-            return candidates[next(self._rr) % len(candidates)].worker_id
-        a, b = self._rng.sample(candidates, 2)
-        return (a if a.load <= b.load else b).worker_id
+            return worker_ids[next(self._rr) % len(worker_ids)]
+        a, b = self._rng.sample(worker_ids, 2)
+        return a if load_of(a) <= load_of(b) else b
 
 
 def prefill_load(report: LoadReport | None, inflight_tokens: int = 0) -> float:

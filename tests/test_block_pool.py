@@ -18,8 +18,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_blocks, enable_caching=caching)
         self.holders: list[list[int]] = []        # one list of block ids per holder (a "sequence")
         self.free_order = list(range(num_blocks))  # expected free list, head first
+        self.made: set[int] = set()                 # blocks handed out at least once
         self.index: dict[bytes, int] = {}          # expected prefix-cache index: hash -> block id
         self.block_hash: dict[int, bytes] = {}     # expected hash of each indexed block
+
+    def take_order(self) -> list[int]:
+        if self.pool.enable_caching:
+            return self.free_order
+        return [b for b in self.free_order if b in self.made] + [b for b in self.free_order if b not in self.made]
 
     def ref_cnt(self, block_id: int) -> int:
         return sum(h.count(block_id) for h in self.holders)
@@ -35,9 +41,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 self.pool.allocate(n)
             return
         got = [b.block_id for b in self.pool.allocate(n)]
-        # Taken from the head of the free list: the least recently freed first.
-        assert got == self.free_order[:n]
-        self.free_order = self.free_order[n:]
+        # Taken from the head of the free list: the least recently freed first. Without prefix
+        # caching, blocks made before come before never-made ones.
+        order = self.take_order()
+        assert got == order[:n]
+        self.made.update(got)
+        self.free_order = [b for b in self.free_order if b not in got]
         for b in got:
             h = self.block_hash.pop(b, None)
             if h is not None:                     # reuse evicts the cached prefix
@@ -91,10 +100,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     # -- invariants (on the blocks made so far, so the lazy path is what runs) ---------------
     def free_ids(self) -> list[int]:
-        """The order blocks would be taken in: never-made ids (in id order), then the free list."""
+        """The order blocks would be taken in: never-made ids (in id order) then the free list,
+        or without prefix caching the other way round."""
         made = len(self.pool._made)
         assert [b.block_id for b in self.pool._made] == list(range(made))
-        return list(range(made, self.pool.num_blocks)) + [b.block_id for b in self.pool.free_queue]
+        fresh, listed = list(range(made, self.pool.num_blocks)), [b.block_id for b in self.pool.free_queue]
+        return fresh + listed if self.pool.enable_caching else listed + fresh
 
     @invariant()
     def refcounts_match_holders(self):
@@ -113,7 +124,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_list_in_lru_order(self):
-        assert self.free_ids() == self.free_order
+        assert self.free_ids() == self.take_order()
 
     @invariant()
     def index_matches_model(self):
@@ -129,6 +140,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         before = self.free_ids()
         assert [b.block_id for b in self.pool.blocks] == list(range(self.pool.num_blocks))
         assert [b.block_id for b in self.pool.free_queue] == before
+        self.made.update(range(self.pool.num_blocks))     # all made now: the free list's order rules
+        self.free_order = before
 
 
 BlockPoolMachine.TestCase.settings = settings(

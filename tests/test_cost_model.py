@@ -224,3 +224,14 @@ def test_handoff_and_batch_room():
     assert roofline("llama-3-8b", "h200").link.bandwidth == 450e9     # NVLink per direction
     small = dataclasses.replace(cm, kv_capacity_tokens=16 * 100)
     assert small.max_batch_at(160) == 10 and small.max_batch_at(161) == 9 and small.max_batch_at(1) == 100
+
+
+@pytest.mark.parametrize("model", [DISTSERVE_OPT13B_A100, roofline("llama-3-8b", "h100-sxm", 2).step,
+                                   roofline("opt-13b", "a100-80g", 1).step])
+def test_a_decode_run_costs_its_steps(model):
+    """The simulator takes a steady decode run whole: its per-step times are step_s of each step,
+    across the roofline's turn from bandwidth- to compute-bound too."""
+    for n, ctx, k in [(1, 100, 5), (32, 32 * 900, 300), (256, 256 * 3000, 200)]:
+        run = model.decode_run_s(n, ctx, k)
+        steps = [model.step_s(BatchShape(num_decode=n, decode_context=ctx + j * n)) for j in range(k)]
+        assert run == pytest.approx(steps, rel=1e-12)

@@ -16,9 +16,9 @@ from array import array
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
 
-    def __init__(self, block_id: int):
+    def __init__(self, block_id: int, ref_cnt: int = 0):
         self.block_id = block_id
-        self.ref_cnt = 0
+        self.ref_cnt = ref_cnt
         self.block_hash: bytes | None = None
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
@@ -95,7 +95,11 @@ class BlockPool:
         made = self._made
         if len(made) < self.num_blocks:
             fresh = [KVBlock(i) for i in range(len(made), self.num_blocks)]
-            self.free_queue.push_front(fresh)
+            if self.enable_caching:
+                self.free_queue.push_front(fresh)     # never made: the least recently used
+            else:
+                for b in fresh:                       # taken after the freed ones (see allocate)
+                    self.free_queue.append(b)
             made.extend(fresh)
         return made
 
@@ -107,24 +111,31 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the LRU end, evicting whatever prefix they cached."""
+        """Take n blocks from the LRU end, evicting whatever prefix they cached. Without
+        prefix caching no block is worth keeping, so freed blocks are reused before new ones
+        are made (a pool then makes only as many blocks as it ever holds at once)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
-        out = []
-        made = self._made
-        for _ in range(n):
-            if len(made) < self.num_blocks:
-                b = KVBlock(len(made))
-                made.append(b)
-            else:
-                b = self.free_queue.popleft()
-            assert b.ref_cnt == 0, b
-            if b.block_hash is not None:
-                del self.cached[b.block_hash]
-                b.block_hash = None
-            b.ref_cnt = 1
-            out.append(b)
-        return out
+        made, queue = self._made, self.free_queue
+        # Freed blocks first without caching; never-made ones first with it (they are the LRU end).
+        from_queue = min(n, queue.num_free) if not self.enable_caching else max(0, n - (self.num_blocks - len(made)))
+        fresh = n - from_queue
+        new = [KVBlock(i, 1) for i in range(len(made), len(made) + fresh)] if fresh else []
+        made.extend(new)
+        taken = []
+        if from_queue:                    # FreeBlockQueue.take, inline: this runs per block
+            cached, head = self.cached, queue._head
+            b = head.next
+            for _ in range(from_queue):
+                if b.block_hash is not None:
+                    del cached[b.block_hash]
+                    b.block_hash = None
+                b.ref_cnt = 1
+                taken.append(b)
+                b = b.next
+            head.next, b.prev = b, head
+            queue.num_free -= from_queue
+        return taken + new if not self.enable_caching else new + taken
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cache hits; a hit that was free leaves the free list."""
@@ -136,11 +147,16 @@ class BlockPool:
     def free(self, blocks) -> None:
         """Drop one reference each. Pass a sequence's blocks tail first, so that its last
         blocks (the least shareable) are evicted before its prefix."""
-        for b in blocks:
+        queue = self.free_queue
+        tail, freed = queue._tail, 0
+        for b in blocks:                  # FreeBlockQueue.append, inline: this runs per block
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, b
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                last = tail.prev
+                last.next, b.prev, b.next, tail.prev = b, last, tail, b
+                freed += 1
+        queue.num_free += freed
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Index a full block under its hash (first writer wins; duplicates stay unindexed)."""

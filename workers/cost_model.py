@@ -91,6 +91,13 @@ class LinearStepModel:
             t += self.d1 * shape.decode_context + self.d2 * shape.num_decode
         return base + t
 
+    def decode_run_s(self, num_decode: int, context: int, k: int) -> list[float]:
+        """Seconds of each of k decode steps of one batch whose summed context starts at
+        `context` and grows by `num_decode` a step (a steady run, which the simulator takes whole)."""
+        t0 = self.d0 + self.d1 * context + self.d2 * num_decode
+        dt = self.d1 * num_decode
+        return [t0 + j * dt for j in range(k)]
+
     @classmethod
     def fit(cls, samples: list[tuple[BatchShape, float]], per_chunk: bool = False) -> LinearStepModel:
         """Least squares on prefill-only and decode-only (shape, seconds) samples; mixed steps are
@@ -299,6 +306,27 @@ class RooflineStepModel:
         if not shape.num_prefill and not shape.num_decode:
             return 0.0
         m, tokens = self.model, shape.num_tokens
+        t = self._bound_s(shape)
+        if self.tp > 1:     # two ring all-reduces per layer (after attention, after the MLP)
+            ring = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * self.dtype_bytes
+            t += 2 * m.num_layers * (ring / self.allreduce_link.bandwidth + self.allreduce_link.latency_s)
+        return t + self.step_overhead_s
+
+    def decode_run_s(self, num_decode: int, context: int, k: int) -> list[float]:
+        """`step_s` of k steady decode steps (see LinearStepModel.decode_run_s): FLOPs and bytes
+        grow linearly with the context, so each step is one max of two affine terms."""
+        first = BatchShape(num_decode=num_decode, decode_context=context)
+        m = self.model
+        f0, h0 = self._bound_parts(first)
+        rest = self.step_s(first) - max(f0, h0)            # all-reduces and overhead: the same each step
+        df = 4 * m.num_layers * m.num_heads * m.head_dim * num_decode / (self.tp * self.gpu.flops * self.compute_eff)
+        dh = m.kv_bytes_per_token(self.dtype_bytes) * num_decode / (self.tp * self.gpu.mem_bw * self.bandwidth_eff)
+        f0, h0 = f0 + rest, h0 + rest
+        return [max(f0 + j * df, h0 + j * dh) for j in range(k)]
+
+    def _bound_parts(self, shape: BatchShape) -> tuple[float, float]:
+        """(compute-bound seconds, bandwidth-bound seconds) of a step."""
+        m, tokens = self.model, shape.num_tokens
         pairs = shape.prefill_sq / 2 + shape.prefill_ctx + shape.decode_context
         flops = (2 * m.num_block_params() * tokens + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
                  + 2 * m.hidden * m.vocab * shape.batch_size)
@@ -308,12 +336,11 @@ class RooflineStepModel:
             ctx_read += shape.prefill_ctx * shape.num_prefill / shape.prefill_tokens
         hbm = (m.num_params() * self.dtype_bytes
                + (ctx_read + tokens) * m.kv_bytes_per_token(self.dtype_bytes))
-        t = max(flops / (self.tp * self.gpu.flops * self.compute_eff),
+        return (flops / (self.tp * self.gpu.flops * self.compute_eff),
                 hbm / (self.tp * self.gpu.mem_bw * self.bandwidth_eff))
-        if self.tp > 1:     # two ring all-reduces per layer (after attention, after the MLP)
-            ring = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * self.dtype_bytes
-            t += 2 * m.num_layers * (ring / self.allreduce_link.bandwidth + self.allreduce_link.latency_s)
-        return t + self.step_overhead_s
+
+    def _bound_s(self, shape: BatchShape) -> float:
+        return max(self._bound_parts(shape))
 
 
 def kv_capacity_tokens(model: ModelShape, gpu: Hardware, tp: int, dtype_bytes: int = 2,
@@ -340,6 +367,10 @@ class CostModel:
 
     def step_s(self, shape: BatchShape) -> float:
         return self.step.step_s(shape)
+
+    def decode_run_s(self, num_decode: int, context: int, k: int) -> list[float]:
+        """Seconds of each step of a steady decode run (see LinearStepModel.decode_run_s)."""
+        return self.step.decode_run_s(num_decode, context, k)
 
     def handoff_s(self, num_tokens: int) -> float:
         return self.link.latency_s + num_tokens * self.kv_bytes_per_token / self.link.bandwidth
