@@ -246,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
+    from cluster.capacity import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate
+    pr = sub.add_parser("profile", help="measure this machine's engine steps and KV handoff; fit the cost model",
+                        description="Time the engine over a grid of batch shapes and the KV handoff between "
+                        "two processes; write the fitted cost model (JSON) for `simulate --profile`.")
+    add_profile_args(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    sm = sub.add_parser("simulate", help="simulate a cluster on a virtual clock: bench's report without GPUs",
+                        description="Discrete-event simulation of the cluster, running the real scheduler, KV "
+                        "cache manager and picker with a cost model in place of the model. Takes bench's "
+                        "workload flags and serve's cluster flags; writes bench's report and JSON.")
+    add_simulate_args(sm)
+    sm.set_defaults(func=cmd_simulate)
+
     d = sub.add_parser("demo", help="run the engine on the built-in model with a mixed workload and report")
     d.add_argument("--num-prompts", type=int, default=64)
     add_engine_args(d)

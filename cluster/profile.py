@@ -172,22 +172,113 @@ def profile_handoff(layout: tuple[int, int, int, int], repeats: int = 5,
     return out
 
 
-def fit_link(samples: list[tuple[int, float]], name: str) -> Link:
-    """Least squares of seconds = latency + bytes / bandwidth."""
+# -- the served path: what a request pays beyond the engine's steps --------------------------------
+SERVED_PROMPTS = (32, 128, 256, 384, 512)
+SERVED_OUTPUT = 24
+
+
+def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_token: int, repeats: int = 6,
+                   progress=print) -> dict:
+    """Serve requests one at a time on a local 1 prefill + 1 decode cluster and measure, against
+    the fitted step costs: each decode step's loop overhead (streamed token gaps beyond the step),
+    the handoff as served (the gap before the second token beyond one decode step), and what
+    a request pays before its prefill (TTFT beyond the prefill step): HTTP, tokenizing, picking,
+    the worker's inbox, the event's way back."""
+    import asyncio
+
+    import aiohttp
+
+    from cluster import loadgen, promtext
+    from cluster.bench_data import BenchRequest, RandomText
+    from cluster.serve import ServingCluster, free_port
+    from cluster.spec import ClusterSpec
+    from workers.checkpoint import load_tokenizer
+    tokenizer = load_tokenizer(engine_cfg.model)
+    if tokenizer is None:
+        raise ValueError(f"model {engine_cfg.model!r} has no tokenizer: the served calibration sends text")
+    text = RandomText(tokenizer, random.Random(1))
+    requests = []
+    for n in SERVED_PROMPTS:
+        for _ in range(repeats):
+            prompt, got = text.text(n)
+            requests.append(BenchRequest(prompt, got, SERVED_OUTPUT))
+    random.Random(2).shuffle(requests)            # lengths interleaved: drift hits them alike
+    spec = ClusterSpec(model=engine_cfg.model, num_prefill=1, num_decode=1, engine=engine_cfg)
+    progress(f"  launching 1 prefill + 1 decode on {engine_cfg.model} for {len(requests)} requests, one at a time")
+    with ServingCluster(spec, port=free_port()) as c:
+        target = loadgen.Target(f"http://{c.host}:{c.port}", model=engine_cfg.model, ignore_eos=True, timeout_s=120)
+
+        base = f"http://{c.host}:{c.port}"
+
+        async def one_at_a_time():
+            async with aiohttp.ClientSession() as session:
+                await loadgen.send(session, target, requests[0])          # warm-up: connections, caches
+                before = promtext.scrape(base + "/metrics")
+                cpu0 = time.process_time()                # this process: the router and the client
+                out = [await loadgen.send(session, target, r) for r in requests]
+                return out, time.process_time() - cpu0, before
+        results, cpu_s, before = asyncio.run(one_at_a_time())
+        after = promtext.scrape(base + "/metrics")
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"served calibration: {len(failed)} requests failed, e.g. {failed[0]}")
+
+    def served_s(role: str) -> tuple[float, float]:
+        name = "pdcluster:engine_step_duration_seconds"
+        return tuple(promtext.total(after, name + k, role=role) - promtext.total(before, name + k, role=role)
+                     for k in ("_sum", "_count"))
+
+    def prefill_s(n: int) -> float:
+        return step.step_s(BatchShape(1, n, n * n))
+
+    def decode_s(context: int) -> float:
+        return step.step_s(BatchShape(num_decode=1, decode_context=context))
+    # The workers' own step times against the fit's: a served worker shares its process with the
+    # actor's threads, and the machine with the router, so its steps run slower than alone.
+    (p_sum, p_count), (d_sum, d_count) = served_s("prefill"), served_s("decode")
+    p_factor = p_sum / sum(prefill_s(r.prompt_len) for r in results) if p_count == len(results) else 1.0
+    d_factor = d_sum / sum(decode_s(r.prompt_len + 1 + i) for r in results for i in range(r.output_len - 1))
+    # What a token pays on its way to the client beyond its decode step (polls, streaming).
+    loop = max(0.0, statistics.median(gap - d_factor * decode_s(r.prompt_len + 2 + i)
+                                      for r in results for i, gap in enumerate(r.itl[1:])))
+    handoff = statistics.median(r.itl[0] - d_factor * decode_s(r.prompt_len + 1) - loop for r in results)
+    wire = statistics.median(r.prompt_len * kv_bytes_per_token / link.bandwidth for r in results)
+    # Before the prefill: a fixed part and a part that grows with the prompt (its text is sent,
+    # parsed and tokenized).
+    fixed, per_token = fit_line([(r.prompt_len, r.ttft - p_factor * prefill_s(r.prompt_len)) for r in results])
+    return {"prefill_step_factor": p_factor, "decode_step_factor": d_factor, "token_overhead_s": loop,
+            "handoff_latency_s": max(link.latency_s, handoff - wire), "request_overhead_s": fixed,
+            "request_overhead_per_token_s": per_token, "requests": len(results),
+            "router_cpu_per_token_s": cpu_s / sum(r.output_len for r in results)}
+
+
+def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b·x with a, b >= 0 (b = 0: the mean; a = 0: through the origin)."""
     n = len(samples)
-    mx = sum(b for b, _ in samples) / n
-    my = sum(t for _, t in samples) / n
-    slope = sum((b - mx) * (t - my) for b, t in samples) / max(1e-30, sum((b - mx) ** 2 for b, _ in samples))
-    slope = max(slope, 1e-15)
-    return Link(name, 1.0 / slope, max(0.0, my - slope * mx))
+    mx = sum(x for x, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    b = sum((x - mx) * (y - my) for x, y in samples) / max(1e-30, sum((x - mx) ** 2 for x, _ in samples))
+    if b <= 0:
+        return max(0.0, my), 0.0
+    a = my - b * mx
+    if a < 0:
+        return 0.0, max(0.0, sum(x * y for x, y in samples) / max(1e-30, sum(x * x for x, _ in samples)))
+    return a, b
+
+
+def fit_link(samples: list[tuple[int, float]], name: str) -> Link:
+    """seconds = latency + bytes / bandwidth, by least squares."""
+    latency, per_byte = fit_line(samples)
+    return Link(name, 1.0 / max(per_byte, 1e-15), latency)
 
 
 def relative_errors(model: LinearStepModel, samples: list[tuple[BatchShape, float]]) -> list[float]:
     return [abs(model.step_s(s) - t) / t for s, t in samples if t > 0]
 
 
-def run_profile(engine_cfg, output: str, repeats: int = 5, progress=print) -> dict:
-    """Profile `engine_cfg`'s model on this machine and write the cost model JSON."""
+def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, progress=print) -> dict:
+    """Profile `engine_cfg`'s model on this machine and write the cost model JSON; with `serve`,
+    calibrate the served path's overheads on a local cluster too."""
     import dataclasses
 
     import torch
@@ -206,14 +297,33 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, progress=print) -> di
     progress("the KV handoff (Gloo between two processes)")
     transfers = profile_handoff(layout, repeats, progress)
     link = fit_link(transfers, "measured: gloo, two processes on this machine")
-    cost = CostModel(step=step_model, kv_bytes_per_token=engine.layout.bytes_per_token,
-                     kv_capacity_tokens=engine.layout.max_resident_tokens, link=link, tp=1,
+    layout, max_model_len, vocab = engine.layout, engine.max_model_len, engine.vocab_size
+    del engine
+    served = {}
+    if serve:
+        progress("the served path (HTTP, router, worker loops, the handoff as served)")
+        served = profile_served(engine_cfg, step_model, link, layout.bytes_per_token, progress=progress)
+        progress(f"  steps x{served['prefill_step_factor']:.2f} (prefill), x{served['decode_step_factor']:.2f} "
+                 f"(decode); per token {served['token_overhead_s'] * 1e3:.2f} ms, per handoff "
+                 f"{served['handoff_latency_s'] * 1e3:.2f} ms, per request {served['request_overhead_s'] * 1e3:.2f} ms "
+                 f"+ {served['request_overhead_per_token_s'] * 1e6:.1f} us per prompt token")
+        # Steps as the served workers run them; each decode step's token also pays its way out.
+        fp, fd = served["prefill_step_factor"], served["decode_step_factor"]
+        m = step_model
+        step_model = dataclasses.replace(
+            m, p0=m.p0 * fp, p1=m.p1 * fp, p2=m.p2 * fp, p3=m.p3 * fp, pc=None if m.pc is None else m.pc * fp,
+            d0=m.d0 * fd + served["token_overhead_s"], d1=m.d1 * fd, d2=m.d2 * fd)
+        link = dataclasses.replace(link, name="measured: the served handoff on this machine",
+                                   latency_s=served["handoff_latency_s"])
+    cost = CostModel(step=step_model, kv_bytes_per_token=layout.bytes_per_token,
+                     kv_capacity_tokens=layout.max_resident_tokens, link=link, tp=1,
                      source=f"profile of {cfg.model} on {platform.node() or 'this machine'}")
     doc = cost.to_json()
     doc["profile"] = {
         "model": cfg.model, "cpus": os.cpu_count(), "torch_threads": 1, "block_size": cfg.cache.block_size,
-        "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+        "max_model_len": max_model_len, "vocab_size": vocab,
         "fit_median_rel_error": statistics.median(errors), "fit_max_rel_error": max(errors),
+        "served": served,
         "seconds": time.perf_counter() - t_start,
         "steps": [{"shape": dataclasses.asdict(s), "seconds": t} for s, t in steps],
         "handoffs": [{"bytes": b, "seconds": t} for b, t in transfers],

@@ -61,7 +61,12 @@ class SimCluster:
     policy: str = "p2c"
     max_pending: int = 512
     seed: int = 0
-    request_overhead_s: float = 0.0             # router + HTTP time before a request reaches a worker
+    request_overhead_s: float = 0.0             # router + HTTP time before a request reaches a worker,
+    request_overhead_per_token_s: float = 0.0   # and its part per prompt token
+    # A CPU machine whose workers and router share its cores (a profile of this machine): steps
+    # slow down when more is runnable than there are cores. None: every worker has its device.
+    shared_cores: float | None = None
+    router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -169,7 +174,8 @@ def sampled(out: SchedulerOutput) -> list[Sequence]:
 
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
-                 "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start")
+                 "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
+                 "token_rate", "step_end")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -184,6 +190,8 @@ class SimWorker:
         self.run: list[float] | None = None   # a steady run in progress: its steps' end times
         self.run_id = 0                       # which scheduled end of a run is current
         self.run_start = 0.0
+        self.token_rate = 0.0                 # tokens/s of its current step (for shared cores)
+        self.step_end = 0.0                   # when its current single step ends
 
     def report(self) -> msg.LoadReport:
         return msg.LoadReport(worker_id=self.worker_id, role=self.role, steps=self.steps,
@@ -270,7 +278,12 @@ class Simulator:
             self._tracked[rid].error = f"HTTP 429: {self.c.max_pending} requests in flight"
             return
         self.in_flight += 1
-        self._at(self.now + self.c.request_overhead_s, self._dispatch, rid, r)
+        c = self.c
+        delay = c.request_overhead_s + c.request_overhead_per_token_s * len(r.prompt_token_ids)
+        if delay:
+            self._at(self.now + delay, self._dispatch, rid, r)
+        else:
+            self._dispatch(rid, r)
 
     def _dispatch(self, rid: str, r: SimRequest) -> None:
         params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
@@ -336,7 +349,10 @@ class Simulator:
         engine = w.engine
         k = engine.steady_steps(MAX_RUN)
         if k:
-            ends = list(accumulate(w.cost.decode_run_s(*engine.run_batch(), k), initial=self.now))
+            rows, context = engine.run_batch()
+            times = w.cost.decode_run_s(rows, context, k)
+            slow = self._slowdown(w, rows, times[0])
+            ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
             w.run = ends
             w.run_id += 1
@@ -347,9 +363,22 @@ class Simulator:
             w.busy = False
             return
         dt = w.cost.step_s(engine.last_shape)
+        dt *= self._slowdown(w, engine.last_shape.batch_size, dt)
         w.steps += 1
         w.busy_s += dt
-        self._at(self.now + dt, self._end_step, w, out)
+        w.step_end = self.now + dt
+        self._at(w.step_end, self._end_step, w, out)
+
+    def _slowdown(self, w: SimWorker, rows: int, step_s: float) -> float:
+        """How much slower a step starting now runs on shared cores: processes runnable (busy
+        workers, and the router by the tokens it streams) over cores, at least 1."""
+        cores = self.c.shared_cores
+        if cores is None:
+            return 1.0
+        w.token_rate = rows / step_s if step_s > 0 else 0.0
+        busy = [x for x in self.workers.values() if x.busy]
+        router = min(1.0, self.c.router_cpu_per_token_s * sum(x.token_rate for x in busy))
+        return max(1.0, (len(busy) + router) / cores)
 
     def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
         seqs = sampled(out)
@@ -390,7 +419,9 @@ class Simulator:
                 return
             d.waiting_room.popleft()
             d.receiving += 1
-            start = max(self.now, d.link_free_at)
+            # The prefill worker hands over its block ids from its engine loop, between steps
+            # (workers/worker.py send_kv): a pull waits for the step it runs now.
+            start = max(self.now, d.link_free_at, prefill.step_end if prefill.busy else 0.0)
             d.link_free_at = start + d.cost.handoff_s(seq.num_tokens - 1)
             self._at(d.link_free_at, self._received, rid, prefill, d)
 
