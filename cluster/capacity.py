@@ -136,19 +136,6 @@ def with_capacity(cost: CostModel, engine: EngineConfig) -> CostModel:
 
 
 # -- the workload ---------------------------------------------------------------------------------
-class _Ids:
-    """Token ids for simulated prompts. Content matters only to the prefix cache, through
-    chained block hashes: a prompt that starts with its own two ids shares no block with any
-    other, and one that starts with a shared prefix's ids shares exactly that prefix."""
-
-    def __init__(self):
-        self.next = 0
-
-    def unique(self, n: int) -> list[int]:
-        self.next += 1
-        return [1 + self.next % 30000, 1 + self.next // 30000] + [0] * max(0, n - 2)
-
-
 def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest], bool]:
     """bench's workload as the simulator takes it: (requests, whether prompts can share blocks).
     Send times are bench's own (`workload`'s rule); random, prefix-repetition and trace lengths
@@ -156,10 +143,10 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
     take the tokenizer's seams); sharegpt and custom prompts go through the tokenizer."""
     from cluster.bench import build_requests, check_workload, trace_rows
     check_workload(a)
-    ids = _Ids()
     if a.dataset_name == "trace":
         rows = trace_rows(a)
-        return [SimRequest(r.arrival_s, ids.unique(r.prompt_len), r.output_len) for r in rows], False
+        return [SimRequest.synthetic(r.arrival_s, max(2, r.prompt_len), r.output_len, i)
+                for i, r in enumerate(rows)], False
     n = a.num_prompts
     times = loadgen.send_times(n, a.request_rate, a.burstiness, a.seed)
     rng = random.Random(a.seed)
@@ -168,17 +155,19 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
             raise ValueError("--random-input-len and --random-output-len must be at least 1")
         ins = _lens(rng, n, a.random_input_len, a.random_range_ratio)
         outs = _lens(rng, n, a.random_output_len, a.random_range_ratio)
-        prefix = [30001, 30001] + [0] * (a.random_prefix_len - 2) if a.random_prefix_len > 0 else []
-        prompts = [prefix + ids.unique(k) for k in ins]
-        return [SimRequest(t, p, o) for t, p, o in zip(times, prompts, outs)], bool(prefix)
+        prefix = [30001, 30001] + [0] * (a.random_prefix_len - 2) if a.random_prefix_len > 1 else None
+        p = len(prefix or ())
+        return [SimRequest.synthetic(t, p + max(2, k), o, i, prefix)
+                for i, (t, k, o) in enumerate(zip(times, ins, outs))], prefix is not None
     if a.dataset_name == "prefix-repetition":
         if a.prefix_repetition_num_prefixes < 1:
             raise ValueError("--prefix-repetition-num-prefixes must be at least 1")
-        prefixes = [[30001 + i, 30001] + [0] * (a.prefix_repetition_prefix_len - 2)
-                    for i in range(a.prefix_repetition_num_prefixes)]
-        prompts = [prefixes[i % len(prefixes)] + ids.unique(a.prefix_repetition_suffix_len) for i in range(n)]
-        rng.shuffle(prompts)
-        return [SimRequest(t, p, a.prefix_repetition_output_len) for t, p in zip(times, prompts)], True
+        plen = max(2, a.prefix_repetition_prefix_len)
+        prefixes = [[30001 + i, 30001] + [0] * (plen - 2) for i in range(a.prefix_repetition_num_prefixes)]
+        which = [i % len(prefixes) for i in range(n)]
+        rng.shuffle(which)
+        return [SimRequest.synthetic(t, plen + max(2, a.prefix_repetition_suffix_len), a.prefix_repetition_output_len,
+                                     i, prefixes[k]) for i, (t, k) in enumerate(zip(times, which))], True
     if tokenizer is None:
         raise ValueError(f"--dataset-name {a.dataset_name} needs --tokenizer to count its prompts' tokens")
     reqs = build_requests(a, tokenizer)

@@ -260,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_args(sm)
     sm.set_defaults(func=cmd_simulate)
 
+    from cluster.plan import add_plan_args, cmd_plan
+    pl = sub.add_parser("plan", help="find the placement with the highest goodput per GPU, by simulation",
+                        description="Search placements (workers per pool, tensor-parallel degree per pool; "
+                        "colocated as the baseline) for the highest goodput per GPU at the SLOs, by simulated "
+                        "rate searches on bench's workload flags.")
+    add_plan_args(pl)
+    pl.set_defaults(func=cmd_plan)
+
     d = sub.add_parser("demo", help="run the engine on the built-in model with a mixed workload and report")
     d.add_argument("--num-prompts", type=int, default=64)
     add_engine_args(d)

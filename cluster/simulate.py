@@ -20,6 +20,7 @@ field names, so a simulated run and a real one compare line by line.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -42,9 +43,38 @@ FILLER_TOKEN = 0            # every generated token (outputs end by length: igno
 
 @dataclass(slots=True)
 class SimRequest:
+    """One request of a simulated workload. Its prompt's ids are given, or, for synthetic
+    prompts, made when it is dispatched (an hour of traffic holds hundreds of millions of
+    prompt tokens; only those in flight need to exist): `prefix` then the request's own two
+    ids (its first own block shares nothing: block hashes chain), padded to `prompt_len`."""
     arrival_s: float                 # virtual seconds from the start
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     output_len: int
+    prompt_len: int = 0              # synthetic: tokens in all
+    uid: int = 0                     # synthetic: makes its own ids
+    prefix: list[int] | None = None  # synthetic: shared leading ids (one list for all who share it)
+
+    def __post_init__(self):
+        if self.prompt_token_ids is not None:
+            self.prompt_len = len(self.prompt_token_ids)
+
+    def ids(self) -> list[int]:
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids
+        own = self.prompt_len - len(self.prefix or ())
+        ids = [1 + self.uid % 30000, 1 + self.uid // 30000] + [0] * (own - 2)
+        return self.prefix + ids if self.prefix else ids
+
+    @classmethod
+    def synthetic(cls, arrival_s: float, prompt_len: int, output_len: int, uid: int,
+                  prefix: list[int] | None = None) -> SimRequest:
+        if prompt_len - len(prefix or ()) < 2:
+            raise ValueError(f"a synthetic prompt needs 2 tokens of its own, got {prompt_len} with a "
+                             f"{len(prefix or ())}-token prefix")
+        return cls(arrival_s, None, output_len, prompt_len, uid, prefix)
+
+    def at(self, arrival_s: float) -> SimRequest:
+        return dataclasses.replace(self, arrival_s=arrival_s)
 
 
 @dataclass(slots=True)
@@ -225,6 +255,7 @@ class Simulator:
         self._events: list = []
         self._order = itertools.count()
         self.num_events = 0
+        self.num_runs = 0                   # steady decode runs taken whole
         clock = lambda: self.now                                     # noqa: E731
         if cluster.mode == COLOCATED:
             roles = [(f"{COLOCATED}-{i}", COLOCATED, cluster.prefill_cost) for i in range(cluster.num_colocated)]
@@ -261,7 +292,7 @@ class Simulator:
 
     def _result(self, tr: _Tracked) -> RequestResult:
         r = tr.request
-        out = RequestResult(prompt_len=len(r.prompt_token_ids), start=tr.sent_s, error=tr.error)
+        out = RequestResult(prompt_len=r.prompt_len, start=tr.sent_s, error=tr.error)
         if tr.end_s is None or tr.error:
             out.error = tr.error or "the simulation ended before this request did"
             return out
@@ -279,7 +310,7 @@ class Simulator:
             return
         self.in_flight += 1
         c = self.c
-        delay = c.request_overhead_s + c.request_overhead_per_token_s * len(r.prompt_token_ids)
+        delay = c.request_overhead_s + c.request_overhead_per_token_s * r.prompt_len
         if delay:
             self._at(self.now + delay, self._dispatch, rid, r)
         else:
@@ -292,11 +323,11 @@ class Simulator:
 
         def submit(engine=w.engine):
             try:
-                engine.add_request(prompt_token_ids=r.prompt_token_ids, params=params, request_id=rid,
+                engine.add_request(prompt_token_ids=r.ids(), params=params, request_id=rid,
                                    arrival_time=self._tracked[rid].sent_s, prefill_only=not colocated)
             except ValueError as e:                  # too long for this model: a 400 in the real server
                 self._fail(rid, f"HTTP 400: {e}")
-        self._submit(w, submit, len(r.prompt_token_ids))
+        self._submit(w, submit, r.prompt_len)
 
     def _pick(self, role: str) -> SimWorker:
         ids, ws = self.pool_ids[role], self.workers
@@ -355,6 +386,7 @@ class Simulator:
             ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
             w.run = ends
+            self.num_runs += 1
             w.run_id += 1
             self._at(ends[-1], self._end_run, w, w.run_id)
             return

@@ -150,6 +150,17 @@ DISTSERVE_OPT13B_A100 = LinearStepModel(
     p0=18.10254647486372e-3, p1=0.1019122572698738e-3, p2=7.122264314252114e-09,
     d0=19.934702624895458e-3, d1=0.0006269356524350583e-3, d2=0.03850697740828398e-3)
 
+# The same profile at every degree it has (small-batch decode fits), with the KV capacity in
+# tokens DistServe measured per instance (its max_num_tokens table), for `pdcluster plan
+# --step-costs distserve`.
+DISTSERVE_OPT13B_A100_TP = {
+    1: (DISTSERVE_OPT13B_A100, 66144),
+    2: (LinearStepModel(p0=14.742973695171262e-3, p1=0.06857720739764e-3, p2=2.4495727400243586e-09,
+                        d0=13.294796350285385e-3, d1=0.00034109219700723494e-3, d2=0.06296393225243659e-3), 163008),
+    4: (LinearStepModel(p0=12.062297033449054e-3, p1=0.03808140082550695e-3, p2=5.226249731787869e-10,
+                        d0=10.256231678259395e-3, d1=0.00018786702316166354e-3, d2=0.03269273629225551e-3), 356736),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Hardware:

@@ -1,0 +1,103 @@
+"""`pdcluster profile`, `simulate` and `plan` as a user runs them: bench's report and JSON from
+a simulated cluster, a profile of this machine that simulate reads back, a plan's JSON and plot,
+and one-line errors for flags that do not go together."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from cluster import loadgen
+from cluster.cli import main
+from tests.common import pdcluster_cmd, subprocess_env
+from workers.cost_model import CostModel, LinearStepModel, Link
+
+ROOFLINE = ["--gpu", "h100-sxm", "--model", "llama-3-8b"]
+SMALL = ["--dataset-name", "random", "--random-input-len", "300", "--random-output-len", "40",
+         "--num-prompts", "80", "--request-rate", "20"]
+
+
+def test_simulate_writes_benchs_result(tmp_path, capsys):
+    rc = main(["simulate", *ROOFLINE, "--prefill", "1", "--decode", "2", *SMALL, "--goodput", "ttft:200", "tpot:50",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "sim.json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads((tmp_path / "sim.json").read_text())
+    # Every field bench's summary has, by the same function's own key set.
+    slos = {"ttft": 0.2, "tpot": 0.05}
+    expected = loadgen.summarize([], 1.0, slos, ("ttft", "tpot", "itl", "e2el"), (50.0, 99.0))
+    assert set(expected) <= set(r)
+    assert r["completed"] == 80 and r["failed"] == 0 and r["num_gpus"] == 3
+    assert r["workers_by_role"] == {"prefill": 1, "decode": 2}
+    assert len(r["itls"]) == 80 and all(len(x) == n - 1 for x, n in zip(r["itls"], r["output_lens"]))
+    assert r["request_rate"] == 20 and r["simulator"]["events"] > 0
+    assert "Simulated Serving Benchmark Result" in out and "Median TTFT (ms):" in out
+    assert (tmp_path / "sim-latency.png").stat().st_size > 10_000
+
+
+def test_simulate_reads_a_profile(tmp_path, capsys):
+    cost = CostModel(LinearStepModel(0.004, 6e-5, 4e-8, 0.003, 1e-6, 1e-4), 4096, 65536, Link("m", 1e9, 0.01))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**cost.to_json(), "profile": {"cpus": 2, "max_model_len": 2048,
+                                                             "served": {"request_overhead_s": 0.01}}}))
+    assert main(["simulate", "--profile", str(path), *SMALL]) == 0
+    assert "costs: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    ([*SMALL], "give --profile FILE"),
+    (["--profile", "p.json", "--gpu", "a100-80g", *SMALL], "not both"),
+    (["--gpu", "a100-80g", *SMALL], "--gpu NAME with --model NAME"),
+    ([*ROOFLINE, "--workers", "3", *SMALL], "--workers applies to --mode colocated"),
+    ([*ROOFLINE, "--max-concurrency", "4", *SMALL], "--max-concurrency"),
+    ([*ROOFLINE, "--model", "gpt-5", *SMALL], "unknown model"),
+    (["--gpu", "a100-80g", "--model", "opt-175b", *SMALL], "does not fit"),
+    ([*ROOFLINE, "--dataset-name", "sharegpt", "--dataset-path", "x.json"], "needs --tokenizer"),
+])
+def test_simulate_flags_that_do_not_go_together(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.json").write_text("{}")
+    assert main(["simulate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_writes_its_json_and_plot(tmp_path, capsys):
+    rc = main(["plan", "--model", "opt-13b", "--gpu", "a100-80g", "--num-gpus", "2", "--slo-ttft-ms", "200",
+               "--slo-tpot-ms", "100", "--dataset-name", "random", "--random-input-len", "400",
+               "--random-output-len", "40", "--num-prompts", "60", "--search-steps", "2",
+               "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads((tmp_path / "plan.json").read_text())
+    d, c = r["disaggregated"], r["colocated"]
+    assert {"goodput_per_gpu", "num_prefill", "num_decode", "prefill_tp", "decode_tp"} <= set(d)
+    assert {"goodput_per_gpu", "num_workers", "tp"} <= set(c)
+    assert d["num_prefill"] * d["prefill_tp"] + d["num_decode"] * d["decode_tp"] <= 2
+    best = max((x for x in r["candidates"] if x["mode"] == "disaggregated"), key=lambda x: x["goodput_per_gpu"])
+    assert d["goodput_per_gpu"] == best["goodput_per_gpu"] > 0
+    assert "819,200 bytes per token" in out and "largest batch" in out
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_profile_of_this_machine_feeds_simulate(tmp_path):
+    """The real profile (engine steps, handoff, and the served path on a local cluster), then a
+    simulation from it."""
+    out = tmp_path / "profile.json"
+    run = subprocess.run(pdcluster_cmd("profile", "--model", "tiny", "--repeats", "3", "--output", str(out)),
+                         env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    cost = CostModel.from_json(doc)
+    p = doc["profile"]
+    assert p["fit_median_rel_error"] < 0.25, p["fit_median_rel_error"]
+    assert cost.kv_bytes_per_token == 4096 and cost.link.bandwidth > 1e8
+    served = p["served"]
+    assert 0.5 < served["prefill_step_factor"] < 3 and 0.5 < served["decode_step_factor"] < 3
+    assert served["requests"] == 30 and served["request_overhead_s"] >= 0
+    sim = subprocess.run(pdcluster_cmd("simulate", "--profile", str(out), *SMALL), env=subprocess_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    assert "Successful requests:                            80" in sim.stdout

@@ -1,0 +1,197 @@
+"""The simulator against oracles: hand-computed timelines of one or two requests, the plain
+step-by-step path (steady decode runs must change nothing), the block pool's invariants (every
+block comes back), and the arithmetic of a rate search."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import cluster.simulate as S
+from cluster.plan import Placement, at_rate, placements, search
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link, roofline
+
+LINK = Link("test", 1e9, 0.002)
+# Step costs easy to add up by hand: prefill 10 ms + 0.1 ms/token; decode 5 ms + 1 ms/row.
+STEP = LinearStepModel(p0=0.010, p1=1e-4, p2=0.0, d0=0.005, d1=0.0, d2=0.001)
+
+
+def cost(capacity_tokens: int = 100_000, step=STEP) -> CostModel:
+    return CostModel(step, kv_bytes_per_token=1000, kv_capacity_tokens=capacity_tokens, link=LINK)
+
+
+def engine(caching: bool = False, **sched) -> EngineConfig:
+    return EngineConfig(cache=CacheConfig(enable_prefix_caching=caching), scheduler=SchedulerConfig(**sched))
+
+
+def run(requests, mode="disaggregated", capacity=100_000, step=STEP, **kw):
+    c = S.SimCluster(mode=mode, prefill_cost=cost(capacity, step), decode_cost=cost(capacity, step),
+                     engine=kw.pop("engine", engine()), **kw)
+    sim = S.Simulator(c)
+    results, duration = sim.run(requests)
+    return sim, results, duration
+
+
+def req(t: float, n: int, out: int, first: int = 1) -> S.SimRequest:
+    return S.SimRequest(t, [first, 7] + [0] * (n - 2), out)
+
+
+def assert_pools_clean(sim: S.Simulator) -> None:
+    """Every block back in its pool, no sequence left anywhere, nothing in flight."""
+    for w in sim.workers.values():
+        e = w.engine
+        assert not e._seqs and not e.has_unfinished(), (w.worker_id, e._seqs)
+        assert e.kv.num_free_blocks == e.kv.pool.num_blocks, w.worker_id
+        assert all(b.ref_cnt == 0 for b in e.kv.pool.blocks)
+        assert not w.waiting_room and w.receiving == 0 and not w.busy
+    assert sim.in_flight == 0
+
+
+def test_one_request_follows_the_hand_computed_timeline():
+    """100-token prompt, 4 output tokens, 1 prefill + 1 decode, 3 ms of router overhead:
+    arrive 0 -> prefill starts 3 ms, takes 10 + 10 = 20 ms (first token at 23 ms) -> handoff
+    of the prompt's 100 tokens of KV (the first output token is computed on the decode side):
+    2 ms + 100 x 1000 B / 1 GB/s = 2.1 ms -> three decode steps of 6 ms."""
+    sim, (r,), _ = run([req(0.0, 100, 4)], request_overhead_s=0.003)
+    assert r.success and r.output_len == 4
+    assert r.ttft == pytest.approx(0.023)
+    handoff = 0.002 + 100 * 1000 / 1e9
+    assert r.latency == pytest.approx(0.023 + handoff + 3 * 0.006)
+    assert r.itl == pytest.approx([handoff + 0.006, 0.006, 0.006])
+    assert_pools_clean(sim)
+
+
+def test_two_prompts_arriving_together_share_one_prefill_step():
+    """Both are in the inbox when the step starts, so one step computes both (200 tokens:
+    10 + 20 ms); the decode worker then batches them (rows 2: 7 ms a step)."""
+    sim, (a, b), _ = run([req(0.0, 100, 3, first=1), req(0.0, 100, 3, first=2)])
+    assert a.ttft == pytest.approx(0.030) and b.ttft == pytest.approx(0.030)
+    handoff = 0.002 + 100 * 1000 / 1e9
+    # b's transfer queues behind a's on the decode worker's link; a decodes alone for one step.
+    assert a.itl[0] == pytest.approx(handoff + 0.006)
+    assert b.latency > a.latency
+    assert_pools_clean(sim)
+
+
+def test_colocated_request_decodes_where_it_prefilled():
+    sim, (r,), _ = run([req(0.0, 50, 3)], mode="colocated", num_colocated=1)
+    assert r.ttft == pytest.approx(0.015)                       # 10 ms + 50 x 0.1 ms
+    assert r.itl == pytest.approx([0.006, 0.006])               # no handoff
+    assert_pools_clean(sim)
+
+
+def workload(n=400, rate=40.0, seed=3):
+    import random
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        out.append(S.SimRequest(t, [1 + i % 30000, 1 + i // 30000] + [0] * rng.randint(20, 600),
+                                rng.randint(1, 120)))
+    return out
+
+
+@pytest.mark.parametrize("mode,kw", [("colocated", {"num_colocated": 2}),
+                                      ("disaggregated", {"num_prefill": 1, "num_decode": 1})])
+def test_steady_decode_runs_change_nothing(monkeypatch, mode, kw):
+    """Taking a steady decode run whole gives every request the same token times as stepping
+    one step at a time (with one decode pool member, nothing can pick differently), under
+    memory pressure and a per-step context cost too."""
+    step = dataclasses.replace(STEP, d1=2e-6)
+    requests = workload()
+    fast = run(requests, mode, capacity=40_000, step=step, **kw)
+    monkeypatch.setattr(S, "MAX_RUN", 1)                 # runs need 2 steps: every step is single
+    slow = run(requests, mode, capacity=40_000, step=step, **kw)
+    assert sum(w.steps for w in fast[0].workers.values()) == sum(w.steps for w in slow[0].workers.values())
+    for x, y in zip(fast[1], slow[1]):
+        assert (x.success, x.output_len) == (y.success, y.output_len)
+        assert x.ttft == pytest.approx(y.ttft, abs=1e-9) and x.latency == pytest.approx(y.latency, abs=1e-9)
+        assert x.itl == pytest.approx(y.itl, abs=1e-9)
+    assert fast[0].num_runs > 10 and slow[0].num_runs == 0          # the fast path did run
+    assert_pools_clean(fast[0])
+    assert_pools_clean(slow[0])
+
+
+def test_every_request_completes_and_every_block_returns_under_memory_pressure():
+    """A decode pool that holds a handful of sequences: handoffs wait for room, decode steps
+    preempt; still every request gets exactly its tokens and the pools end clean."""
+    requests = workload(n=300, rate=80.0)
+    sim, results, _ = run(requests, num_prefill=2, num_decode=2, capacity=3000,
+                          engine=engine(caching=True, max_num_seqs=16))
+    assert all(r.success for r in results)
+    assert [r.output_len for r in results] == [q.output_len for q in requests]
+    assert sum(w.engine.scheduler.stats.num_preemptions["recompute"] for w in sim.workers.values()) > 0
+    assert_pools_clean(sim)
+
+
+def test_prefix_sharing_hits_the_cache():
+    """Prompts sharing a 256-token prefix prefill it once per prefill worker."""
+    prefix = [5, 5] + [0] * 254
+    requests = [S.SimRequest(i * 0.5, prefix + [100 + i, 9] + [0] * 30, 2) for i in range(10)]
+    sim, results, _ = run(requests, engine=engine(caching=True))
+    stats = sim.workers["prefill-0"].engine.scheduler.stats
+    assert all(r.success for r in results)
+    assert stats.prefix_cache_hits == 9 * 256
+    assert_pools_clean(sim)
+
+
+def test_admission_turns_away_past_max_pending():
+    requests = [req(0.0, 100, 50, first=i + 1) for i in range(5)]
+    sim, results, _ = run(requests, max_pending=3)
+    assert [r.success for r in results] == [True, True, True, False, False]
+    assert "429" in results[3].error
+    assert_pools_clean(sim)
+
+
+def test_a_prompt_longer_than_the_model_fails_like_a_400():
+    c = S.SimCluster(prefill_cost=cost(), decode_cost=cost(), engine=engine())
+    sim = S.Simulator(c, max_model_len=64)
+    (r,), _ = sim.run([req(0.0, 100, 4)])
+    assert not r.success and "400" in r.error
+    assert_pools_clean(sim)
+
+
+def test_roofline_cluster_runs_at_scale_quickly():
+    """A 64-GPU shape on a roofline runs the real code end to end (the hour-long run is a
+    benchmark; this is its smoke)."""
+    c = roofline("llama-3-8b", "h100-sxm", 1)
+    cluster = S.SimCluster(num_prefill=16, num_decode=48, prefill_cost=c, decode_cost=c, engine=engine())
+    sim = S.Simulator(cluster, record_itl=False)
+    results, _ = sim.run(workload(n=2000, rate=100.0))
+    assert all(r.success for r in results)
+    assert_pools_clean(sim)
+
+
+# -- the planner's pieces ------------------------------------------------------------------------
+def test_placements_fit_the_gpus():
+    ps = placements(4)
+    assert all(p.num_gpus <= 4 for p in ps)
+    assert Placement("disaggregated", 1, 1, 2, 1) in ps                # DistServe's OPT-13B choice
+    assert Placement("disaggregated", 1, 3, 1, 1) in ps and Placement("disaggregated", 3, 1, 1, 1) in ps
+    assert {p.tp for p in ps if p.mode == "colocated"} == {1, 2, 4}
+    assert not any(p.num_prefill == 0 or p.num_decode == 0 for p in ps if p.mode == "disaggregated")
+
+
+def test_rate_search_brackets_the_threshold():
+    """A monotone attainment curve with its 90 % point at 3.3: the search returns the highest
+    probed rate at or under it, within the bisection's resolution."""
+    def probe(rate):
+        return 1.0 if rate <= 3.3 else 0.5
+    rate, probes = search(probe, 1.0, 8, 0.9)
+    assert 3.3 - 4.0 / 2**8 <= rate <= 3.3
+    assert all((att >= 0.9) == (r <= 3.3) for r, att in probes)
+    assert search(lambda r: 0.0, 1.0, 4, 0.9)[0] == 0.0
+
+
+def test_at_rate_keeps_the_arrival_pattern():
+    base = [S.SimRequest(t, [1, 2], 1) for t in (5.0, 6.0, 8.0, 9.0)]     # 3 gaps over 4 s: 0.75 req/s
+    scaled = at_rate(base, 1.5)
+    assert [r.arrival_s for r in scaled] == pytest.approx([0.0, 0.5, 1.5, 2.0])
+
+
+def test_shapes_of_a_step_are_what_the_cost_model_prices():
+    """The simulated engine records the same BatchShape the served engine does."""
+    sim, _, _ = run([req(0.0, 40, 2)], mode="colocated", num_colocated=1)
+    assert sim.workers["colocated-0"].steps == 2
+    assert STEP.step_s(BatchShape(1, 40, 1600)) == pytest.approx(0.014)
