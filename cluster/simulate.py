@@ -120,7 +120,7 @@ class SimEngine(EngineCore):
 
     A steady decode batch (every running sequence decoding, nothing that could be admitted,
     room for the next k tokens of each) goes through k steps that differ only in their
-    context, so the simulator takes them as one run: `steady_steps` finds k, `advance` applies
+    context, so the simulator takes them as one run: `steady_run` finds k, `advance` applies
     k tokens per sequence through the same KV verb (`append_slots`) a step uses. Without it, a
     simulated hour would cost a Python step per token per sequence.
     """
@@ -138,33 +138,40 @@ class SimEngine(EngineCore):
         seqs = sampled(out)
         return seqs, [FILLER_TOKEN] * len(seqs), None
 
-    def steady_steps(self, limit: int) -> int:
-        """Steps (up to `limit`) the running batch can take as plain decode steps with nothing
-        else changing; 0 when the next step is anything else."""
+    def steady_run(self, limit: int) -> tuple[int, int, int]:
+        """(k, rows, summed context of the first step): the steps (up to `limit`) the running
+        batch can take as plain decode steps with nothing else changing; k = 0 when the next
+        step is anything else."""
         s, kv = self.scheduler, self.kv
         running = s.running
         if not running or s.swapped or len(running) > s.cfg.max_num_batched_tokens:
-            return 0
-        k = limit
+            return 0, 0, 0
+        k, context, max_len = limit, 0, self.max_model_len
         for seq in running:
-            c = seq.num_computed_tokens
-            if c != seq.num_tokens - 1 or c < seq.num_prompt_tokens:
-                return 0                                  # prefilling (a chunk or a recompute)
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            c, n = seq.num_computed_tokens, len(seq.token_ids)
+            if c != n - 1 or c < seq.num_prompt_tokens:
+                return 0, 0, 0                            # prefilling (a chunk or a recompute)
+            left = seq.params.max_tokens - (n - seq.num_prompt_tokens)
+            if left < k:
+                k = left
+            if max_len - n < k:
+                k = max_len - n
+            context += n
         if s.waiting and self._admissible(s.waiting[0]):
-            return 0                                      # the next step admits it
-        bs = kv.block_size
-        have = [(seq.num_computed_tokens, kv.num_blocks_of(seq)) for seq in running]
+            return 0, 0, 0                                # the next step admits it
+        bs, free = kv.block_size, kv.num_free_blocks
+        if len(running) * (-(-k // bs) + 1) > free:       # the bound is short: count exactly
+            have = [(seq.num_computed_tokens, kv.num_blocks_of(seq)) for seq in running]
 
-        def fits(k: int) -> bool:                         # blocks never come back during a run
-            return sum(-(-(c + k) // bs) - b for c, b in have) <= kv.num_free_blocks
-        if not fits(k):
-            lo, hi = 0, k                                 # fits(lo), not fits(hi)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            k = lo
-        return k if k >= 2 else 0
+            def fits(k: int) -> bool:                     # blocks never come back during a run
+                return sum(-(-(c + k) // bs) - b for c, b in have) <= free
+            if not fits(k):
+                lo, hi = 0, k                             # fits(lo), not fits(hi)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+                k = lo
+        return (k, len(running), context) if k >= 2 else (0, 0, 0)
 
     def _admissible(self, seq: Sequence) -> bool:
         s = self.scheduler
@@ -176,20 +183,22 @@ class SimEngine(EngineCore):
         return self.kv.can_allocate(seq, n, computed, num_cached, s.watermark_blocks)
 
     def run_batch(self) -> tuple[int, int]:
-        """(rows, summed context) of a steady run's first step."""
+        """(rows, summed context) of the running batch's next decode step."""
         running = self.scheduler.running
-        return len(running), sum(seq.num_computed_tokens + 1 for seq in running)
+        return len(running), sum(len(seq.token_ids) for seq in running)
 
     def advance(self, k: int) -> list[tuple[str, bool]]:
         """k decode steps of the running batch: (request id, finished) per sequence."""
         out = []
-        kv, finish, filler = self.kv, self.scheduler.finish, [FILLER_TOKEN] * k
+        kv, finish, filler, max_len = self.kv, self.scheduler.finish, [FILLER_TOKEN] * k, self.max_model_len
         for seq in list(self.scheduler.running):
             ok = kv.append_slots(seq, k)
-            assert ok, seq                                # steady_steps checked the room
+            assert ok, seq                                # steady_run checked the room
             seq.num_computed_tokens += k
-            seq.token_ids.extend(filler)
-            done = seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            tokens = seq.token_ids
+            tokens += filler
+            n = len(tokens)
+            done = n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= max_len
             if done:
                 finish(seq, "length")
                 self._seqs.pop(seq.seq_id, None)
@@ -205,7 +214,7 @@ def sampled(out: SchedulerOutput) -> list[Sequence]:
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
                  "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
-                 "token_rate", "step_end")
+                 "token_rate", "step_end", "run_left", "run_slow")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -220,6 +229,8 @@ class SimWorker:
         self.run: list[float] | None = None   # a steady run in progress: its steps' end times
         self.run_id = 0                       # which scheduled end of a run is current
         self.run_start = 0.0
+        self.run_left = 0                     # steps of the run whose times are not worked out yet
+        self.run_slow = 1.0                   # the run's slowdown on shared cores
         self.token_rate = 0.0                 # tokens/s of its current step (for shared cores)
         self.step_end = 0.0                   # when its current single step ends
 
@@ -243,7 +254,8 @@ class _Tracked:
     error: str = ""
 
 
-MAX_RUN = 256           # steps of one steady run at most (a run is cut anyway when work arrives)
+MAX_RUN = 4096          # steps of one steady run at most (a run is cut anyway when work arrives)
+RUN_CHUNK = 64          # a run's step times are worked out this many at a time (most runs are cut early)
 
 
 class Simulator:
@@ -270,6 +282,7 @@ class Simulator:
         self.prefill_picker = Picker(cluster.policy, cluster.seed)
         self.decode_picker = Picker(cluster.policy, cluster.seed + 1)
         self._tracked: dict[str, _Tracked] = {}
+        self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
 
     # -- the event loop ------------------------------------------------------------------------
@@ -317,7 +330,10 @@ class Simulator:
             self._dispatch(rid, r)
 
     def _dispatch(self, rid: str, r: SimRequest) -> None:
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        params = self._params.get(r.output_len)
+        if params is None:                  # one per length: the engine never changes them
+            params = self._params[r.output_len] = SamplingParams(max_tokens=r.output_len, temperature=0.0,
+                                                                 ignore_eos=True)
         colocated = self.c.mode == COLOCATED
         w = self._pick(COLOCATED if colocated else PREFILL)
 
@@ -348,8 +364,9 @@ class Simulator:
             self._at(self.now, self._start_step, w)
         elif w.run is not None:
             done = bisect.bisect_left(w.run, self.now) + 1     # steps ended by the next boundary
-            if done < len(w.run):
+            if done < len(w.run) or w.run_left:
                 del w.run[done:]
+                w.run_left = 0
                 w.run_id += 1
                 self._at(w.run[-1], self._end_run, w, w.run_id)
 
@@ -378,14 +395,14 @@ class Simulator:
         if w.waiting_room:
             self._reserve(w)
         engine = w.engine
-        k = engine.steady_steps(MAX_RUN)
+        k, rows, context = engine.steady_run(MAX_RUN)
         if k:
-            rows, context = engine.run_batch()
-            times = w.cost.decode_run_s(rows, context, k)
-            slow = self._slowdown(w, rows, times[0])
+            first = min(k, RUN_CHUNK)
+            times = w.cost.decode_run_s(rows, context, first)
+            w.run_slow = slow = self._slowdown(w, rows, times[0])
             ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
-            w.run = ends
+            w.run, w.run_left = ends, k - first
             self.num_runs += 1
             w.run_id += 1
             self._at(ends[-1], self._end_run, w, w.run_id)
@@ -424,11 +441,32 @@ class Simulator:
     def _end_run(self, w: SimWorker, run_id: int) -> None:
         if run_id != w.run_id:
             return                                      # this run was cut short: a later event ends it
+        if w.run_left:                                  # not cut: work out its next steps' times
+            ends, engine = w.run, w.engine
+            rows, context = engine.run_batch()
+            more = min(w.run_left, RUN_CHUNK)
+            times = w.cost.decode_run_s(rows, context + len(ends) * rows, more)
+            slow = w.run_slow
+            ends.extend(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=ends[-1]))
+            del ends[-more - 1]                         # the initial value, repeated
+            w.run_left -= more
+            self._at(ends[-1], self._end_run, w, run_id)
+            return
         ends, w.run = w.run, None
         w.steps += len(ends)
         w.busy_s += ends[-1] - w.run_start
+        tracked, first, last = self._tracked, ends[0], ends[-1]
         for rid, finished in w.engine.advance(len(ends)):
-            self._tokens(rid, ends, finished)
+            tr = tracked[rid]                           # _tokens, inline: per sequence per run
+            if not tr.count:
+                tr.first_s = first
+            tr.count += len(ends)
+            tr.last_s = last
+            if tr.times is not None:
+                tr.times += ends
+            if finished:
+                tr.end_s = last
+                self.in_flight -= 1
         self._start_step(w)
 
     # -- the KV handoff --------------------------------------------------------------------------
@@ -460,7 +498,8 @@ class Simulator:
     def _received(self, rid: str, prefill: SimWorker, d: SimWorker) -> None:
         d.receiving -= 1
         prefill.engine.release(rid)
-        self._submit(prefill, lambda: None)           # its freed blocks may admit waiting prompts
+        if prefill.engine.scheduler.waiting:
+            self._submit(prefill, lambda: None)       # its freed blocks may admit waiting prompts
         self._submit(d, lambda: d.engine.commit_received(rid))
 
 

@@ -47,7 +47,7 @@ def assert_all_blocks_free(engine) -> None:
     assert not engine.scheduler.has_unfinished()
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
-    assert len(list(kv.pool.free_queue)) == kv.pool.num_blocks
+    assert len(kv.pool.free_blocks()) == kv.pool.num_blocks
     assert kv.host.num_free == kv.host.num_blocks
 
 

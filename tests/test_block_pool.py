@@ -25,7 +25,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def take_order(self) -> list[int]:
         if self.pool.enable_caching:
             return self.free_order
-        return [b for b in self.free_order if b in self.made] + [b for b in self.free_order if b not in self.made]
+        # Without caching: freed blocks most recent first, then never-made ones in id order.
+        return [b for b in reversed(self.free_order) if b in self.made] + sorted(
+            b for b in self.free_order if b not in self.made)
 
     def ref_cnt(self, block_id: int) -> int:
         return sum(h.count(block_id) for h in self.holders)
@@ -104,7 +106,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         or without prefix caching the other way round."""
         made = len(self.pool._made)
         assert [b.block_id for b in self.pool._made] == list(range(made))
-        fresh, listed = list(range(made, self.pool.num_blocks)), [b.block_id for b in self.pool.free_queue]
+        fresh, listed = list(range(made, self.pool.num_blocks)), [b.block_id for b in self.pool.free_blocks()]
         return fresh + listed if self.pool.enable_caching else listed + fresh
 
     @invariant()
@@ -139,9 +141,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         """Asking for every block makes the rest, ahead of the free list, in id order."""
         before = self.free_ids()
         assert [b.block_id for b in self.pool.blocks] == list(range(self.pool.num_blocks))
-        assert [b.block_id for b in self.pool.free_queue] == before
+        assert [b.block_id for b in self.pool.free_blocks()] == before
         self.made.update(range(self.pool.num_blocks))     # all made now: the free list's order rules
-        self.free_order = before
+        self.free_order = before if self.pool.enable_caching else before[::-1]
 
 
 BlockPoolMachine.TestCase.settings = settings(

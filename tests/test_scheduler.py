@@ -80,7 +80,7 @@ def check_step(sched: Scheduler, out) -> None:
 
     pool = kv.pool
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
-    free = {b.block_id for b in pool.free_queue}
+    free = {b.block_id for b in pool.free_blocks()}
     assert len(free) == pool.num_free
     assert all((b.block_id in free) == (b.ref_cnt == 0) for b in pool.blocks)
     held: dict[int, int] = {}

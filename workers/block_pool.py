@@ -81,13 +81,18 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
 class BlockPool:
     """Blocks are made on first use: ids never handed out sit, in id order, ahead of the free
     list (they are its least recently used end), so a big pool costs nothing until it fills.
-    `blocks` makes the rest at once (for tests and invariant checks)."""
+    `blocks` makes the rest at once (for tests and invariant checks).
+
+    Without prefix caching no freed block is worth more than another: they go on a plain stack,
+    reused most recent first and before any new block is made (so a pool makes only as many
+    blocks as it ever holds at once), and taking or returning many is one slice."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self._made: list[KVBlock] = []
-        self.free_queue = FreeBlockQueue([])
+        self.free_queue = FreeBlockQueue([])          # with caching: LRU order
+        self._stack: list[KVBlock] = []               # without: the top is taken first
         self.cached: dict[bytes, KVBlock] = {}
 
     @property
@@ -98,32 +103,44 @@ class BlockPool:
             if self.enable_caching:
                 self.free_queue.push_front(fresh)     # never made: the least recently used
             else:
-                for b in fresh:                       # taken after the freed ones (see allocate)
-                    self.free_queue.append(b)
+                self._stack[:0] = fresh[::-1]          # taken after the freed ones, in id order
             made.extend(fresh)
         return made
 
+    def free_blocks(self) -> list[KVBlock]:
+        """The free blocks made so far, in the order they would be taken."""
+        return list(self.free_queue) if self.enable_caching else self._stack[::-1]
+
     @property
     def num_free(self) -> int:
-        return self.free_queue.num_free + self.num_blocks - len(self._made)
+        return self.free_queue.num_free + len(self._stack) + self.num_blocks - len(self._made)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the LRU end, evicting whatever prefix they cached. Without
-        prefix caching no block is worth keeping, so freed blocks are reused before new ones
-        are made (a pool then makes only as many blocks as it ever holds at once)."""
+        """Take n blocks: with caching from the LRU end (never-made ones first), evicting
+        whatever prefix they cached; without, freed ones first."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
-        made, queue = self._made, self.free_queue
-        # Freed blocks first without caching; never-made ones first with it (they are the LRU end).
-        from_queue = min(n, queue.num_free) if not self.enable_caching else max(0, n - (self.num_blocks - len(made)))
-        fresh = n - from_queue
-        new = [KVBlock(i, 1) for i in range(len(made), len(made) + fresh)] if fresh else []
-        made.extend(new)
-        taken = []
-        if from_queue:                    # FreeBlockQueue.take, inline: this runs per block
+        made = self._made
+        if not self.enable_caching:
+            stack = self._stack
+            k = min(n, len(stack))
+            taken = stack[-k:][::-1] if k else []
+            if k:
+                del stack[-k:]
+                for b in taken:
+                    b.ref_cnt = 1
+            if k < n:
+                taken += [KVBlock(i, 1) for i in range(len(made), len(made) + n - k)]
+                made.extend(taken[k:])
+            return taken
+        queue = self.free_queue
+        from_queue = max(0, n - (self.num_blocks - len(made)))
+        taken = [KVBlock(i, 1) for i in range(len(made), len(made) + n - from_queue)]
+        made.extend(taken)
+        if from_queue:                    # FreeBlockQueue.popleft, inline: this runs per block
             cached, head = self.cached, queue._head
             b = head.next
             for _ in range(from_queue):
@@ -135,7 +152,7 @@ class BlockPool:
                 b = b.next
             head.next, b.prev = b, head
             queue.num_free -= from_queue
-        return taken + new if not self.enable_caching else new + taken
+        return taken
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cache hits; a hit that was free leaves the free list."""
@@ -147,6 +164,15 @@ class BlockPool:
     def free(self, blocks) -> None:
         """Drop one reference each. Pass a sequence's blocks tail first, so that its last
         blocks (the least shareable) are evicted before its prefix."""
+        if not self.enable_caching:
+            freed = []
+            for b in blocks:
+                b.ref_cnt -= 1
+                assert b.ref_cnt >= 0, b
+                if b.ref_cnt == 0:
+                    freed.append(b)
+            self._stack += freed
+            return
         queue = self.free_queue
         tail, freed = queue._tail, 0
         for b in blocks:                  # FreeBlockQueue.append, inline: this runs per block

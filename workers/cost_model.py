@@ -9,7 +9,7 @@ is imported only inside `LinearStepModel.fit`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 GiB = 2**30
@@ -306,49 +306,59 @@ class RooflineStepModel:
     bandwidth_eff: float = 0.8
     step_overhead_s: float = 2e-3
     allreduce_link: Link | None = None      # None: the GPU's NVLink
+    # Per-unit seconds, worked out once (a simulation prices millions of steps): compute per
+    # FLOP, HBM per byte, and the FLOPs of a token through the blocks, of an attended pair and
+    # of a sampled row, the weight and KV bytes.
+    _rates: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.allreduce_link is None:
             object.__setattr__(self, "allreduce_link", nvlink(self.gpu))
+        m = self.model
+        object.__setattr__(self, "_rates", (
+            1 / (self.tp * self.gpu.flops * self.compute_eff), 1 / (self.tp * self.gpu.mem_bw * self.bandwidth_eff),
+            2 * m.num_block_params(), 4 * m.num_layers * m.num_heads * m.head_dim, 2 * m.hidden * m.vocab,
+            m.num_params() * self.dtype_bytes, m.kv_bytes_per_token(self.dtype_bytes)))
 
     def step_s(self, shape: BatchShape) -> float:
         if not shape.num_prefill and not shape.num_decode:
             return 0.0
-        m, tokens = self.model, shape.num_tokens
-        t = self._bound_s(shape)
-        if self.tp > 1:     # two ring all-reduces per layer (after attention, after the MLP)
-            ring = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * self.dtype_bytes
-            t += 2 * m.num_layers * (ring / self.allreduce_link.bandwidth + self.allreduce_link.latency_s)
-        return t + self.step_overhead_s
+        return self._bound_s(shape) + self._fixed_s(shape.num_tokens)
+
+    def _fixed_s(self, tokens: int) -> float:
+        """What does not scale with FLOPs or bytes: two ring all-reduces per layer (after
+        attention, after the MLP) on the link, and the step's overhead."""
+        t = self.step_overhead_s
+        if self.tp > 1:
+            ring = 2 * (self.tp - 1) / self.tp * tokens * self.model.hidden * self.dtype_bytes
+            t += 2 * self.model.num_layers * (ring / self.allreduce_link.bandwidth + self.allreduce_link.latency_s)
+        return t
 
     def decode_run_s(self, num_decode: int, context: int, k: int) -> list[float]:
         """`step_s` of k steady decode steps (see LinearStepModel.decode_run_s): FLOPs and bytes
         grow linearly with the context, so each step is one max of two affine terms."""
-        first = BatchShape(num_decode=num_decode, decode_context=context)
-        m = self.model
-        f0, h0 = self._bound_parts(first)
-        rest = self.step_s(first) - max(f0, h0)            # all-reduces and overhead: the same each step
-        df = 4 * m.num_layers * m.num_heads * m.head_dim * num_decode / (self.tp * self.gpu.flops * self.compute_eff)
-        dh = m.kv_bytes_per_token(self.dtype_bytes) * num_decode / (self.tp * self.gpu.mem_bw * self.bandwidth_eff)
-        f0, h0 = f0 + rest, h0 + rest
+        per_flop, per_byte, _, per_pair, _, _, kv_bytes = self._rates
+        f0, h0 = self._bound_parts(BatchShape(num_decode=num_decode, decode_context=context))
+        fixed = self._fixed_s(num_decode)
+        df, dh = per_pair * num_decode * per_flop, kv_bytes * num_decode * per_byte
+        f0, h0 = f0 + fixed, h0 + fixed
+        if h0 + (k - 1) * dh >= f0 + (k - 1) * df and h0 >= f0:        # bandwidth-bound all along
+            return [h0 + j * dh for j in range(k)]
         return [max(f0 + j * df, h0 + j * dh) for j in range(k)]
 
     def _bound_parts(self, shape: BatchShape) -> tuple[float, float]:
         """(compute-bound seconds, bandwidth-bound seconds) of a step."""
-        m, tokens = self.model, shape.num_tokens
+        per_flop, per_byte, per_token, per_pair, per_row, weights, kv_bytes = self._rates
+        tokens = shape.num_tokens
         pairs = shape.prefill_sq / 2 + shape.prefill_ctx + shape.decode_context
-        flops = (2 * m.num_block_params() * tokens + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
-                 + 2 * m.hidden * m.vocab * shape.batch_size)
+        flops = per_token * tokens + per_pair * pairs + per_row * shape.batch_size
         # KV of earlier tokens is read once per chunk: Σl·c / mean l is Σc when chunks are equal.
         ctx_read = shape.decode_context
         if shape.num_prefill:
             ctx_read += shape.prefill_ctx * shape.num_prefill / shape.prefill_tokens
-        hbm = (m.num_params() * self.dtype_bytes
-               + (ctx_read + tokens) * m.kv_bytes_per_token(self.dtype_bytes))
-        return (flops / (self.tp * self.gpu.flops * self.compute_eff),
-                hbm / (self.tp * self.gpu.mem_bw * self.bandwidth_eff))
+        return flops * per_flop, (weights + (ctx_read + tokens) * kv_bytes) * per_byte
 
     def _bound_s(self, shape: BatchShape) -> float:
         return max(self._bound_parts(shape))
@@ -393,7 +403,8 @@ class CostModel:
 
     def to_json(self) -> dict:
         kind = "linear" if isinstance(self.step, LinearStepModel) else "roofline"
-        return {"version": 1, "kind": kind, "step": asdict(self.step), "kv_bytes_per_token": self.kv_bytes_per_token,
+        step = {k: v for k, v in asdict(self.step).items() if not k.startswith("_")}
+        return {"version": 1, "kind": kind, "step": step, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "kv_capacity_tokens": self.kv_capacity_tokens, "link": asdict(self.link), "tp": self.tp,
                 "source": self.source}
 
