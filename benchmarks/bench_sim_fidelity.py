@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""The simulator against the served cluster on this machine, same workload, side by side.
+
+    .venv/bin/python benchmarks/bench_sim_fidelity.py [--rates 2,12] [--num-prompts 100,300]
+
+1. `pdcluster profile --model tiny` (engine steps, the handoff, the served path's overheads);
+2. per rate: `pdcluster bench --launch` (1 prefill + 1 decode, random 256 -> 48 tokens, range
+   ratio 0.5, ignore_eos) and `pdcluster simulate --profile` with the same dataset flags and
+   seed, so both see the same prompt lengths and send times;
+3. a table of median and p99 TTFT and TPOT, simulated / measured.
+Runs one thing at a time (the cores are shared: a real run beside anything else is not a
+measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PDCLUSTER = [str(ROOT / ".venv" / "bin" / "pdcluster")]
+WORKLOAD = ["--random-input-len", "256", "--random-output-len", "48", "--random-range-ratio", "0.5",
+            "--goodput", "ttft:1000", "tpot:100", "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99", "--seed", "0"]
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def run(args: list[str]) -> None:
+    out = subprocess.run(PDCLUSTER + args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode:
+        sys.exit(f"pdcluster {args[0]} failed:\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="2,12")
+    ap.add_argument("--num-prompts", default="100,300", help="per rate")
+    ap.add_argument("--profile", default=None, help="use this profile instead of making one")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    counts = [int(n) for n in a.num_prompts.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="simfid-"))
+    profile = a.profile or str(tmp / "profile.json")
+    if not a.profile:
+        print("profiling tiny on this machine ...", flush=True)
+        run(["profile", "--model", "tiny", "--output", profile])
+    served = json.loads(Path(profile).read_text())["profile"].get("served", {})
+    print(f"profile: {profile}; served path: {json.dumps({k: round(v, 5) for k, v in served.items()})}")
+    rows = []
+    for rate, n in zip(rates, counts):
+        common = [*WORKLOAD, "--num-prompts", str(n), "--request-rate", f"{rate:g}", "--save-result",
+                  "--result-dir", str(tmp), "--no-plots"]
+        print(f"rate {rate:g}: measuring ...", flush=True)
+        run(["bench", "--launch", "--ignore-eos", "--disable-tqdm", *common, "--result-filename", f"real-{rate:g}.json"])
+        run(["simulate", "--profile", profile, *common, "--result-filename", f"sim-{rate:g}.json"])
+        real = json.loads((tmp / f"real-{rate:g}.json").read_text())
+        sim = json.loads((tmp / f"sim-{rate:g}.json").read_text())
+        rows.append({"rate": rate, "num_prompts": n, "real": {m: real[m] for m in METRICS},
+                     "sim": {m: sim[m] for m in METRICS}})
+    print(f"\n{'rate':>6} {'metric':<16} {'measured ms':>12} {'simulated ms':>13} {'sim / real':>10}")
+    for r in rows:
+        for m in METRICS:
+            x, y = r["real"][m], r["sim"][m]
+            print(f"{r['rate']:>6g} {m:<16} {x:>12.2f} {y:>13.2f} {y / x:>10.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"profile_served": served, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
