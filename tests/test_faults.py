@@ -86,10 +86,11 @@ async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], 
         await client.close()
 
 
-def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list) -> callable:
+def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list, role: str = "") -> callable:
+    """A callable that signals a random answering worker (of `role`, when given)."""
     def do():
         pids = worker_pids(c)
-        victim = rng.choice(sorted(pids))
+        victim = rng.choice(sorted(w for w in pids if w.startswith(role)))
         os.kill(pids[victim], sig)
         killed.append(victim)
     return do
@@ -108,8 +109,9 @@ def recovered(c: ServingCluster) -> None:
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_killed_workers_change_no_stream(chaos, seeded):
-    """40 streams at once on 2 prefill + 2 decode workers; a random worker process is killed
-    (SIGKILL) when a tenth of the tokens have arrived and again at half."""
+    """40 streams at once on 2 prefill + 2 decode workers; a random decode worker process is
+    killed (SIGKILL) when a tenth of the tokens have arrived (by then every prompt may be
+    prefilled, so a prefill worker may hold nothing), and a random worker of either pool at half."""
     rng = random.Random(int(seeded))
     prompts = word_prompts(NUM_STREAMS, seed=int(seeded))
     params = [{"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
@@ -119,7 +121,8 @@ def test_killed_workers_change_no_stream(chaos, seeded):
     died0 = metric(chaos, "pdcluster:workers_lost_total", cause="died")
     killed: list[str] = []
     total = NUM_STREAMS * MAX_TOKENS
-    got = asyncio.run(stream_all(chaos, prompts, params, [(total // 10, kill(chaos, rng, signal.SIGKILL, killed)),
+    got = asyncio.run(stream_all(chaos, prompts, params, [(total // 10, kill(chaos, rng, signal.SIGKILL, killed,
+                                                                            "decode")),
                                                           (total // 2, kill(chaos, rng, signal.SIGKILL, killed))]))
     assert len(killed) == 2, killed
     assert all(len(g) == MAX_TOKENS for g in got), [len(g) for g in got]
