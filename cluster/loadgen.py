@@ -270,12 +270,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+def meets(r: RequestResult, slos: dict[str, float], targets: SLOTargets | None = None) -> bool:
     """A request is good when it succeeded and meets every SLO given: TTFT and TPOT judged as the
-    router judges them (router/slo.py; TPOT of a one-token reply is vacuous), plus E2E latency."""
+    router judges them (router/slo.py; TPOT of a one-token reply is vacuous), plus E2E latency.
+    (`targets`: the SLOTargets of `slos`, when the caller judges many requests.)"""
     if not r.success:
         return False
-    targets = SLOTargets(ttft_s=slos.get("ttft", math.inf), tpot_s=slos.get("tpot", math.inf))
+    targets = targets or SLOTargets(ttft_s=slos.get("ttft", math.inf), tpot_s=slos.get("tpot", math.inf))
     return judge(targets, r.ttft, r.latency, r.output_len).both and r.latency <= slos.get("e2el", math.inf)
 
 
@@ -297,7 +298,8 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
-    good = sum(meets(r, slos) for r in results) if slos else len(ok)
+    targets = SLOTargets(ttft_s=slos.get("ttft", math.inf), tpot_s=slos.get("tpot", math.inf))
+    good = sum(meets(r, slos, targets) for r in results) if slos else len(ok)
     out = {
         "duration": duration,
         "completed": len(ok),

@@ -47,7 +47,10 @@ class Picker:
             return self._rng.choice(worker_ids)
         if self.policy == "round-robin":
             return worker_ids[next(self._rr) % len(worker_ids)]
-        a, b = self._rng.sample(worker_ids, 2)
+        n = len(worker_ids)                      # two distinct, uniformly (random.sample, cheaper)
+        i = self._rng.randrange(n)
+        j = self._rng.randrange(n - 1)
+        a, b = worker_ids[i], worker_ids[j + (j >= i)]
         return a if load_of(a) <= load_of(b) else b
 
 

@@ -94,6 +94,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue([])          # with caching: LRU order
         self._stack: list[KVBlock] = []               # without: the top is taken first
         self.cached: dict[bytes, KVBlock] = {}
+        self.num_free = num_blocks                      # kept, not counted: it is asked every step
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -111,10 +112,6 @@ class BlockPool:
         """The free blocks made so far, in the order they would be taken."""
         return list(self.free_queue) if self.enable_caching else self._stack[::-1]
 
-    @property
-    def num_free(self) -> int:
-        return self.free_queue.num_free + len(self._stack) + self.num_blocks - len(self._made)
-
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
@@ -124,6 +121,7 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
         made = self._made
+        self.num_free -= n
         if not self.enable_caching:
             stack = self._stack
             k = min(n, len(stack))
@@ -159,6 +157,7 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
+                self.num_free -= 1
             b.ref_cnt += 1
 
     def free(self, blocks) -> None:
@@ -166,12 +165,16 @@ class BlockPool:
         blocks (the least shareable) are evicted before its prefix."""
         if not self.enable_caching:
             freed = []
+            keep = freed.append
             for b in blocks:
-                b.ref_cnt -= 1
-                assert b.ref_cnt >= 0, b
-                if b.ref_cnt == 0:
-                    freed.append(b)
+                c = b.ref_cnt - 1
+                b.ref_cnt = c
+                if not c:
+                    keep(b)
+                elif c < 0:
+                    raise AssertionError(f"{b} freed more often than taken")
             self._stack += freed
+            self.num_free += len(freed)
             return
         queue = self.free_queue
         tail, freed = queue._tail, 0
@@ -183,6 +186,7 @@ class BlockPool:
                 last.next, b.prev, b.next, tail.prev = b, last, tail, b
                 freed += 1
         queue.num_free += freed
+        self.num_free += freed
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Index a full block under its hash (first writer wins; duplicates stay unindexed)."""

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from workers.config import SchedulerConfig
 from workers.cost_model import BatchShape, batch_shape
 from workers.kv_cache_manager import KVCacheManager
+from workers.messages import LoadReport, TransferTotals
 from workers.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -191,7 +192,7 @@ class EngineCore:
                 raise ValueError("this model has no tokenizer.json: send prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt_token_ids)
+            ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)  # Sequence copies
             self._check_ids(ids, "prompt_token_ids")
         if not ids:
             raise ValueError("the prompt is empty")
@@ -216,14 +217,17 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def load_fields(self) -> dict:
-        """The engine's part of a LoadReport (workers/messages.py): queues, KV use, counters."""
+    def load_report(self, worker_id: str, role: str, steps: int, held: int = 0, pending: int = 0,
+                    receiving: int = 0, kv_transfer: TransferTotals | None = None) -> LoadReport:
+        """A LoadReport (workers/messages.py): the engine's queues, KV use and counters, with
+        what its caller (the worker, or the simulator) knows of the handoff."""
         s, kv = self.scheduler, self.kv
-        return dict(waiting=len(s.waiting), running=len(s.running), swapped=len(s.swapped),
-                    queued_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
-                    kv_blocks_used=kv.pool.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.pool.num_blocks,
-                    prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
-                    preemptions=dict(s.stats.num_preemptions))
+        stats, num_blocks = s.stats, kv.pool.num_blocks
+        return LoadReport(worker_id, role, len(s.waiting), len(s.running), len(s.swapped),
+                          sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
+                          num_blocks - kv.num_free_blocks, num_blocks, steps, held, pending, receiving,
+                          stats.prefix_cache_queries, stats.prefix_cache_hits, dict(stats.num_preemptions),
+                          kv_transfer or TransferTotals())
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

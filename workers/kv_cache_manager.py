@@ -132,14 +132,16 @@ class KVCacheManager:
         check and an append, because it runs for every running sequence every step."""
         blocks = self._blocks[seq.seq_id]
         total = seq.num_computed_tokens + num_new_tokens
-        need = cdiv(total, self.block_size) - len(blocks)
+        need = -(-total // self.block_size) - len(blocks)
+        pool = self.pool
         if need > 0:
-            if need > self.pool.num_free:
+            if need > pool.num_free:
                 return False
-            new = self.pool.allocate(need)
-            blocks.extend(new)
-            self._block_ids[seq.seq_id].extend(b.block_id for b in new)
-        self._cache_full_blocks(seq, total)
+            new = pool.allocate(need)
+            blocks += new
+            self._block_ids[seq.seq_id] += [b.block_id for b in new]
+        if pool.enable_caching:
+            self._cache_full_blocks(seq, total)
         return True
 
     def free(self, seq: Sequence) -> None:

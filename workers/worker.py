@@ -231,9 +231,8 @@ class Worker:
         h = self.handoffs
         with self._cv:
             totals = dataclasses.replace(self._transfer_totals)
-        return LoadReport(worker_id=self.worker_id, role=self.role, steps=self.steps, held=h.num_held,
-                          pending=h.num_pending, receiving=h.num_receiving, kv_transfer=totals,
-                          **self.engine.load_fields())
+        return self.engine.load_report(self.worker_id, self.role, self.steps, h.num_held, h.num_pending,
+                                       h.num_receiving, totals)
 
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, op) -> None:
