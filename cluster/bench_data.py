@@ -96,16 +96,21 @@ def sample_prefix_repetition(tokenizer: Tokenizer, num: int, prefix_len: int, su
     return out
 
 
+def read_json(path: str, flag: str, missing: str = "no such file"):
+    """A JSON file a flag names; errors say which flag and what is wrong."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {path}: {missing}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path}: not JSON ({e})") from None
+
+
 def sample_sharegpt(path: str, tokenizer: Tokenizer, num: int, output_len: int | None = None,
                     seed: int = 0) -> list[BenchRequest]:
     """First human turn as the prompt; the reply's length (or `output_len`) as max_tokens.
     Filters as vLLM does: prompt or reply under 4 tokens, prompt over 1024, both over 2048."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--dataset-path {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--dataset-path {path}: not JSON ({e})") from None
+    data = read_json(path, "--dataset-path")
     if not isinstance(data, list):
         raise ValueError(f"--dataset-path {path}: expected a JSON list of conversations (ShareGPT format)")
     convs = [d.get("conversations") or d.get("conversation") for d in data if isinstance(d, dict)]

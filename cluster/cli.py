@@ -239,34 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     from cluster.bench import add_bench_args
-    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput",
-                       description="Load-test an OpenAI-compatible server (pdcluster, vLLM, SGLang) with "
-                       "streaming requests; flags follow `vllm bench serve`. --launch starts a local "
-                       "pdcluster first.")
-    add_bench_args(b)
-    b.set_defaults(func=cmd_bench)
-
     from cluster.capacity import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate
-    pr = sub.add_parser("profile", help="measure this machine's engine steps and KV handoff; fit the cost model",
-                        description="Time the engine over a grid of batch shapes and the KV handoff between "
-                        "two processes; write the fitted cost model (JSON) for `simulate --profile`.")
-    add_profile_args(pr)
-    pr.set_defaults(func=cmd_profile)
-
-    sm = sub.add_parser("simulate", help="simulate a cluster on a virtual clock: bench's report without GPUs",
-                        description="Discrete-event simulation of the cluster, running the real scheduler, KV "
-                        "cache manager and picker with a cost model in place of the model. Takes bench's "
-                        "workload flags and serve's cluster flags; writes bench's report and JSON.")
-    add_simulate_args(sm)
-    sm.set_defaults(func=cmd_simulate)
-
     from cluster.plan import add_plan_args, cmd_plan
-    pl = sub.add_parser("plan", help="find the placement with the highest goodput per GPU, by simulation",
-                        description="Search placements (workers per pool, tensor-parallel degree per pool; "
-                        "colocated as the baseline) for the highest goodput per GPU at the SLOs, by simulated "
-                        "rate searches on bench's workload flags.")
-    add_plan_args(pl)
-    pl.set_defaults(func=cmd_plan)
+    for name, add_args, func, help, description in (
+            ("bench", add_bench_args, cmd_bench, "load-test an OpenAI-compatible server: latency, throughput, goodput",
+             "Load-test an OpenAI-compatible server (pdcluster, vLLM, SGLang) with streaming requests; flags "
+             "follow `vllm bench serve`. --launch starts a local pdcluster first."),
+            ("profile", add_profile_args, cmd_profile, "measure this machine's engine steps and KV handoff; fit the "
+             "cost model", "Time the engine over a grid of batch shapes, the KV handoff between two processes "
+             "and the served path; write the fitted cost model (JSON) for `simulate --profile`."),
+            ("simulate", add_simulate_args, cmd_simulate, "simulate a cluster on a virtual clock: bench's report "
+             "without GPUs", "Discrete-event simulation of the cluster, running the real scheduler, KV cache "
+             "manager and picker with a cost model in place of the model. Takes bench's workload flags and "
+             "serve's cluster flags; writes bench's report and JSON."),
+            ("plan", add_plan_args, cmd_plan, "find the placement with the highest goodput per GPU, by simulation",
+             "Search placements (workers per pool, tensor-parallel degree per pool; colocated as the baseline) "
+             "for the highest goodput per GPU at the SLOs, by simulated rate searches on bench's workload flags.")):
+        c = sub.add_parser(name, help=help, description=description)
+        add_args(c)
+        c.set_defaults(func=func)
 
     d = sub.add_parser("demo", help="run the engine on the built-in model with a mixed workload and report")
     d.add_argument("--num-prompts", type=int, default=64)

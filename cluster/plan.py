@@ -86,6 +86,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-rate-per-gpu", type=float, default=None, help="where the rate search starts looking "
                    "(default: found by doubling from 1 req/s per GPU)")
     r.add_argument("--search-steps", type=int, default=7, help="bisection steps per placement (default 7)")
+    r.add_argument("--context-len", type=int, action="append", default=[], metavar="TOKENS",
+                   help="also print the largest batch at this context length (repeatable)")
     r.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     r.add_argument("--plot", default=None, metavar="FILE", help="PNG of SLO attainment against rate per "
                    "placement (default: beside --json)")
@@ -233,7 +235,9 @@ def kv_arithmetic(a: argparse.Namespace, result: dict) -> list[str]:
     shape = model_shape(a.model)
     lines = [f"KV cache of {shape.name}: {shape.kv_bytes_per_token(2):,} bytes per token (bf16: 2 x "
              f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x {shape.head_dim} x 2 B)"]
-    contexts = sorted({512, 2048, min(shape.max_len, 8192),
+    if any(c < 1 for c in a.context_len):
+        raise ValueError("--context-len must be at least 1")
+    contexts = sorted({512, 2048, min(shape.max_len, 8192), *a.context_len,
                        round(result["workload"]["mean_prompt_tokens"] + result["workload"]["mean_output_tokens"])})
     for tp in (d for d in TP_DEGREES if d <= a.num_gpus):
         try:

@@ -334,12 +334,8 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, p
 
 def load_profile(path: str) -> tuple[CostModel, dict]:
     """A profile JSON (or any CostModel JSON): the cost model and the profile's facts ({} if none)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--profile {path}: no such file (make one with `pdcluster profile`)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--profile {path}: not JSON ({e})") from None
+    from cluster.bench_data import read_json
+    doc = read_json(path, "--profile", "no such file (make one with `pdcluster profile`)")
     try:
         return CostModel.from_json(doc), doc.get("profile", {})
     except (KeyError, TypeError, ValueError) as e:

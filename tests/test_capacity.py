@@ -67,7 +67,7 @@ def test_simulate_flags_that_do_not_go_together(tmp_path, monkeypatch, capsys, a
 def test_plan_writes_its_json_and_plot(tmp_path, capsys):
     rc = main(["plan", "--model", "opt-13b", "--gpu", "a100-80g", "--num-gpus", "2", "--slo-ttft-ms", "200",
                "--slo-tpot-ms", "100", "--dataset-name", "random", "--random-input-len", "400",
-               "--random-output-len", "40", "--num-prompts", "60", "--search-steps", "2",
+               "--random-output-len", "40", "--num-prompts", "60", "--search-steps", "2", "--context-len", "956",
                "--json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert rc == 0
@@ -79,6 +79,10 @@ def test_plan_writes_its_json_and_plot(tmp_path, capsys):
     best = max((x for x in r["candidates"] if x["mode"] == "disaggregated"), key=lambda x: x["goodput_per_gpu"])
     assert d["goodput_per_gpu"] == best["goodput_per_gpu"] > 0
     assert "819,200 bytes per token" in out and "largest batch" in out
+    # A100-80GB TP1 (roofline KV capacity): 956-token sequences hold 60 blocks of 16 each.
+    from workers.cost_model import roofline
+    capacity = roofline("opt-13b", "a100-80g", 1).kv_capacity_tokens
+    assert f"{capacity // 16 // 60} at 956" in out
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
