@@ -24,7 +24,7 @@ from workers.names import COLOCATED, DISAGGREGATED
 
 # The engine flags a simulated worker takes (the rest, like dtype or device, have no meaning there).
 SIM_ENGINE_FLAGS = ("--block-size", "--num-kv-blocks", "--no-prefix-caching", "--max-num-batched-tokens",
-                    "--max-num-seqs", "--watermark", "--scheduling-policy", "--max-model-len")
+                    "--max-num-seqs", "--watermark", "--scheduling-policy", "--max-model-len", "--no-chunked-prefill")
 
 
 # -- flags ----------------------------------------------------------------------------------------

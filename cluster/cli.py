@@ -48,6 +48,8 @@ ENGINE_FLAGS = (
     Flag("--preemption-mode", "scheduler.preemption_mode", "how a preempted sequence gives up its blocks", str,
          PREEMPTION_MODES),
     Flag("--scheduling-policy", "scheduler.policy", "queue order", str, SCHEDULING_POLICIES),
+    Flag("--no-chunked-prefill", "scheduler.chunked_prefill", "admit prompts whole, in steps of their own "
+         "(decoding pauses for them; vLLM's v0 default)", bool, negate=True),
 )
 
 CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAGS)

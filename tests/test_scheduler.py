@@ -69,7 +69,8 @@ def check_step(sched: Scheduler, out) -> None:
     ids = [s.seq_id for s, _ in out.scheduled]
     assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
     assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
-    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    if cfg.chunked_prefill or len(out.scheduled) != 1:   # (a whole prompt over the budget runs alone)
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
     for seq, n in out.scheduled:
         assert n >= 1
         assert seq.num_computed_tokens + n <= seq.num_tokens
@@ -117,6 +118,7 @@ class Workload:
     caching: bool
     seqs: list[tuple[int, list[int], int, int]]       # (arrival step, prompt, max_tokens, priority)
     aborts: list[tuple[int, int]]                      # (step, which unfinished sequence)
+    chunked: bool = True                               # chunked prefill (else whole prompts, steps apart)
 
 
 @st.composite
@@ -144,13 +146,15 @@ def workloads(draw) -> Workload:
         watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
         mode=draw(st.sampled_from(["recompute", "swap", "auto"])),
         policy=draw(st.sampled_from(["fcfs", "priority"])), caching=draw(st.sampled_from([True, False])),
+        chunked=draw(st.sampled_from([True, False])),
         seqs=seqs, aborts=draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 7)), max_size=3)))
 
 
 def run_workload(w: Workload, max_steps: int = 3000) -> tuple[Scheduler, list[Sequence], set[str]]:
     kv = KVCacheManager(w.num_blocks, w.block_size, w.caching, w.num_host_blocks)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
-                                      watermark=w.watermark, preemption_mode=w.mode, policy=w.policy),
+                                      watermark=w.watermark, preemption_mode=w.mode, policy=w.policy,
+                                      chunked_prefill=w.chunked),
                       kv, CROSSOVER_COST_MODEL)
     model = FakeModel(kv)
     order = sorted(range(len(w.seqs)), key=lambda i: w.seqs[i][0])
@@ -261,6 +265,26 @@ def test_decode_not_starved_by_long_prefill():
         assert (a, 1) in out.scheduled                   # ...and a decodes in every one of them
         assert (b, 31) in out.scheduled
         assert out.num_batched_tokens == 32
+
+
+def test_without_chunked_prefill_prompts_run_whole_in_steps_of_their_own():
+    """vLLM v0's schedule: waiting prompts are admitted whole, as many as the budget holds,
+    and decoding pauses for that step; a prompt over the budget runs alone."""
+    sched, model = make(num_blocks=128, block_size=16, max_num_batched_tokens=64, caching=False,
+                        chunked_prefill=False)
+    a = seq(0, 10)
+    sched.add(a)
+    assert step(sched, model).scheduled == [(a, 10)]
+    b, c, d = seq(1, 30), seq(2, 30), seq(3, 30)
+    for x in (b, c, d):
+        sched.add(x)
+    assert step(sched, model).scheduled == [(b, 30), (c, 30)]         # a pauses; d does not fit too
+    assert step(sched, model).scheduled == [(d, 30)]
+    assert step(sched, model).scheduled == [(a, 1), (b, 1), (c, 1), (d, 1)]
+    e = seq(4, 200)                                                    # over the budget: alone, whole
+    sched.add(e)
+    out = step(sched, model)
+    assert out.scheduled == [(e, 200)] and out.num_batched_tokens == 200
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -129,6 +129,7 @@ class SchedulerConfig:
     watermark: float = 0.01                  # fraction of blocks kept free at admission
     preemption_mode: str = "auto"            # one of PREEMPTION_MODES
     policy: str = "fcfs"                     # one of SCHEDULING_POLICIES
+    chunked_prefill: bool = True             # False: prompts whole, in steps of their own
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1:

@@ -11,6 +11,10 @@ Each step:
   3. if nothing was preempted and nothing waits in swap, waiting sequences are admitted while
      the budget, the running cap and the free-block watermark allow.
 Swap-outs therefore never meet swap-ins in one step, so their copies cannot overlap.
+
+Without chunked prefill (vLLM's v0 default, DistServe's baseline), a step that can admit
+waiting prompts admits them whole and runs nothing else (decoding pauses for it); a prompt
+longer than the budget runs alone. Otherwise the step decodes.
 """
 from __future__ import annotations
 
@@ -128,10 +132,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        whole = not self.cfg.chunked_prefill
+        if whole and self.waiting and not self.swapped:
+            self._schedule_waiting(out, budget, whole=True)
+            if out.scheduled:
+                out.num_batched_tokens = sum(n for _, n in out.scheduled)
+                return out
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
-            if not self.swapped:
+            if not self.swapped and not whole:
                 budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         assert budget >= 0
@@ -171,11 +181,16 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole: bool = False) -> int:
+        """Admit waiting sequences; `whole`: each with all its uncomputed tokens, as many as the
+        budget holds (the first one even when it alone exceeds it)."""
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_cached, budget)
+            n = seq.num_tokens - num_cached
+            if whole and n > budget and out.scheduled:
+                break
+            n = n if whole else min(n, budget)
             # With nothing running, admit regardless of the watermark: nothing else could free room.
             watermark = self.watermark_blocks if self.running else 0
             if not self.kv.can_allocate(seq, n, computed, num_cached, watermark):
@@ -190,7 +205,7 @@ class Scheduler:
             self.add_running(seq)
             out.scheduled.append((seq, n))
             budget -= n
-        return budget
+        return max(0, budget)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
