@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.block_pool", "workers.handoff",
-                  "workers.faults", "workers.engine_core", "cluster.simulate", "workers.cost_model",
+                  "workers.faults", "workers.engine_core", "cluster.simulate", "workers.cost_model", "cluster.controller",
                   "workers.messages", "workers.config", "workers.names", "router.picker", "router.slo",
                   "router.config", "cluster.spec")
 
