@@ -61,10 +61,39 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
               EngineConfig)
 
 
+def add_controller_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("pool-ratio controller (disaggregated)")
+    c.add_argument("--controller", action="store_true", help="move workers between the pools as the load "
+                   "shifts (cluster/controller.py)")
+    c.add_argument("--controller-interval-s", type=float, default=10.0, help="seconds between decisions")
+    c.add_argument("--controller-window-s", type=float, default=30.0, help="seconds of signals a decision sees")
+    c.add_argument("--controller-cooldown-s", type=float, default=30.0, help="no change within this long of the last")
+    c.add_argument("--max-workers", type=int, default=None, help="worker budget (default: the pools' sizes)")
+    c.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the TTFT target the controller keeps")
+    c.add_argument("--slo-tpot-ms", type=float, default=100.0, help="the TPOT target the controller keeps")
+
+
+def control_from_args(a: argparse.Namespace, cluster: SimCluster):
+    """The controller's settings, or None without --controller."""
+    if not a.controller:
+        return None
+    from cluster.controller import ControllerConfig
+    from cluster.sim_control import SimControl
+    for name in ("controller_interval_s", "controller_window_s", "slo_ttft_ms", "slo_tpot_ms"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if a.controller_cooldown_s < 0:
+        raise ValueError("--controller-cooldown-s must be >= 0")
+    budget = a.max_workers or cluster.num_prefill + cluster.num_decode
+    return SimControl(ControllerConfig(budget, a.controller_cooldown_s), a.controller_interval_s,
+                      a.controller_window_s, a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000)
+
+
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     from cluster.bench import add_dataset_args, add_output_args, add_rate_args
     add_cost_args(p)
     add_shape_args(p)
+    add_controller_args(p)
     add_dataset_args(p)
     p.add_argument("--tokenizer", default=None, help="for sharegpt and custom datasets: a built-in model name "
                    "or a directory with tokenizer.json, to count their prompts' tokens")
@@ -176,9 +205,14 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
 
 # -- one simulated run ----------------------------------------------------------------------------
 def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, float], metrics=("ttft", "tpot"),
-             percentiles=(99.0,), max_model_len: int = 1 << 30) -> dict:
-    """bench's summary of one simulated run, plus the simulator's own facts under `simulator`."""
-    sim = Simulator(cluster, max_model_len=max_model_len, record_itl="itl" in metrics)
+             percentiles=(99.0,), max_model_len: int = 1 << 30, control=None) -> dict:
+    """bench's summary of one simulated run, plus the simulator's own facts under `simulator`
+    (and, with a controller, its decisions)."""
+    if control is not None:
+        from cluster.sim_control import ControlledSimulator
+        sim = ControlledSimulator(cluster, control, max_model_len=max_model_len, record_itl="itl" in metrics)
+    else:
+        sim = Simulator(cluster, max_model_len=max_model_len, record_itl="itl" in metrics)
     t0 = time.perf_counter()
     results, duration = sim.run(requests)
     wall = time.perf_counter() - t0
@@ -187,6 +221,10 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
                         "simulated_s": duration, "utilization": utilization(sim),
                         "preemptions": sum(w.engine.scheduler.stats.num_preemptions["recompute"]
                                            for w in sim.workers.values())}
+    if control is not None:
+        out["simulator"]["controller"] = {"role_changes": sim.role_changes, "decisions": sim.decisions,
+                                          "final": {"prefill": len(sim.pools["prefill"]),
+                                                    "decode": len(sim.pools["decode"])}}
     return out
 
 
@@ -240,7 +278,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(f"pdcluster simulate: {len(requests)} requests ({a.dataset_name}) on {cluster.mode} "
           + ", ".join(f"{n} {r}" for r, n in workers.items()) + f" ({cluster.num_gpus} GPUs); costs: {costs.source}",
           flush=True)
-    run = simulate(cluster, requests, opts.slos, opts.percentile_metrics, opts.percentiles, costs.max_model_len)
+    control = control_from_args(a, cluster)
+    run = simulate(cluster, requests, opts.slos, opts.percentile_metrics, opts.percentiles, costs.max_model_len,
+                   control)
     rate = a.request_rate
     if a.dataset_name == "trace":
         from cluster.bench import offered_rate
@@ -258,6 +298,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     s = run["simulator"]
     print(f"simulated {s['simulated_s']:.1f} s in {s['wall_s']:.2f} s of wall time ({s['events']} events, "
           f"{s['events_per_s']:,.0f}/s); busy: " + ", ".join(f"{r} {u:.0%}" for r, u in s["utilization"].items()))
+    if "controller" in s:
+        ctl = s["controller"]
+        for d in ctl["decisions"]:
+            print(f"  t={d['t']:8.1f} s  {d['prefill']}P+{d['decode']}D  {d['action']:<12} {d['reason']}")
+        print(f"controller: {ctl['role_changes']} role changes; pools at the end: {ctl['final']['prefill']} prefill, "
+              f"{ctl['final']['decode']} decode")
     if a.save_result:
         path = save(result, a)
         plots = [] if a.no_plots or "itl" not in opts.percentile_metrics else _plots(result, path)

@@ -394,6 +394,10 @@ class Simulator:
         if finished:
             tr.end_s = self.now
             self.in_flight -= 1
+            self._finished(tr)
+
+    def _finished(self, tr: _Tracked) -> None:
+        """A request's last token went out (a hook for the controlled simulator)."""
 
     # -- workers ---------------------------------------------------------------------------------
     def _start_step(self, w: SimWorker) -> None:
@@ -418,6 +422,7 @@ class Simulator:
         out = engine.schedule_step() if engine.has_unfinished() else None
         if out is None or out.is_empty:
             w.busy = False
+            self._idle(w)
             return
         dt = w.cost.step_s(engine.last_shape)
         dt *= self._slowdown(w, engine.last_shape.batch_size, dt)
@@ -425,6 +430,9 @@ class Simulator:
         w.busy_s += dt
         w.step_end = self.now + dt
         self._at(w.step_end, self._end_step, w, out)
+
+    def _idle(self, w: SimWorker) -> None:
+        """`w` has nothing to step (a hook for the controlled simulator)."""
 
     def _slowdown(self, w: SimWorker, rows: int, step_s: float) -> float:
         """How much slower a step starting now runs on shared cores: processes runnable (busy
@@ -475,6 +483,7 @@ class Simulator:
             if finished:
                 tr.end_s = last
                 self.in_flight -= 1
+                self._finished(tr)
         self._start_step(w)
 
     # -- the KV handoff --------------------------------------------------------------------------
@@ -508,6 +517,8 @@ class Simulator:
         prefill.engine.release(rid)
         if prefill.engine.scheduler.waiting:
             self._submit(prefill, lambda: None)       # its freed blocks may admit waiting prompts
+        elif not prefill.busy:
+            self._idle(prefill)
         self._submit(d, lambda: d.engine.commit_received(rid))
 
 

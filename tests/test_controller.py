@@ -94,3 +94,61 @@ def test_no_flip_is_undone_by_the_next_decision(rate, prompt, output):
     assert seen[-1] == NONE
     assert s.num_prefill >= 1 and s.num_decode >= 1 and s.num_prefill + s.num_decode == 4
     assert not math.isnan(loads(s)[0])
+
+
+# -- in the simulator: the pools follow the load --------------------------------------------------
+def test_simulated_pools_follow_a_phase_shift():
+    """2 prefill + 6 decode H100 workers (Llama-3-8B roofline): a prefill-heavy phase moves
+    workers to prefill, the decode-heavy phase after it moves them back; nothing is lost and
+    every block comes back."""
+    import random
+
+    from cluster.sim_control import ControlledSimulator, SimControl
+    from cluster.simulate import SimCluster, SimRequest
+    from tests.test_simulator import assert_pools_clean, engine
+    from workers.cost_model import roofline
+
+    cost = roofline("llama-3-8b", "h100-sxm", 1)
+    rng = random.Random(0)
+    requests, t = [], 0.0
+    for until, rate, prompt, output in ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 800)):
+        while t < until:
+            t += rng.expovariate(rate)
+            requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
+                                                 rng.randint(output // 2, output * 3 // 2), len(requests)))
+    cluster = SimCluster(num_prefill=2, num_decode=6, prefill_cost=cost, decode_cost=cost, engine=engine())
+    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(8, cooldown_s=20), interval_s=10, window_s=30,
+                                                  slo_ttft_s=1.0, slo_tpot_s=0.05), record_itl=False)
+    results, _ = sim.run(requests)
+    assert all(r.success for r in results)
+    moves = [(d["t"], d["action"]) for d in sim.decisions]
+    assert any(a == TO_PREFILL for t, a in moves if t < 200), moves
+    assert any(a == TO_DECODE for t, a in moves if t > 200), moves
+    sizes = [(d["prefill"], d["decode"]) for d in sim.decisions]
+    assert all(p >= 1 and d >= 1 and p + d <= 8 for p, d in sizes)
+    assert sim.role_changes == len(moves)
+    assert not sim.draining
+    assert_pools_clean(sim)
+
+
+def test_simulated_stationary_load_changes_nothing():
+    """Ten simulated minutes of one steady load on a ratio that serves it: no decision at all."""
+    import random
+
+    from cluster.sim_control import ControlledSimulator, SimControl
+    from cluster.simulate import SimCluster, SimRequest
+    from tests.test_simulator import engine
+    from workers.cost_model import roofline
+
+    cost = roofline("llama-3-8b", "h100-sxm", 1)
+    rng = random.Random(1)
+    requests, t = [], 0.0
+    while t < 600:
+        t += rng.expovariate(8.0)
+        requests.append(SimRequest.synthetic(t, rng.randint(500, 1500), rng.randint(100, 300), len(requests)))
+    cluster = SimCluster(num_prefill=2, num_decode=2, prefill_cost=cost, decode_cost=cost, engine=engine())
+    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(4), interval_s=10, slo_ttft_s=1.0, slo_tpot_s=0.05),
+                              record_itl=False)
+    results, _ = sim.run(requests)
+    assert all(r.success for r in results)
+    assert sim.decisions == [] and sim.role_changes == 0

@@ -1,0 +1,161 @@
+"""The pool-ratio controller inside the simulator: every `interval_s` it gathers the signals the
+serving loop would (arrivals and their lengths over a window, SLO attainment of the requests
+that finished in it, queued prefill work, the pools' capacities from the cost model), asks
+`cluster.controller.decide`, and carries the action out the way a live cluster does: a worker
+moving between pools leaves its pool at once (no new work), drains (a decode worker finishes
+its sequences, a prefill worker its prompts and the handoffs of its held KV), flips its role
+without reloading anything, and rejoins the other pool. Plain Python, like the simulator.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, TO_DECODE, TO_PREFILL, ControllerConfig, Signals,
+                                decide)
+from cluster.simulate import SimCluster, SimEngine, Simulator, SimWorker
+from workers.cost_model import BatchShape, CostModel
+from workers.names import DECODE, DISAGGREGATED, PREFILL
+
+
+@dataclass(frozen=True, slots=True)
+class SimControl:
+    config: ControllerConfig
+    interval_s: float = 10.0
+    window_s: float = 30.0
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+
+
+def prefill_capacity(cost: CostModel, prompt_tokens: float, budget: int) -> float:
+    """Prompt tokens per second one prefill worker clears: steps full of such prompts."""
+    n = max(1, round(prompt_tokens))
+    k = max(1, budget // n)
+    return k * n / cost.step_s(BatchShape(k, k * n, k * n * n))
+
+
+def decode_capacity(cost: CostModel, context: float, tpot_s: float, max_seqs: int) -> float:
+    """Tokens per second one decode worker produces at the largest batch whose step stays within
+    the TPOT target and whose KV fits."""
+    ctx = max(1, round(context))
+    fit = max(1, min(max_seqs, cost.max_batch_at(ctx)))
+
+    def step(n: int) -> float:
+        return cost.step_s(BatchShape(num_decode=n, decode_context=n * ctx))
+    lo, hi = 1, fit
+    if step(hi) <= tpot_s:
+        lo = hi
+    else:
+        while hi - lo > 1:                      # step(lo) within the target (or lo = 1), step(hi) not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if step(mid) <= tpot_s else (lo, mid)
+    return lo / step(lo)
+
+
+@dataclass(slots=True)
+class _Window:
+    arrivals: deque = field(default_factory=deque)      # (time, prompt tokens, output tokens)
+    finished: deque = field(default_factory=deque)      # (time, TTFT met, TPOT met)
+
+
+class ControlledSimulator(Simulator):
+    def __init__(self, cluster: SimCluster, control: SimControl, **kw):
+        if cluster.mode != DISAGGREGATED:
+            raise ValueError("the pool-ratio controller needs --mode disaggregated")
+        if cluster.prefill_cost != cluster.decode_cost:
+            raise ValueError("the controller moves workers between pools: both pools need the same costs "
+                             "(one tensor-parallel degree)")
+        if cluster.num_prefill + cluster.num_decode > control.config.max_workers:
+            raise ValueError(f"{cluster.num_prefill + cluster.num_decode} workers start above the budget of "
+                             f"{control.config.max_workers}")
+        super().__init__(cluster, **kw)
+        self.control = control
+        self.window = _Window()
+        self.decisions: list[dict] = []
+        self.role_changes = 0
+        self.last_change = -math.inf
+        self.draining: dict[str, str] = {}              # worker id -> the pool it is moving to
+        self._vocab, self._max_len = kw.get("vocab_size", 32000), kw.get("max_model_len", 1 << 30)
+        self._pending_arrivals = 0
+
+    def run(self, requests):
+        self._pending_arrivals = len(requests)
+        self._at(self.control.interval_s, self._control)
+        return super().run(requests)
+
+    # -- signals ----------------------------------------------------------------------------------
+    def _arrive(self, rid, r) -> None:
+        self._pending_arrivals -= 1
+        self.window.arrivals.append((self.now, r.prompt_len, r.output_len))
+        super()._arrive(rid, r)
+
+    def _finished(self, tr) -> None:
+        ttft = tr.first_s - tr.sent_s
+        tpot = (tr.end_s - tr.first_s) / (tr.count - 1) if tr.count > 1 else 0.0
+        self.window.finished.append((self.now, ttft <= self.control.slo_ttft_s, tpot <= self.control.slo_tpot_s))
+
+    def signals(self) -> Signals:
+        c, w, now = self.control, self.window, self.now
+        for q in (w.arrivals, w.finished):
+            while q and q[0][0] < now - c.window_s:
+                q.popleft()
+        span = min(c.window_s, now) or 1.0
+        n = len(w.arrivals)
+        prompt = sum(a[1] for a in w.arrivals) / n if n else 0.0
+        output = sum(a[2] for a in w.arrivals) / n if n else 0.0
+        done = len(w.finished)
+        cost, sched = self.c.prefill_cost, self.c.engine.scheduler
+        return Signals(
+            now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
+            arrival_rate=n / span, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, sched.max_num_batched_tokens),
+            decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs),
+            queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
+                                      for x in self.pools[PREFILL]),
+            ttft_attainment=sum(f[1] for f in w.finished) / done if done else math.nan,
+            tpot_attainment=sum(f[2] for f in w.finished) / done if done else math.nan,
+            draining=len(self.draining))
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _control(self) -> None:
+        s = self.signals()
+        d = decide(s, self.control.config, self.last_change)
+        if d.action != NONE:
+            self.last_change = self.now
+            self.decisions.append({"t": self.now, "action": d.action, "reason": d.reason,
+                                   "prefill": s.num_prefill, "decode": s.num_decode})
+            if d.action == TO_PREFILL:
+                self._move(min(self.pools[DECODE], key=lambda x: len(x.engine._seqs)), PREFILL)
+            elif d.action == TO_DECODE:
+                self._move(min(self.pools[PREFILL], key=lambda x: len(x.engine._seqs)), DECODE)
+            elif d.action in (ADD_PREFILL, ADD_DECODE):
+                self._add(PREFILL if d.action == ADD_PREFILL else DECODE)
+        if self._pending_arrivals or self.in_flight:
+            self._at(self.now + self.control.interval_s, self._control)
+
+    def _move(self, w: SimWorker, to: str) -> None:
+        """Out of its pool now; into the other once drained."""
+        self.pools[w.role].remove(w)
+        self.pool_ids[w.role].remove(w.worker_id)
+        self.draining[w.worker_id] = to
+        if not w.busy:
+            self._idle(w)
+
+    def _add(self, role: str) -> None:
+        wid = f"{role}-{len(self.workers)}"
+        cost = self.c.prefill_cost
+        w = SimWorker(wid, role, SimEngine(self.c.engine, cost, lambda: self.now, self._vocab, self._max_len), cost)
+        self.workers[wid] = w
+        self.pools[role].append(w)
+        self.pool_ids[role].append(wid)
+
+    def _idle(self, w: SimWorker) -> None:
+        to = self.draining.get(w.worker_id)
+        if to is None or w.engine._seqs or w.inbox or w.waiting_room or w.receiving:
+            return
+        del self.draining[w.worker_id]
+        w.role = to
+        self.pools[to].append(w)
+        self.pool_ids[to].append(w.worker_id)
+        self.role_changes += 1
