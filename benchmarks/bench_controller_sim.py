@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""The pool-ratio controller against every fixed ratio, in simulation, on phases that shift.
+
+    .venv/bin/python benchmarks/bench_controller_sim.py [--workers 32] [--segment-s 600] [--segments 4]
+
+Segments of the two Azure 2023 traces alternate (code: prefill-heavy; conversation:
+decode-heavy), each scaled in time to --code-rate / --conv-rate and in length by
+--length-scale; the same requests go to the controlled cluster (starting at half and half) and
+to every fixed split of --workers workers. Prints goodput (requests meeting both SLOs per
+second) over the whole run and per segment, and the controller's decisions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cluster import loadgen  # noqa: E402
+from cluster.bench_data import load_trace  # noqa: E402
+from cluster.controller import ControllerConfig  # noqa: E402
+from cluster.sim_control import ControlledSimulator, SimControl  # noqa: E402
+from cluster.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
+from workers.config import CacheConfig, EngineConfig  # noqa: E402
+from workers.cost_model import roofline  # noqa: E402
+
+
+def phases(a) -> tuple[list[SimRequest], list[tuple[str, float, float]]]:
+    traces = {"code": load_trace("azure-code", max_len=a.max_len), "conv": load_trace("azure-conv", max_len=a.max_len)}
+    rates = {"code": a.code_rate, "conv": a.conv_rate}
+    out, spans, t0, uid = [], [], 0.0, 0
+    for k in range(a.segments):
+        name = ("code", "conv")[k % 2]
+        rows = traces[name]
+        base = (len(rows) - 1) / (rows[-1].arrival_s - rows[0].arrival_s)
+        scale = base / rates[name]
+        offset = (k // 2) * a.segment_s * rates[name] / base      # later segments take later rows
+        for r in rows:
+            t = (r.arrival_s - offset) * scale
+            if 0 <= t < a.segment_s:
+                n = max(2, round(r.prompt_len * a.length_scale))
+                out.append(SimRequest.synthetic(t0 + t, n, max(1, round(r.output_len * a.length_scale)), uid))
+                uid += 1
+        spans.append((name, t0, t0 + a.segment_s))
+        t0 += a.segment_s
+    out.sort(key=lambda r: r.arrival_s)
+    return out, spans
+
+
+def goodput(results, spans, slos) -> tuple[float, list[float]]:
+    targets = loadgen.SLOTargets(ttft_s=slos["ttft"], tpot_s=slos["tpot"])
+    good = [loadgen.meets(r, slos, targets) for r in results]
+    total = sum(good) / spans[-1][2]
+    per = []
+    for _, a, b in spans:
+        per.append(sum(g for g, r in zip(good, results) if a <= r.start < b) / (b - a))
+    return total, per
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=32)
+    ap.add_argument("--gpu", default="h100-sxm")
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--segment-s", type=float, default=600.0)
+    ap.add_argument("--segments", type=int, default=4)
+    ap.add_argument("--code-rate", type=float, default=60.0)
+    ap.add_argument("--conv-rate", type=float, default=60.0)
+    ap.add_argument("--length-scale", type=float, default=1.0)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--fixed-step", type=int, default=4, help="fixed splits tried: every this many prefill workers")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    cost = roofline(a.model, a.gpu, 1)
+    engine = EngineConfig(cache=CacheConfig(enable_prefix_caching=False))
+    slos = {"ttft": a.slo_ttft_ms / 1000, "tpot": a.slo_tpot_ms / 1000}
+    requests, spans = phases(a)
+    print(f"{len(requests)} requests over {len(spans)} segments of {a.segment_s:g} s "
+          f"({', '.join(s[0] for s in spans)}), {a.workers} x {a.gpu} {a.model}")
+    rows = []
+    for p in list(range(a.fixed_step, a.workers, a.fixed_step)):
+        cluster = SimCluster(num_prefill=p, num_decode=a.workers - p, prefill_cost=cost, decode_cost=cost, engine=engine)
+        t = time.perf_counter()
+        results, _ = Simulator(cluster, record_itl=False).run(requests)
+        total, per = goodput(results, spans, slos)
+        rows.append({"ratio": f"{p}P+{a.workers - p}D", "goodput": total, "per_segment": per,
+                     "wall_s": time.perf_counter() - t})
+        print(f"  fixed {p:>3}P+{a.workers - p:<3}D  goodput {total:7.2f} req/s  per segment "
+              + " ".join(f"{x:7.2f}" for x in per), flush=True)
+    half = a.workers // 2
+    cluster = SimCluster(num_prefill=half, num_decode=a.workers - half, prefill_cost=cost, decode_cost=cost,
+                         engine=engine)
+    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(a.workers), 10.0, 30.0, slos["ttft"], slos["tpot"]),
+                              record_itl=False)
+    results, _ = sim.run(requests)
+    total, per = goodput(results, spans, slos)
+    best = max(rows, key=lambda r: r["goodput"])
+    best_per = [max(r["per_segment"][i] for r in rows) for i in range(len(spans))]
+    print(f"  controller        goodput {total:7.2f} req/s  per segment " + " ".join(f"{x:7.2f}" for x in per))
+    print(f"controller / best fixed ({best['ratio']}): {total / best['goodput']:.2f}x; per segment against that "
+          "segment's best fixed: " + " ".join(f"{c / b:.2f}" for c, b in zip(per, best_per)))
+    print(f"{sim.role_changes} role changes:")
+    for d in sim.decisions:
+        print(f"  t={d['t']:7.0f}  {d['prefill']}P+{d['decode']}D  {d['action']:<11} {d['reason']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"fixed": rows, "controller": {"goodput": total, "per_segment": per,
+                                                     "decisions": sim.decisions}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
