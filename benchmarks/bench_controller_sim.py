@@ -28,24 +28,29 @@ from workers.cost_model import roofline  # noqa: E402
 
 
 def phases(a) -> tuple[list[SimRequest], list[tuple[str, float, float]]]:
+    """Alternating segments; each takes the next rows of its trace (wrapping around), with the
+    trace's own gaps scaled to the segment's rate."""
     traces = {"code": load_trace("azure-code", max_len=a.max_len), "conv": load_trace("azure-conv", max_len=a.max_len)}
     rates = {"code": a.code_rate, "conv": a.conv_rate}
-    out, spans, t0, uid = [], [], 0.0, 0
+    cursor = {"code": 0, "conv": 0}
+    out, spans, t0 = [], [], 0.0
     for k in range(a.segments):
         name = ("code", "conv")[k % 2]
-        rows = traces[name]
-        base = (len(rows) - 1) / (rows[-1].arrival_s - rows[0].arrival_s)
-        scale = base / rates[name]
-        offset = (k // 2) * a.segment_s * rates[name] / base      # later segments take later rows
-        for r in rows:
-            t = (r.arrival_s - offset) * scale
-            if 0 <= t < a.segment_s:
-                n = max(2, round(r.prompt_len * a.length_scale))
-                out.append(SimRequest.synthetic(t0 + t, n, max(1, round(r.output_len * a.length_scale)), uid))
-                uid += 1
+        rows, i = traces[name], cursor[name]
+        scale = ((len(rows) - 1) / (rows[-1].arrival_s - rows[0].arrival_s)) / rates[name]
+        t = 0.0
+        while True:
+            r, nxt = rows[i % len(rows)], rows[(i + 1) % len(rows)]
+            gap = nxt.arrival_s - r.arrival_s if (i + 1) % len(rows) else 1.0 / rates[name] / scale
+            t += max(0.0, gap) * scale
+            if t >= a.segment_s:
+                break
+            n = max(2, round(r.prompt_len * a.length_scale))
+            out.append(SimRequest.synthetic(t0 + t, n, max(1, round(r.output_len * a.length_scale)), len(out)))
+            i += 1
+        cursor[name] = i
         spans.append((name, t0, t0 + a.segment_s))
         t0 += a.segment_s
-    out.sort(key=lambda r: r.arrival_s)
     return out, spans
 
 
@@ -102,7 +107,7 @@ def main() -> None:
     best_per = [max(r["per_segment"][i] for r in rows) for i in range(len(spans))]
     print(f"  controller        goodput {total:7.2f} req/s  per segment " + " ".join(f"{x:7.2f}" for x in per))
     print(f"controller / best fixed ({best['ratio']}): {total / best['goodput']:.2f}x; per segment against that "
-          "segment's best fixed: " + " ".join(f"{c / b:.2f}" for c, b in zip(per, best_per)))
+          "segment's best fixed: " + " ".join(f"{c / b:.2f}" if b else "-" for c, b in zip(per, best_per)))
     print(f"{sim.role_changes} role changes:")
     for d in sim.decisions:
         print(f"  t={d['t']:7.0f}  {d['prefill']}P+{d['decode']}D  {d['action']:<11} {d['reason']}")
