@@ -19,6 +19,9 @@ from workers.cost_model import BatchShape, CostModel
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 
 
+MIN_JUDGED = 20         # finished requests an attainment needs to count
+
+
 @dataclass(frozen=True, slots=True)
 class SimControl:
     config: ControllerConfig
@@ -56,7 +59,7 @@ def decode_capacity(cost: CostModel, context: float, tpot_s: float, max_seqs: in
 @dataclass(slots=True)
 class _Window:
     arrivals: deque = field(default_factory=deque)      # (time, prompt tokens, output tokens)
-    finished: deque = field(default_factory=deque)      # (time, TTFT met, TPOT met)
+    finished: deque = field(default_factory=deque)      # (time, sent at, TTFT met, TPOT met)
 
 
 class ControlledSimulator(Simulator):
@@ -93,7 +96,8 @@ class ControlledSimulator(Simulator):
     def _finished(self, tr) -> None:
         ttft = tr.first_s - tr.sent_s
         tpot = (tr.end_s - tr.first_s) / (tr.count - 1) if tr.count > 1 else 0.0
-        self.window.finished.append((self.now, ttft <= self.control.slo_ttft_s, tpot <= self.control.slo_tpot_s))
+        self.window.finished.append((self.now, tr.sent_s, ttft <= self.control.slo_ttft_s,
+                                     tpot <= self.control.slo_tpot_s))
 
     def signals(self) -> Signals:
         c, w, now = self.control, self.window, self.now
@@ -104,7 +108,10 @@ class ControlledSimulator(Simulator):
         n = len(w.arrivals)
         prompt = sum(a[1] for a in w.arrivals) / n if n else 0.0
         output = sum(a[2] for a in w.arrivals) / n if n else 0.0
-        done = len(w.finished)
+        # Attainment judges the pools as they are: requests sent since the last change, and
+        # enough of them (a backlog left by the old split would blame the new one).
+        judged = [f for f in w.finished if f[1] >= self.last_change]
+        done = len(judged) if len(judged) >= MIN_JUDGED else 0
         cost, sched = self.c.prefill_cost, self.c.engine.scheduler
         return Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
@@ -113,8 +120,8 @@ class ControlledSimulator(Simulator):
             decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs),
             queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
                                       for x in self.pools[PREFILL]),
-            ttft_attainment=sum(f[1] for f in w.finished) / done if done else math.nan,
-            tpot_attainment=sum(f[2] for f in w.finished) / done if done else math.nan,
+            ttft_attainment=sum(f[2] for f in judged) / done if done else math.nan,
+            tpot_attainment=sum(f[3] for f in judged) / done if done else math.nan,
             draining=len(self.draining))
 
     # -- the loop ---------------------------------------------------------------------------------

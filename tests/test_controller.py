@@ -111,12 +111,13 @@ def test_simulated_pools_follow_a_phase_shift():
     cost = roofline("llama-3-8b", "h100-sxm", 1)
     rng = random.Random(0)
     requests, t = [], 0.0
-    for until, rate, prompt, output in ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 800)):
+    for until, rate, prompt, output in ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 2000)):
         while t < until:
             t += rng.expovariate(rate)
             requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
                                                  rng.randint(output // 2, output * 3 // 2), len(requests)))
-    cluster = SimCluster(num_prefill=2, num_decode=6, prefill_cost=cost, decode_cost=cost, engine=engine())
+    cluster = SimCluster(num_prefill=2, num_decode=6, prefill_cost=cost, decode_cost=cost, engine=engine(),
+                         max_pending=4096)
     sim = ControlledSimulator(cluster, SimControl(ControllerConfig(8, cooldown_s=20), interval_s=10, window_s=30,
                                                   slo_ttft_s=1.0, slo_tpot_s=0.05), record_itl=False)
     results, _ = sim.run(requests)
