@@ -21,7 +21,7 @@ from pathlib import Path
 from cluster.capacity import (Costs, add_cost_args, cluster_from_args, costs_from_args, engine_from_args, simulate,
                               sim_workload)
 from cluster.simulate import SimCluster, SimRequest
-from workers.cost_model import DISTSERVE_OPT13B_A100_TP, CostModel, Link, model_shape
+from workers.cost_model import DISTSERVE_OPT13B_A100_TP, VLLM2023_OPT13B_A100_TP1, CostModel, Link, model_shape
 from workers.names import COLOCATED, DISAGGREGATED
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -77,6 +77,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-costs", default="roofline", choices=("roofline", "distserve"),
                    help="roofline (any model and GPU) or distserve: DistServe's published profile of "
                    "OPT-13B on A100-80GB (TP 1, 2, 4), to compare with its planner")
+    p.add_argument("--colocated-step-costs", default="same", choices=("same", "vllm-2023"),
+                   help="same: colocated candidates on the same costs; vllm-2023 (with --step-costs "
+                   "distserve): DistServe's baseline, its profile of 2023's vLLM (TP1 only)")
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, required=True)
     s.add_argument("--slo-tpot-ms", type=float, required=True)
@@ -113,6 +116,14 @@ def distserve_costs(tp: int, link: Link | None) -> CostModel:
 
 def costs_for(a: argparse.Namespace, p: Placement) -> Costs:
     ptp, dtp = (p.tp, p.tp) if p.mode == COLOCATED else (p.prefill_tp, p.decode_tp)
+    if a.colocated_step_costs == "vllm-2023" and a.step_costs != "distserve":
+        raise ValueError("--colocated-step-costs vllm-2023 goes with --step-costs distserve")
+    if a.colocated_step_costs == "vllm-2023" and p.mode == COLOCATED:
+        if p.tp != 1:
+            raise ValueError("does not fit: DistServe's vLLM profile is TP1 only")
+        cost = dataclasses.replace(distserve_costs(1, None), step=VLLM2023_OPT13B_A100_TP1,
+                                   source="distserve's vllm-2023 opt-13b a100-80g tp1")
+        return Costs(cost, cost, 2048, cost.source)
     if a.step_costs == "distserve":
         if (a.model or "").lower() != "opt-13b" or a.gpu != "a100-80g":
             raise ValueError("--step-costs distserve is DistServe's profile of --model opt-13b on --gpu a100-80g")
@@ -206,6 +217,7 @@ def plan(a: argparse.Namespace, progress=print) -> dict:
             b = max(cands, key=lambda r: (r["goodput_per_gpu"], -r["placement"].num_gpus))
             best[mode] = {"goodput_per_gpu": b["goodput_per_gpu"], "goodput": b["goodput"], **b["placement"].to_json()}
     return {"model": a.model, "gpu": a.gpu, "num_gpus": a.num_gpus, "step_costs": a.step_costs,
+            "colocated_step_costs": a.colocated_step_costs,
             "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms, "attainment": a.slo_attainment},
             "workload": {"dataset_name": a.dataset_name, "dataset_path": a.dataset_path, "num_prompts": len(base),
                          "mean_prompt_tokens": sum(r.prompt_len for r in base) / len(base),
@@ -262,6 +274,8 @@ def table(result: dict) -> str:
         lines.append(f"best colocated:     {c['num_workers']} x TP{c['tp']}: {c['goodput_per_gpu']:.3f} req/s per GPU")
     if d and c and c["goodput_per_gpu"] > 0:
         lines.append(f"disaggregated / colocated: {d['goodput_per_gpu'] / c['goodput_per_gpu']:.2f}x")
+    elif d and c and d["goodput_per_gpu"] > 0:
+        lines.append("disaggregated / colocated: unbounded (no colocated placement meets the SLOs at any rate)")
     return "\n".join(lines)
 
 

@@ -86,6 +86,23 @@ def test_plan_writes_its_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+def test_plan_against_distserves_baseline(tmp_path, capsys):
+    """DistServe's own comparison: its OPT-13B profile for the disaggregated candidates, its
+    profile of 2023's vLLM (TP1) for the colocated one, which cannot prefill 1,400-token prompts
+    within 200 ms (22 + 0.1405 x 1,400 + 8.08e-6 x 1,400² ms = 234 ms) at any rate."""
+    args = ["plan", "--model", "opt-13b", "--gpu", "a100-80g", "--num-gpus", "2", "--slo-ttft-ms", "200",
+            "--slo-tpot-ms", "100", "--random-input-len", "1000", "--random-output-len", "40",
+            "--random-range-ratio", "0.5", "--num-prompts", "60", "--search-steps", "2", "--step-costs", "distserve",
+            "--colocated-step-costs", "vllm-2023", "--json", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert r["colocated"]["goodput_per_gpu"] == 0 and r["colocated"]["tp"] == 1
+    assert r["disaggregated"]["goodput_per_gpu"] > 0
+    assert "unbounded" in capsys.readouterr().out
+    assert main(args[:-6] + ["--colocated-step-costs", "vllm-2023"]) == 2       # needs --step-costs distserve
+    assert "goes with --step-costs distserve" in capsys.readouterr().err
+
+
 def test_profile_of_this_machine_feeds_simulate(tmp_path):
     """The real profile (engine steps, handoff, and the served path on a local cluster), then a
     simulation from it."""

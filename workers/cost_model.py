@@ -150,6 +150,11 @@ DISTSERVE_OPT13B_A100 = LinearStepModel(
     p0=18.10254647486372e-3, p1=0.1019122572698738e-3, p2=7.122264314252114e-09,
     d0=19.934702624895458e-3, d1=0.0006269356524350583e-3, d2=0.03850697740828398e-3)
 
+# DistServe's profile of 2023's vLLM on the same model and GPU (profiler-a100-80g.vllm.json, TP1 only):
+# the colocated baseline its paper compares against.
+VLLM2023_OPT13B_A100_TP1 = LinearStepModel(p0=22.052e-3, p1=0.14051e-3, p2=8.0766e-09,
+                                           d0=23.475e-3, d1=0.00059293e-3, d2=0.060727e-3)
+
 # The same profile at every degree it has (small-batch decode fits), with the KV capacity in
 # tokens DistServe measured per instance (its max_num_tokens table), for `pdcluster plan
 # --step-costs distserve`.
