@@ -89,18 +89,17 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf)
     # A pool can spare a worker when the others would stay under shrink_below of their capacity.
     p_spare = s.num_prefill > 1 and p * s.num_prefill / (s.num_prefill - 1) < cfg.shrink_below
     d_spare = s.num_decode > 1 and d * s.num_decode / (s.num_decode - 1) < cfg.shrink_below
-    if p_short and not d_short:
-        if total < cfg.max_workers:
-            return done(ADD_PREFILL, f"prefill short (load {p:.2f}, TTFT attainment {s.ttft_attainment:.2f})")
-        if d_spare:
-            return done(TO_PREFILL, f"prefill short (load {p:.2f}), decode can spare one (load {d:.2f})")
-        return done(NONE, "prefill short, but no worker to spare within the budget")
-    if d_short and not p_short:
-        if total < cfg.max_workers:
-            return done(ADD_DECODE, f"decode short (load {d:.2f}, TPOT attainment {s.tpot_attainment:.2f})")
-        if p_spare:
-            return done(TO_DECODE, f"decode short (load {d:.2f}), prefill can spare one (load {p:.2f})")
-        return done(NONE, "decode short, but no worker to spare within the budget")
+    for short, other_short, name, other, load, other_load, attainment, spare, add, move in (
+            (p_short, d_short, "prefill", "decode", p, d, f"TTFT attainment {s.ttft_attainment:.2f}", d_spare,
+             ADD_PREFILL, TO_PREFILL),
+            (d_short, p_short, "decode", "prefill", d, p, f"TPOT attainment {s.tpot_attainment:.2f}", p_spare,
+             ADD_DECODE, TO_DECODE)):
+        if short and not other_short:
+            if total < cfg.max_workers:
+                return done(add, f"{name} short (load {load:.2f}, {attainment})")
+            if spare:
+                return done(move, f"{name} short (load {load:.2f}), {other} can spare one (load {other_load:.2f})")
+            return done(NONE, f"{name} short, but no worker to spare within the budget")
     if p_short and d_short:
         if total < cfg.max_workers:
             return done(ADD_PREFILL if p >= d else ADD_DECODE, f"both short (loads {p:.2f} / {d:.2f})")
