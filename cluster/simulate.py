@@ -371,7 +371,7 @@ class Simulator:
             w.busy = True                 # claimed now; the step starts after this instant's events
             self._at(self.now, self._start_step, w)
         elif w.run is not None:
-            done = bisect.bisect_left(w.run, self.now) + 1     # steps ended by the next boundary
+            done = min(len(w.run), bisect.bisect_left(w.run, self.now) + 1)   # steps ended by the next boundary
             if done < len(w.run) or w.run_left:
                 del w.run[done:]
                 w.run_left = 0
