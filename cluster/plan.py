@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cluster.capacity import (Costs, add_cost_args, cluster_from_args, costs_from_args, engine_from_args, simulate,
                               sim_workload)
-from cluster.simulate import SimCluster, SimRequest
+from cluster.simulate import SimRequest
 from workers.cost_model import DISTSERVE_OPT13B_A100_TP, VLLM2023_OPT13B_A100_TP1, CostModel, Link, model_shape
 from workers.names import COLOCATED, DISAGGREGATED
 

@@ -11,7 +11,7 @@ import torch
 
 from workers.checkpoint import load_model
 from workers.config import EngineConfig, canonical_dtype
-from workers.engine_core import CompletionResult, EngineCore, KVCacheLayout, RequestOutput, StepStats  # noqa: F401
+from workers.engine_core import EngineCore, KVCacheLayout
 from workers.model_runner import ModelRunner
 from workers.scheduler import PreemptionCostModel, SchedulerOutput
 from workers.sequence import Sequence
