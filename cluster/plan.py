@@ -231,7 +231,7 @@ def plan(a: argparse.Namespace, progress=print) -> dict:
 def _shape_args(a: argparse.Namespace, p: Placement) -> argparse.Namespace:
     """The cluster flags of one placement, as `simulate` would take them."""
     b = argparse.Namespace(**vars(a))
-    for k in ("mode", "num_prefill", "num_decode", "num_colocated", "prefill", "decode", "workers"):
+    for k in ("prefill", "decode", "workers"):          # given or not, these come from the placement
         if hasattr(b, k):
             delattr(b, k)
     b.mode = p.mode

@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import heapq
 import itertools
-import math
 from itertools import accumulate
 from collections import deque
 from dataclasses import dataclass, field
@@ -526,5 +525,4 @@ def utilization(sim: Simulator) -> dict[str, float]:
     """Per pool: the fraction of the run its workers spent stepping."""
     if sim.now <= 0:
         return {}
-    return {role: sum(w.busy_s for w in pool) / (len(pool) * sim.now)
-            for role, pool in sim.pools.items() if pool and math.isfinite(sim.now)}
+    return {role: sum(w.busy_s for w in pool) / (len(pool) * sim.now) for role, pool in sim.pools.items() if pool}

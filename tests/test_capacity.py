@@ -11,7 +11,7 @@ import pytest
 from cluster import loadgen
 from cluster.cli import main
 from tests.common import pdcluster_cmd, subprocess_env
-from workers.cost_model import CostModel, LinearStepModel, Link
+from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
 
 ROOFLINE = ["--gpu", "h100-sxm", "--model", "llama-3-8b"]
 SMALL = ["--dataset-name", "random", "--random-input-len", "300", "--random-output-len", "40",
@@ -42,8 +42,12 @@ def test_simulate_reads_a_profile(tmp_path, capsys):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**cost.to_json(), "profile": {"cpus": 2, "max_model_len": 2048,
                                                              "served": {"request_overhead_s": 0.01}}}))
-    assert main(["simulate", "--profile", str(path), *SMALL]) == 0
-    assert "costs: " in capsys.readouterr().out
+    assert main(["simulate", "--profile", str(path), *SMALL, "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "r.json", "--no-plots"]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["completed"] == 80 and r["cost_model"] == cost.source
+    # The profile's measured overhead reaches every request: no TTFT below it plus a prefill step.
+    assert min(r["ttfts"]) >= 0.01 + cost.step_s(BatchShape(1, 2, 4)) - 1e-9
 
 
 @pytest.mark.parametrize("args,message", [

@@ -190,8 +190,12 @@ def test_at_rate_keeps_the_arrival_pattern():
     assert [r.arrival_s for r in scaled] == pytest.approx([0.0, 0.5, 1.5, 2.0])
 
 
-def test_shapes_of_a_step_are_what_the_cost_model_prices():
-    """The simulated engine records the same BatchShape the served engine does."""
-    sim, _, _ = run([req(0.0, 40, 2)], mode="colocated", num_colocated=1)
-    assert sim.workers["colocated-0"].steps == 2
-    assert STEP.step_s(BatchShape(1, 40, 1600)) == pytest.approx(0.014)
+def test_each_step_is_priced_by_its_recorded_shape():
+    """A 40-token prompt, 2 tokens, one colocated worker: a prefill step (10 + 40 x 0.1 ms) and
+    one decode step (5 + 1 ms), priced from the shapes the engine recorded, and nothing else."""
+    sim, (r,), _ = run([req(0.0, 40, 2)], mode="colocated", num_colocated=1)
+    w = sim.workers["colocated-0"]
+    assert w.steps == 2
+    assert w.engine.last_shape == BatchShape(num_decode=1, decode_context=41)
+    assert w.busy_s == pytest.approx(STEP.step_s(BatchShape(1, 40, 1600)) + 0.006)
+    assert r.latency == pytest.approx(w.busy_s)
