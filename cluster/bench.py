@@ -1,7 +1,8 @@
 """`pdcluster bench`: load tests that report latency and SLO-attainment goodput.
 
 One run sends `--num-prompts` requests at `--request-rate` (or, with `--dataset-name trace`, at
-a production trace's own timestamps) and reports TTFT, TPOT, ITL and E2E latency. `workload`
+a timed trace's own timestamps; with `--dataset-name phases`, in alternating prefill-heavy and
+decode-heavy phases, reported phase by phase) and reports TTFT, TPOT, ITL and E2E latency. `workload`
 gives the same requests and send times without a server, for `pdcluster simulate`. With `--goodput`, requests meeting every SLO count as good; `--sweep` runs several
 rates and reports the highest one at which at least `--slo-attainment` of requests are good
 (DistServe's goodput), per worker and per GPU when the server says how many it has; when the
@@ -28,14 +29,16 @@ from pathlib import Path
 import httpx
 
 from cluster import loadgen, promtext
-from cluster.bench_data import (TRACES, BenchRequest, TraceRow, load_custom, load_trace, sample_prefix_repetition,
-                                sample_random, sample_sharegpt, sample_trace)
+from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
+                                TraceRow, alternate, load_custom, load_trace, phase_rows, sample_prefix_repetition,
+                                sample_random, sample_sharegpt, sample_trace, save_trace)
 from workers.names import DISAGGREGATED, MODES
 
 LAUNCH_SKIPS = ("--model", "--seed")      # engine flags whose names bench already uses
 ATTAINMENT = 0.9
 KEEP_PACE = 0.5        # a sweep point must complete at least this fraction of its offered rate
 DATASETS = ("random", "sharegpt", "prefix-repetition", "custom", "trace")
+TIMED = ("trace", "phases")      # datasets whose rows carry their own send times (`trace_rows`)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: OPENAI_API_KEY)")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
 
-    add_dataset_args(p)
+    add_dataset_args(p, phases=True)
     r = add_rate_args(p)
     r.add_argument("--sweep", action="store_true", help="run several rates and report the highest with "
                    "enough SLO attainment (needs --goodput)")
@@ -80,12 +83,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, skip=LAUNCH_SKIPS)
 
 
-def add_dataset_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The workload: which requests (and, for a trace, when). Shared with `pdcluster simulate`."""
+def add_dataset_args(p: argparse.ArgumentParser, phases: bool = False) -> argparse._ArgumentGroup:
+    """The workload: which requests (and, for a trace, when). Shared with `pdcluster simulate`;
+    `phases` adds the phase generator (bench's own, so far)."""
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset-name", default="random", choices=DATASETS)
+    d.add_argument("--dataset-name", default="random", choices=DATASETS + (("phases",) if phases else ()))
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, JSONL for custom, or for trace a CSV "
-                   f"(arrived_at,num_prefill_tokens,num_decode_tokens) or a built-in trace: {', '.join(TRACES)}")
+                   "(arrived_at,num_prefill_tokens,num_decode_tokens), a JSONL timed trace (one object a line: "
+                   "arrival_s or timestamp, prompt or prompt_len/input_length, output_len/output_length/"
+                   f"output_tokens, optional phase) or a built-in trace: {', '.join(TRACES)}")
     d.add_argument("--num-prompts", type=int, default=100, help="requests to send (trace: its first N, all if "
                    "it has fewer)")
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -105,8 +111,25 @@ def add_dataset_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "output lengths by this (rounded, at least 1)")
     d.add_argument("--trace-max-len", type=int, default=None, help="trace: cut prompts so that prompt + output "
                    "fits in this many tokens (e.g. the served model's context)")
+    d.add_argument("--trace-timestamp-unit", default="s", choices=tuple(TIMESTAMP_UNITS), help="JSONL trace: the "
+                   "unit of a 'timestamp' field (ms for Mooncake's traces); 'arrival_s' is always seconds")
     d.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's extension)")
     d.add_argument("--seed", type=int, default=0)
+    if phases:
+        g = p.add_argument_group("load phases (--dataset-name phases): alternating prefill-heavy and decode-heavy "
+                                 "phases, the first prefill-heavy; gamma gaps within each (--burstiness), lengths "
+                                 "spread by --random-range-ratio; --num-prompts does not apply")
+        g.add_argument("--phases", type=int, default=4, help="how many phases")
+        g.add_argument("--phase-s", type=float, default=30.0, help="seconds per phase")
+        g.add_argument("--prefill-phase-input-len", type=int, default=1024)
+        g.add_argument("--prefill-phase-output-len", type=int, default=16)
+        g.add_argument("--prefill-phase-rate", type=float, default=2.0, help="requests/s")
+        g.add_argument("--decode-phase-input-len", type=int, default=32)
+        g.add_argument("--decode-phase-output-len", type=int, default=256)
+        g.add_argument("--decode-phase-rate", type=float, default=2.0, help="requests/s")
+        g.add_argument("--save-trace", default=None, metavar="FILE", help="phases or trace: write the workload as a "
+                       "JSONL timed trace (replay: --dataset-name trace --dataset-path FILE, in bench or simulate) "
+                       "and exit, sending nothing")
     return d
 
 
@@ -164,9 +187,11 @@ def parse_options(a: argparse.Namespace) -> BenchOptions:
         raise ValueError("--sweep needs --goodput (the SLOs that define a good request)")
     if sweeping and a.sweep_duration < 0:
         raise ValueError("--sweep-duration must be non-negative")
-    if sweeping and a.dataset_name == "trace":
-        raise ValueError("--sweep does not apply to --dataset-name trace: a trace sets its own rate "
-                         "(run it at several --trace-time-scale values instead)")
+    if sweeping and a.dataset_name in TIMED:
+        raise ValueError(f"--sweep does not apply to --dataset-name {a.dataset_name}: it sets its own rates "
+                         "(run it at several " + ("--trace-time-scale values" if a.dataset_name == "trace"
+                                                  else "--prefill-phase-rate and --decode-phase-rate values")
+                         + " instead)")
     return BenchOptions(metrics, pcts, slos)
 
 
@@ -190,6 +215,24 @@ def check_workload(a: argparse.Namespace) -> None:
             raise ValueError("--trace-time-scale and --trace-length-scale must be positive")
         if a.trace_max_len is not None and a.trace_max_len < 2:
             raise ValueError("--trace-max-len must be at least 2 (a 1-token prompt and output)")
+    if a.dataset_name == "phases":
+        if not math.isinf(a.request_rate):
+            raise ValueError("--dataset-name phases sets its rates per phase: drop --request-rate (use "
+                             "--prefill-phase-rate and --decode-phase-rate)")
+        if a.phases < 1:
+            raise ValueError("--phases must be at least 1")
+        if not (a.phase_s > 0 and math.isfinite(a.phase_s)):
+            raise ValueError("--phase-s must be positive")
+        for kind in ("prefill", "decode"):
+            rate = getattr(a, f"{kind}_phase_rate")
+            if not (rate > 0 and math.isfinite(rate)):
+                raise ValueError(f"--{kind}-phase-rate must be a positive number of requests/s")
+            if getattr(a, f"{kind}_phase_input_len") < 1 or getattr(a, f"{kind}_phase_output_len") < 1:
+                raise ValueError(f"--{kind}-phase-input-len and --{kind}-phase-output-len must be at least 1")
+        if not 0 <= a.random_range_ratio < 1:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {a.random_range_ratio}")
+    if getattr(a, "save_trace", None) and a.dataset_name not in TIMED:
+        raise ValueError("--save-trace writes a timed workload: it needs --dataset-name phases or trace")
 
 
 def server_info(base_url: str, api_key: str | None) -> dict:
@@ -266,11 +309,31 @@ def server_report(s: dict) -> str:
     return "\n".join(lines + ["=" * w])
 
 
-def trace_rows(a: argparse.Namespace, num: int | None = None) -> list[TraceRow]:
-    """The first `num` (default --num-prompts) rows of the --dataset-path trace, scaled by the
-    --trace-* flags."""
+def phases_from_args(a: argparse.Namespace) -> list[Phase]:
+    prefill = Phase(PREFILL_HEAVY, a.prefill_phase_input_len, a.prefill_phase_output_len, a.prefill_phase_rate)
+    decode = Phase(DECODE_HEAVY, a.decode_phase_input_len, a.decode_phase_output_len, a.decode_phase_rate)
+    return alternate(a.phases, prefill, decode)
+
+
+def trace_rows(a: argparse.Namespace, num: int | None = None, tokenizer=None) -> list[TraceRow]:
+    """The timed rows of --dataset-name phases (all of them), or the first `num` (default
+    --num-prompts) of the --dataset-path trace, scaled by the --trace-* flags. A JSONL trace's
+    text prompts are measured with `tokenizer`, else with --tokenizer's (loaded if needed)."""
+    if a.dataset_name == "phases":
+        return phase_rows(phases_from_args(a), a.phase_s, a.burstiness, a.random_range_ratio, a.seed)
+
+    def named_tokenizer():
+        if not getattr(a, "tokenizer", None):
+            return None
+        from workers.checkpoint import load_tokenizer
+        try:
+            return load_tokenizer(a.tokenizer)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--tokenizer {a.tokenizer}: {e}") from None
+
     return load_trace(a.dataset_path, num or a.num_prompts, a.trace_time_scale, a.trace_length_scale,
-                      a.trace_max_len)
+                      a.trace_max_len, tokenizer if tokenizer is not None else named_tokenizer,
+                      getattr(a, "trace_timestamp_unit", "s"))
 
 
 def _need_tokenizer(name: str, tokenizer) -> None:
@@ -287,8 +350,8 @@ def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
     name, want = a.dataset_name, num or a.num_prompts
     seed = a.seed if seed is None else seed
     _need_tokenizer(name, tokenizer)
-    if name == "trace":
-        return sample_trace(tokenizer, trace_rows(a, want), seed)
+    if name in TIMED:
+        return sample_trace(tokenizer, trace_rows(a, want, tokenizer), seed)
     if name == "random":
         return sample_random(tokenizer, want, a.random_input_len, a.random_output_len,
                              a.random_range_ratio, a.random_prefix_len, seed)
@@ -305,13 +368,13 @@ def build_requests(a: argparse.Namespace, tokenizer, num: int | None = None,
 
 def workload(a: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[float]]:
     """What one run sends, and when: the requests and their send times in seconds from the start
-    (non-decreasing). A trace's own (scaled) timestamps, else `loadgen.send_times` at
+    (non-decreasing). A trace's own (scaled) timestamps or the phases', else `loadgen.send_times` at
     --request-rate and --burstiness, drawn with --seed: exactly what `run_load` would draw.
     No server needed: `pdcluster simulate` replays the same workload as `pdcluster bench`."""
     check_workload(a)
-    if a.dataset_name == "trace":
+    if a.dataset_name in TIMED:
         _need_tokenizer(a.dataset_name, tokenizer)
-        rows = trace_rows(a)
+        rows = trace_rows(a, tokenizer=tokenizer)
         return sample_trace(tokenizer, rows, a.seed), [r.arrival_s for r in rows]
     requests = build_requests(a, tokenizer)
     return requests, loadgen.send_times(len(requests), a.request_rate, a.burstiness, a.seed)
@@ -375,8 +438,9 @@ def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, 
     try:
         results, duration = asyncio.run(loadgen.run_load(target, requests, rate, a.burstiness,
                                                          a.max_concurrency, a.seed, progress, arrivals))
+        in_order = results
     except loadgen.LoadInterrupted as e:
-        cut = e
+        cut, in_order = e, e.results
         results, duration = [r for r in e.results if r is not None], e.duration
     finally:
         progress.close()
@@ -389,6 +453,15 @@ def run_once(target: loadgen.Target, requests: list[BenchRequest], rate: float, 
         out.update(request_rate=trace_rate if math.isfinite(trace_rate) else "inf", burstiness=None,
                    trace=a.dataset_path, trace_time_scale=a.trace_time_scale,
                    trace_length_scale=a.trace_length_scale, trace_max_len=a.trace_max_len)
+    if a.dataset_name == "phases" and arrivals is not None:
+        mean_rate = offered_rate(arrivals)
+        out.update(request_rate=mean_rate if math.isfinite(mean_rate) else "inf",
+                   phase_config={"phases": a.phases, "phase_s": a.phase_s, "range_ratio": a.random_range_ratio,
+                                 **{p.name: {"input_len": p.input_len, "output_len": p.output_len, "rate": p.rate}
+                                    for p in phases_from_args(a)[:2]}})
+    if arrivals is not None and any(q.phase is not None for q in requests):
+        out["phases"] = loadgen.summarize_phases(in_order, arrivals, [q.phase for q in requests], opts.slos,
+                                                 opts.percentiles)
     if cut is not None:
         out.update(interrupted=True, not_finished=len(requests) - len(results),
                    in_flight_at_interrupt=cut.started - len(results), not_sent=len(requests) - cut.started)
@@ -417,6 +490,10 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
         else f"{result['request_rate']:.2f}")
     if result.get("trace"):
         row("Arrivals:", f"trace x{result['trace_time_scale']:g}")
+    elif result.get("phase_config"):
+        c = result["phase_config"]
+        row("Arrivals:", f"{c['phases']} phases x {c['phase_s']:g} s")
+        row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
     else:
         row("Burstiness (1 = Poisson):", f"{result['burstiness']:g}")
     row("Max concurrency:", result["max_concurrency"] or "none")
@@ -437,6 +514,8 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
         row(f"Median {m.upper()} (ms):", _ms(result[f"median_{m}_ms"]))
         for p in opts.percentiles:
             row(f"P{p:g} {m.upper()} (ms):", _ms(result[f"p{p:g}_{m}_ms"]))
+    if result.get("phases"):
+        lines.append(phase_report(result["phases"], opts))
     errors = [e for e in result["errors"] if e]
     if errors:
         lines.append(f"{' Errors ':-^{w}}")
@@ -446,6 +525,21 @@ def report(result: dict, opts: BenchOptions, title: str = "Serving Benchmark Res
         for e, n in sorted(counts.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {n} x {e[:200]}")
     lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def phase_report(phases: list[dict], opts: BenchOptions) -> str:
+    """The per-phase table: requests by the phase they were due to be sent in."""
+    p = f"p{opts.percentiles[-1]:g}"
+    lines = [f"{' Per phase (by send time) ':-^79}",
+             f"{'#':>2} {'phase':<14} {'from s':>7} {'sent':>5} {'done':>5} {'fail':>4} {'attain':>7} "
+             f"{'goodput':>8} {p + ' TTFT':>9} {p + ' TPOT':>9}"]
+    for k, ph in enumerate(phases, 1):
+        attain = "-" if ph["slo_attainment"] is None else f"{ph['slo_attainment']:.1%}"
+        good = "-" if ph["request_goodput"] is None else f"{ph['request_goodput']:.2f}"
+        lines.append(f"{k:>2} {str(ph['phase'])[:14]:<14} {ph['start_s']:>7.1f} {ph['num_prompts']:>5} "
+                     f"{ph['completed']:>5} {ph['failed']:>4} {attain:>7} {good:>8} "
+                     f"{ph[f'{p}_ttft_ms']:>9.1f} {ph[f'{p}_tpot_ms']:>9.1f}")
     return "\n".join(lines)
 
 
@@ -550,6 +644,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.from_ray_job:
         return fetch_ray_job_result(a)
     opts = parse_options(a)
+    if a.save_trace:
+        rows = trace_rows(a, tokenizer=lambda: _tokenizer(a, a.model) if a.tokenizer or a.model else None)
+        path = save_trace(rows, a.save_trace)
+        print(f"pdcluster bench: wrote {len(rows)} requests ({rows[-1].arrival_s:.1f} s of arrivals) to {path}; "
+              f"replay: --dataset-name trace --dataset-path {path}", flush=True)
+        return 0
     with _maybe_launch(a) as base_url:
         api_key = a.api_key or os.environ.get("OPENAI_API_KEY")
         info = server_info(base_url, api_key)
@@ -569,6 +669,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                   "num_workers": info.get("num_workers"), "num_gpus": info.get("num_gpus"),
                   "workers_by_role": info.get("workers_by_role")}
         what = (f"trace {a.dataset_path}, {arrivals[-1]:.1f} s of arrivals" if a.dataset_name == "trace"
+                else f"{a.phases} phases of {a.phase_s:g} s, prefill-heavy first" if a.dataset_name == "phases"
                 else a.dataset_name)
         print(f"pdcluster bench: {len(requests)} requests ({what}) to {base_url}{a.endpoint}, "
               f"model {model!r}" + (f", {info['num_workers']} workers" if info.get("num_workers") else ""),

@@ -1,13 +1,15 @@
 """Workloads for `pdcluster bench`: the datasets `vllm bench serve` users know.
 
 Every sampler returns `BenchRequest`s: the prompt text, its length in the client's tokenizer,
-and how many tokens to ask for. A timed trace (`load_trace`) also says when to send each. Prompts are text (both endpoints take text; token-id prompts
+and how many tokens to ask for. A timed trace (`load_trace`: CSV or JSONL) and the load phases
+(`phase_rows`) also say when to send each. Prompts are text (both endpoints take text; token-id prompts
 are a completions-only extension), and lengths are re-measured after decoding, because
 random ids seldom round-trip through a tokenizer to the same count.
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import random
@@ -22,6 +24,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int        # tokens, by the client's tokenizer (the server's usage wins when reported)
     output_len: int        # max_tokens to ask for
+    phase: str | None = None   # the load phase it is sent in (phases, or a trace's "phase" field)
 
 
 def _lens(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
@@ -166,13 +169,21 @@ def load_custom(path: str, tokenizer: Tokenizer | None, num: int, output_len: in
 TRACES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 TRACES = {"azure-conv": "azure_conv_2023.csv", "azure-code": "azure_code_2023.csv"}
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+# JSONL traces: one object per line; of each tuple, the first field present is used. vLLM's
+# `timed_trace` shape (Mooncake's traces) is {"timestamp", "input_length", "output_length", "hash_ids"}.
+JSONL_TIME = ("arrival_s", "timestamp")                 # arrival_s: seconds; timestamp: --trace-timestamp-unit
+JSONL_PROMPT_LEN = ("prompt_len", "input_length")        # tokens, when there is no "prompt" text
+JSONL_OUTPUT_LEN = ("output_len", "output_length", "output_tokens")
+TIMESTAMP_UNITS = {"s": 1.0, "ms": 0.001}
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRow:
     arrival_s: float       # seconds from the first request of the trace (scaled)
-    prompt_len: int        # tokens
+    prompt_len: int        # tokens (of `prompt`, in the tokenizer, when the trace gives the text)
     output_len: int        # tokens
+    prompt: str | None = None      # the prompt's text, when the trace gives it rather than a length
+    phase: str | None = None       # the load phase it belongs to (phase_rows, or a JSONL "phase" field)
 
 
 def resolve_trace(path: str) -> Path:
@@ -194,25 +205,104 @@ def _trace_number(path, lineno: int, column: str, text: str | None, integer: boo
     return x
 
 
-def _trace_rows(file: Path, reader: csv.DictReader) -> list[tuple[float, float, float]]:
+# (arrival, prompt tokens or None for a text prompt, output tokens, prompt text, phase, line)
+_Raw = tuple[float, "float | None", float, "str | None", "str | None", int]
+
+
+def _trace_rows(file: Path, reader: csv.DictReader) -> list[_Raw]:
     header = reader.fieldnames or []
     missing = [c for c in TRACE_COLUMNS if c not in header]
     if missing:
         raise ValueError(f"{file}:1: expected a CSV header with the columns {','.join(TRACE_COLUMNS)}; "
                          f"missing {', '.join(missing)} (got {','.join(header) or 'an empty file'})")
     # DictReader skips blank lines; line_num is the line a row ends on.
-    return [tuple(_trace_number(file, reader.line_num, c, row.get(c), c != "arrived_at") for c in TRACE_COLUMNS)
-            for row in reader]
+    return [(*(_trace_number(file, reader.line_num, c, row.get(c), c != "arrived_at") for c in TRACE_COLUMNS),
+             None, None, reader.line_num) for row in reader]
+
+
+def _json_number(file: Path, lineno: int, field: str, value, tokens: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{file}:{lineno}: '{field}' must be a number, got {json.dumps(value)}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{file}:{lineno}: '{field}' must be a non-negative number, got {value}")
+    if tokens and (value < 1 or not float(value).is_integer()):
+        raise ValueError(f"{file}:{lineno}: '{field}' must be a whole number of tokens, at least 1, got {value}")
+    return value
+
+
+def _first(row: dict, fields: tuple[str, ...]) -> tuple[str | None, object]:
+    for f in fields:
+        if row.get(f) is not None:
+            return f, row[f]
+    return None, None
+
+
+def _jsonl_rows(file: Path, text: str, timestamp_unit: str) -> list[_Raw]:
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}:{lineno}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{file}:{lineno}: expected one JSON object per line, got {type(row).__name__}")
+        field, value = _first(row, JSONL_TIME)
+        if field is None:
+            raise ValueError(f"{file}:{lineno}: no arrival time: give 'arrival_s' (seconds) or 'timestamp' "
+                             "(in --trace-timestamp-unit, default s)")
+        t = _json_number(file, lineno, field, value, False) * (TIMESTAMP_UNITS[timestamp_unit]
+                                                               if field == "timestamp" else 1.0)
+        prompt, n_in = row.get("prompt"), None
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{file}:{lineno}: 'prompt' must be a non-empty string (or give its length "
+                                 "as 'prompt_len')")
+        else:
+            field, value = _first(row, JSONL_PROMPT_LEN)
+            if field is None:
+                raise ValueError(f"{file}:{lineno}: no prompt: give 'prompt' (text) or its length in tokens as "
+                                 "'prompt_len' or 'input_length'")
+            n_in = _json_number(file, lineno, field, value, True)
+        field, value = _first(row, JSONL_OUTPUT_LEN)
+        if field is None:
+            raise ValueError(f"{file}:{lineno}: no output length: give 'output_len', 'output_length' or "
+                             "'output_tokens' (tokens)")
+        n_out = _json_number(file, lineno, field, value, True)
+        phase = row.get("phase")
+        if phase is not None and (isinstance(phase, bool) or not isinstance(phase, (str, int))):
+            raise ValueError(f"{file}:{lineno}: 'phase' must be a string or an integer, got {json.dumps(phase)}")
+        out.append((t, n_in, n_out, prompt, None if phase is None else str(phase), lineno))
+    return out
+
+
+def _fit_text(tokenizer: Tokenizer, text: str, limit: int | None) -> tuple[str, int]:
+    """(text, its tokens), the text cut to at most `limit` tokens (None: as it is)."""
+    ids = tokenizer.encode(text)
+    n, keep = len(ids), limit
+    for _ in range(8):
+        if limit is None or n <= limit or keep < 1:
+            break
+        text = tokenizer.decode(ids[:keep])
+        n = len(tokenizer.encode(text))
+        keep -= max(1, n - limit)
+    return text, n
 
 
 def load_trace(path: str, num: int | None = None, time_scale: float = 1.0, length_scale: float = 1.0,
-               max_len: int | None = None) -> list[TraceRow]:
-    """The first `num` requests (None: all) of a CSV trace with the columns arrived_at (seconds),
-    num_prefill_tokens, num_decode_tokens, in order of arrival. `path` is a file or a built-in
-    name (TRACES). Times are made relative to the first request and divided by `time_scale`
-    (2: twice the rate); lengths are multiplied by `length_scale` (rounded, at least 1); with
-    `max_len`, the prompt is cut so that prompt + output <= max_len (each at least 1; an output
-    of max_len or more is cut to max_len - 1)."""
+               max_len: int | None = None, tokenizer=None, timestamp_unit: str = "s") -> list[TraceRow]:
+    """The first `num` requests (None: all) of a timed trace, in order of arrival (a file out of
+    order is sorted, ties keeping the file's order). `path` is a built-in name (TRACES) or a file:
+    CSV with the columns arrived_at (seconds), num_prefill_tokens, num_decode_tokens; or JSONL
+    (a .jsonl name, or a first character `{`), one object per line with an arrival time
+    (JSONL_TIME), the prompt as text ("prompt") or a length (JSONL_PROMPT_LEN), an output length
+    (JSONL_OUTPUT_LEN) and optionally a "phase"; other fields (vLLM's hash_ids) are ignored.
+    Times are made relative to the first request and divided by `time_scale` (2: twice the
+    rate); lengths given as numbers are multiplied by `length_scale` (rounded, at least 1; a text
+    prompt is sent as written); with `max_len`, the prompt is cut so that prompt + output <=
+    max_len (each at least 1; an output of max_len or more is cut to max_len - 1). Text prompts
+    are measured with `tokenizer` (a Tokenizer, or a function that loads one when first needed)."""
     if not time_scale > 0 or not math.isfinite(time_scale):
         raise ValueError(f"--trace-time-scale must be positive, got {time_scale}")
     if not length_scale > 0 or not math.isfinite(length_scale):
@@ -221,21 +311,27 @@ def load_trace(path: str, num: int | None = None, time_scale: float = 1.0, lengt
         raise ValueError(f"--trace-max-len must be at least 2 (a 1-token prompt and output), got {max_len}")
     if num is not None and num < 1:
         raise ValueError(f"the number of trace requests must be at least 1, got {num}")
+    if timestamp_unit not in TIMESTAMP_UNITS:
+        raise ValueError(f"--trace-timestamp-unit must be one of {', '.join(TIMESTAMP_UNITS)}, got {timestamp_unit!r}")
     file = resolve_trace(path)
     try:
-        f = file.open(newline="", encoding="utf-8-sig")     # -sig: a BOM is no header
+        text = file.read_text(encoding="utf-8-sig")     # -sig: a BOM is no header
     except FileNotFoundError:
         if path in TRACES:
             raise FileNotFoundError(f"built-in trace {path}: {file} is missing (it ships in the checkout's "
                                     "benchmarks/traces)") from None
         raise FileNotFoundError(f"--dataset-path {path}: no such file (built-in traces: "
                                 f"{', '.join(TRACES)})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ValueError(f"--dataset-path {path}: cannot read it ({e.strerror or e})") from None
-    with f:
+    if file.suffix.lower() in (".jsonl", ".ndjson") or text.lstrip().startswith("{"):
+        raw = _jsonl_rows(file, text, timestamp_unit)
+    else:
         try:
-            raw = _trace_rows(file, csv.DictReader(f))
-        except (UnicodeDecodeError, csv.Error) as e:
+            raw = _trace_rows(file, csv.DictReader(io.StringIO(text)))
+        except csv.Error as e:
             raise ValueError(f"{file}: not a CSV text file ({e})") from None
     if not raw:
         raise ValueError(f"{file}: no requests in the trace")
@@ -243,21 +339,106 @@ def load_trace(path: str, num: int | None = None, time_scale: float = 1.0, lengt
     raw = raw[:num] if num is not None else raw
     t0 = raw[0][0]
     out = []
-    for t, n_in, n_out in raw:
-        n_in, n_out = max(1, round(n_in * length_scale)), max(1, round(n_out * length_scale))     # ints
+    for t, n_in, n_out, prompt, phase, lineno in raw:
+        n_out = max(1, round(n_out * length_scale))                                          # an int
         if max_len is not None:
             n_out = min(n_out, max_len - 1)
-            n_in = min(n_in, max_len - n_out)
-        out.append(TraceRow((t - t0) / time_scale, n_in, n_out))
+        if prompt is None:
+            n_in = max(1, round(n_in * length_scale))
+            if max_len is not None:
+                n_in = min(n_in, max_len - n_out)
+        else:
+            if tokenizer is not None and not hasattr(tokenizer, "encode"):
+                tokenizer = tokenizer()                          # loaded when first needed
+            if tokenizer is None:
+                raise ValueError(f"{file}:{lineno}: a text 'prompt' needs a tokenizer to count its tokens: "
+                                 "pass --tokenizer (a built-in model name or a directory with tokenizer.json)")
+            prompt, n_in = _fit_text(tokenizer, prompt, None if max_len is None else max_len - n_out)
+        out.append(TraceRow((t - t0) / time_scale, n_in, n_out, prompt, phase))
+    return out
+
+
+def save_trace(rows: list[TraceRow], path: str) -> Path:
+    """`rows` as a JSONL timed trace that load_trace reads back as they are: one
+    {"arrival_s", "prompt_len" (or "prompt": text), "output_len", "phase" (if any)} per line."""
+    lines = []
+    for r in rows:
+        d: dict = {"arrival_s": round(r.arrival_s, 6)}
+        d.update({"prompt": r.prompt} if r.prompt is not None else {"prompt_len": r.prompt_len})
+        d["output_len"] = r.output_len
+        if r.phase is not None:
+            d["phase"] = r.phase
+        lines.append(json.dumps(d))
+    out = Path(path)
+    try:
+        out.write_text("".join(line + "\n" for line in lines))
+    except OSError as e:
+        raise ValueError(f"--save-trace {path}: cannot write it ({e.strerror or e})") from None
     return out
 
 
 def sample_trace(tokenizer: Tokenizer, rows: list[TraceRow], seed: int = 0) -> list[BenchRequest]:
-    """One request per trace row: random text of the row's prompt length (as sample_random makes
-    it), asking for the row's output length."""
-    gen = RandomText(tokenizer, random.Random(seed))
+    """One request per trace row: its text prompt, or random text of the row's prompt length
+    (as sample_random makes it), asking for the row's output length, in the row's phase."""
+    gen = None
     out = []
     for row in rows:
+        if row.prompt is not None:
+            out.append(BenchRequest(row.prompt, row.prompt_len, row.output_len, row.phase))
+            continue
+        if gen is None:
+            gen = RandomText(tokenizer, random.Random(seed))
         text, n = gen.text(row.prompt_len)
-        out.append(BenchRequest(text, n, row.output_len))
+        out.append(BenchRequest(text, n, row.output_len, row.phase))
     return out
+
+
+# -- load phases: alternating prefill-heavy and decode-heavy load ---------------------------------
+PREFILL_HEAVY, DECODE_HEAVY = "prefill-heavy", "decode-heavy"
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    name: str
+    input_len: int         # mean prompt tokens
+    output_len: int        # mean output tokens
+    rate: float            # requests/s
+
+
+def alternate(num: int, first: Phase, second: Phase) -> list[Phase]:
+    """`num` phases: first, second, first, ..."""
+    return [first if k % 2 == 0 else second for k in range(num)]
+
+
+def phase_rows(phases: list[Phase], phase_s: float, burstiness: float = 1.0, range_ratio: float = 0.0,
+               seed: int = 0) -> list[TraceRow]:
+    """Timed rows for consecutive load phases of `phase_s` seconds: phase k spans
+    [k * phase_s, (k + 1) * phase_s); its first request is sent at its start, the next ones after
+    gamma gaps at its rate (shape `burstiness`, mean 1/rate: 1 is Poisson, as loadgen's
+    arrival_gaps); prompt and output lengths are uniform within +-range_ratio of its means (as
+    --random-range-ratio). Each row carries its phase's name. Seeded: same arguments, same rows."""
+    if not phases:
+        raise ValueError("--phases must be at least 1")
+    if not (phase_s > 0 and math.isfinite(phase_s)):
+        raise ValueError(f"--phase-s must be positive, got {phase_s}")
+    if not burstiness > 0:
+        raise ValueError(f"--burstiness must be positive, got {burstiness}")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    for ph in phases:
+        kind = ph.name.split("-")[0]
+        if not (ph.rate > 0 and math.isfinite(ph.rate)):
+            raise ValueError(f"--{kind}-phase-rate must be a positive number of requests/s, got {ph.rate}")
+        if ph.input_len < 1 or ph.output_len < 1:
+            raise ValueError(f"--{kind}-phase-input-len and --{kind}-phase-output-len must be at least 1")
+    rng = random.Random(seed)
+    rows = []
+    for k, ph in enumerate(phases):
+        t, end, times = k * phase_s, (k + 1) * phase_s, []
+        while t < end:
+            times.append(t)
+            t += rng.gammavariate(burstiness, 1.0 / (ph.rate * burstiness))
+        ins = _lens(rng, len(times), ph.input_len, range_ratio)
+        outs = _lens(rng, len(times), ph.output_len, range_ratio)
+        rows += [TraceRow(t, n_in, n_out, None, ph.name) for t, n_in, n_out in zip(times, ins, outs)]
+    return rows

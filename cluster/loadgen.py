@@ -330,3 +330,42 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "errors": [r.error for r in results],
     })
     return out
+
+
+def summarize_phases(results: list[RequestResult | None], arrivals: list[float], phases: list[str | None],
+                     slos: dict[str, float] | None = None, percentiles=(99.0,)) -> list[dict]:
+    """Per load phase: the requests due to be sent in it, and how they fared. `results`,
+    `arrivals` (send times, non-decreasing) and `phases` (labels) are in request order; a None
+    result did not finish (Ctrl-C) and counts in no rate. A phase is a run of consecutive
+    requests with one label; it lasts from its first send to the next phase's first send, the
+    last one to one mean gap after its last send. Attainment is good / finished (as `summarize`);
+    goodput is good requests per second of the phase."""
+    slos = slos or {}
+    targets = SLOTargets(ttft_s=slos.get("ttft", math.inf), tpot_s=slos.get("tpot", math.inf))
+    runs: list[tuple[str | None, list[int]]] = []
+    for i, label in enumerate(phases):
+        if not runs or runs[-1][0] != label:
+            runs.append((label, []))
+        runs[-1][1].append(i)
+    out = []
+    for k, (label, idx) in enumerate(runs):
+        start = arrivals[idx[0]]
+        if k + 1 < len(runs):
+            end = arrivals[runs[k + 1][1][0]]
+        else:
+            end = start + (arrivals[idx[-1]] - start) * len(idx) / (len(idx) - 1) if len(idx) > 1 else start
+        done = [r for r in (results[i] for i in idx) if r is not None]
+        ok = [r for r in done if r.success]
+        good = sum(meets(r, slos, targets) for r in done) if slos else len(ok)
+        span = end - start
+        ph = {"phase": label, "start_s": start, "end_s": end, "num_prompts": len(idx), "completed": len(ok),
+              "failed": len(done) - len(ok), "not_finished": len(idx) - len(done),
+              "slo_attainment": good / len(done) if slos and done else None,
+              "request_goodput": good / span if slos and span > 0 else None}
+        for m in ("ttft", "tpot"):
+            xs = np.asarray(_values(done, m)) * 1000
+            ph[f"mean_{m}_ms"] = float(xs.mean()) if xs.size else 0.0
+            for p in percentiles:
+                ph[f"p{p:g}_{m}_ms"] = float(np.percentile(xs, p)) if xs.size else 0.0
+        out.append(ph)
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster import bench, loadgen
 from cluster.bench import search_rate
-from cluster.bench_data import TraceRow, load_trace, sample_random, sample_trace
+from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, Phase, TraceRow, alternate, load_trace, phase_rows,
+                                sample_random, sample_trace)
 from cluster.cli import main
 from cluster.serve import free_port
 from workers.checkpoint import load_tokenizer
@@ -386,6 +388,13 @@ def test_ctrl_c_during_a_sweep_keeps_the_rates_it_finished(injected_url, tmp_pat
     (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--goodput", "ttft:100", "--sweep"],
      "--sweep does not apply to --dataset-name trace"),
     (["--dataset-name", "trace", "--dataset-path", "azure-conv", "--trace-max-len", "1"], "at least 2"),
+    (["--dataset-name", "phases", "--request-rate", "4"], "--dataset-name phases sets its rates per phase: drop --request-rate"),
+    (["--dataset-name", "phases", "--phases", "0"], "--phases must be at least 1"),
+    (["--dataset-name", "phases", "--phase-s", "0"], "--phase-s must be positive"),
+    (["--dataset-name", "phases", "--decode-phase-rate", "0"], "--decode-phase-rate must be a positive number"),
+    (["--dataset-name", "phases", "--prefill-phase-output-len", "0"], "--prefill-phase-output-len must be at least 1"),
+    (["--dataset-name", "phases", "--goodput", "ttft:100", "--sweep"], "--sweep does not apply to --dataset-name phases"),
+    (["--save-trace", "x.jsonl"], "--save-trace writes a timed workload: it needs --dataset-name phases or trace"),
 ])
 def test_bad_bench_input_gets_one_clear_line(capsys, args, message):
     rc = main(["bench", "--disable-tqdm", "--base-url", "http://127.0.0.1:9", *args])
@@ -584,3 +593,175 @@ def test_trace_requests_are_sent_at_the_trace_times(injected_url, tmp_path, caps
     assert (r["trace"], r["trace_time_scale"], r["trace_length_scale"], r["trace_max_len"]) == (path, 2.0, 1.0, None)
     assert r["duration"] >= 0.9
     assert "5 requests (trace " in out and "0.9 s of arrivals" in out and "trace x2" in out
+
+
+def write_jsonl(path, lines: list) -> str:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def test_load_trace_reads_jsonl_in_vllm_shape_and_our_own(tmp_path):
+    tok = load_tokenizer("tiny")
+    # vLLM's timed_trace shape (Mooncake's traces): "timestamp" in ms there, hence --trace-timestamp-unit ms;
+    # hash_ids are ignored. Out of order in the file: sorted by time, as a CSV trace is.
+    path = write_jsonl(tmp_path / "mc.jsonl", [
+        {"timestamp": 3000, "input_length": 300, "output_length": 40, "hash_ids": [0, 1]},
+        {"timestamp": 1000, "input_length": 50, "output_length": 4, "hash_ids": [2]},
+        {"timestamp": 1500, "input_length": 7, "output_length": 9}])
+    assert load_trace(path, timestamp_unit="ms") == [TraceRow(0.0, 50, 4), TraceRow(0.5, 7, 9), TraceRow(2.0, 300, 40)]
+    assert [r.arrival_s for r in load_trace(path)] == [0.0, 500.0, 2000.0]              # seconds by default
+    assert load_trace(path, num=2, timestamp_unit="ms") == [TraceRow(0.0, 50, 4), TraceRow(0.5, 7, 9)]
+    # A tokenizer function is only called when a text prompt needs one.
+    assert load_trace(path, tokenizer=lambda: pytest.fail("loaded a tokenizer for lengths"))[0] == TraceRow(0.0, 50, 4)
+    # Our names: arrival_s (always seconds), the prompt as text or prompt_len, output_len or output_tokens, a
+    # phase; a blank line is skipped; a .txt name starting with "{" is JSONL too.
+    text = "hello there, how are you today?"                     # 31 tokens in tiny's byte-level tokenizer
+    path = write_jsonl(tmp_path / "own.txt", [
+        {"arrival_s": 12.5, "prompt": text, "output_tokens": 5, "phase": "b"}, "",
+        {"arrival_s": 12.0, "prompt_len": 12, "output_len": 3.0, "phase": 1}])
+    rows = load_trace(path, tokenizer=tok)
+    assert rows == [TraceRow(0.0, 12, 3, None, "1"), TraceRow(0.5, 31, 5, text, "b")]
+    # Lengths given as numbers scale; a text prompt is sent as written, or cut by tokens to fit --trace-max-len.
+    rows = load_trace(path, time_scale=2, length_scale=2, tokenizer=tok)
+    assert [(r.arrival_s, r.prompt_len, r.output_len, r.prompt) for r in rows] == [(0.0, 24, 6, None),
+                                                                                  (0.25, 31, 10, text)]
+    assert load_trace(path, max_len=10, tokenizer=tok)[1] == TraceRow(0.5, 5, 5, "hello", "b")
+    reqs = sample_trace(tok, load_trace(path, tokenizer=tok))
+    assert (reqs[1].prompt, reqs[1].prompt_len, reqs[1].output_len, reqs[1].phase) == (text, 31, 5, "b")
+    assert len(tok.encode(reqs[0].prompt)) == reqs[0].prompt_len == 12 and reqs[0].phase == "1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 5}\n{"arrival_s": 1, "prompt_len": 5,\n', "t.jsonl:2: not JSON"),
+    ('[0, 5, 5]\n', "t.jsonl:1: expected one JSON object per line, got list"),
+    ('{"prompt_len": 5, "output_len": 5}\n', "t.jsonl:1: no arrival time: give 'arrival_s' (seconds) or 'timestamp'"),
+    ('{"arrival_s": 0, "output_len": 5}\n', "t.jsonl:1: no prompt: give 'prompt' (text) or its length in tokens"),
+    ('{"arrival_s": 0, "prompt_len": 5}\n', "t.jsonl:1: no output length: give 'output_len', 'output_length'"),
+    ('\n{"arrival_s": -1, "prompt_len": 5, "output_len": 5}\n', "t.jsonl:2: 'arrival_s' must be a non-negative number, got -1"),
+    ('{"arrival_s": NaN, "prompt_len": 5, "output_len": 5}\n', "t.jsonl:1: 'arrival_s' must be a non-negative number, got nan"),
+    ('{"timestamp": "soon", "prompt_len": 5, "output_len": 5}\n', "t.jsonl:1: 'timestamp' must be a number, got \"soon\""),
+    ('{"arrival_s": 0, "input_length": true, "output_len": 5}\n', "t.jsonl:1: 'input_length' must be a number, got true"),
+    ('{"arrival_s": 0, "prompt_len": 2.5, "output_len": 5}\n',
+     "t.jsonl:1: 'prompt_len' must be a whole number of tokens, at least 1, got 2.5"),
+    ('{"arrival_s": 0, "prompt_len": 5, "output_length": 0}\n',
+     "t.jsonl:1: 'output_length' must be a whole number of tokens, at least 1, got 0"),
+    ('{"arrival_s": 0, "prompt": "", "output_len": 5}\n', "t.jsonl:1: 'prompt' must be a non-empty string"),
+    ('{"arrival_s": 0, "prompt": "hi", "output_len": 5}\n', "t.jsonl:1: a text 'prompt' needs a tokenizer"),
+    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 5, "phase": [1]}\n', "t.jsonl:1: 'phase' must be a string or an integer"),
+    ("", "t.jsonl: no requests in the trace"),
+    ("\n  \n", "t.jsonl: no requests in the trace"),
+])
+def test_load_trace_names_the_line_and_field_of_a_bad_jsonl_row(tmp_path, text, message):
+    (tmp_path / "t.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_trace(str(tmp_path / "t.jsonl"))
+
+
+def test_a_bad_jsonl_trace_is_one_clear_line_from_the_cli(tmp_path, capsys):
+    # --save-trace needs no server, so the trace's own error is what the user sees.
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"arrival_s": 0, "prompt_len": 5, "output_len": 5}, '{"arrival_s": 1,'])
+    rc = main(["bench", "--dataset-name", "trace", "--dataset-path", bad, "--save-trace", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad.jsonl:2: not JSON" in err and "Traceback" not in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_phases_alternate_with_their_own_rates_and_lengths():
+    prefill, decode = Phase(PREFILL_HEAVY, 800, 8, 20.0), Phase(DECODE_HEAVY, 20, 300, 5.0)
+    phases = alternate(4, prefill, decode)
+    assert phases == [prefill, decode, prefill, decode]
+    rows = phase_rows(phases, 60.0, range_ratio=0.25, seed=7)
+    assert rows == phase_rows(phases, 60.0, range_ratio=0.25, seed=7)                 # seeded
+    assert rows != phase_rows(phases, 60.0, range_ratio=0.25, seed=8)
+    assert [r.arrival_s for r in rows] == sorted(r.arrival_s for r in rows)
+    for k, ph in enumerate(phases):
+        mine = [r for r in rows if k * 60 <= r.arrival_s < (k + 1) * 60]
+        assert {r.phase for r in mine} == {ph.name} and mine[0].arrival_s == k * 60     # one starts the phase
+        # Poisson: the requests after the first number 60 * rate on average, sd its square root; 4 sigma.
+        assert abs(len(mine) - 1 - 60 * ph.rate) <= 4 * math.sqrt(60 * ph.rate)
+        for mean, got in ((ph.input_len, [r.prompt_len for r in mine]), (ph.output_len, [r.output_len for r in mine])):
+            lo, hi = round(mean * 0.75), round(mean * 1.25)
+            assert lo <= min(got) and max(got) <= hi and max(got) - min(got) > (hi - lo) / 2
+            # uniform on [lo, hi]: sd (hi - lo) / sqrt(12); the mean within 4 standard errors
+            assert abs(np.mean(got) - (lo + hi) / 2) <= 4 * (hi - lo) / math.sqrt(12 * len(got))
+    # Gamma gaps within a phase: burstiness 4 is more regular (cv 1/2), 1 is Poisson (cv 1).
+    for burstiness in (1.0, 4.0):
+        gaps = np.diff([r.arrival_s for r in phase_rows([Phase(PREFILL_HEAVY, 8, 8, 50.0)], 60.0, burstiness, seed=1)])
+        assert gaps.mean() == pytest.approx(1 / 50, rel=0.1)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.12)
+
+
+def _result(ttft: float, ok: bool = True) -> loadgen.RequestResult:
+    return loadgen.RequestResult(prompt_len=7, output_len=5, ttft=ttft, itl=[0.05] * 4, latency=ttft + 0.2,
+                                 success=ok, error="" if ok else "HTTP 500: x")
+
+
+def test_results_split_by_the_phase_each_request_was_sent_in():
+    # Three phases (the third repeats the first's label: a phase is a run of one label), sent at these times.
+    labels = ["p"] * 4 + ["d"] * 3 + ["p"] * 2
+    arrivals = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    results = [_result(0.1), _result(0.1), _result(0.9), _result(0.1, ok=False),     # 2 of 4 good
+               _result(0.2), None, _result(0.3),                                     # 1 cut off by Ctrl-C
+               _result(0.1), _result(0.4)]
+    p1, d, p2 = loadgen.summarize_phases(results, arrivals, labels, {"ttft": 0.5}, (50.0, 99.0))
+    assert (p1["phase"], d["phase"], p2["phase"]) == ("p", "d", "p")
+    assert [(x["start_s"], x["end_s"]) for x in (p1, d, p2)] == [(0.0, 4.0), (4.0, 10.0), (10.0, 14.0)]
+    assert (p1["num_prompts"], p1["completed"], p1["failed"], p1["not_finished"]) == (4, 3, 1, 0)
+    assert (d["num_prompts"], d["completed"], d["failed"], d["not_finished"]) == (3, 2, 0, 1)
+    assert p1["slo_attainment"] == 0.5 and p1["request_goodput"] == 2 / 4
+    assert d["slo_attainment"] == 1.0 and d["request_goodput"] == 2 / 6                # of those that finished
+    assert p2["slo_attainment"] == 1.0 and p2["request_goodput"] == 2 / 4             # ends one mean gap on
+    assert p1["mean_ttft_ms"] == pytest.approx(1100 / 3) and p1["p50_ttft_ms"] == pytest.approx(100)
+    assert d["p99_ttft_ms"] == pytest.approx(299) and p2["mean_tpot_ms"] == pytest.approx(50)
+    no_slo = loadgen.summarize_phases(results, arrivals, labels)
+    assert [x["slo_attainment"] for x in no_slo] == [None] * 3 and no_slo[0]["request_goodput"] is None
+    assert "p99_ttft_ms" in no_slo[0] and [x["num_prompts"] for x in no_slo] == [4, 3, 2]
+
+
+def test_phases_save_as_a_trace_that_replays_the_same_load(tmp_path, capsys):
+    from cluster.cli import build_parser
+    flags = ["--dataset-name", "phases", "--phases", "3", "--phase-s", "4", "--prefill-phase-rate", "3",
+             "--decode-phase-rate", "1.5", "--prefill-phase-input-len", "40", "--prefill-phase-output-len", "2",
+             "--decode-phase-input-len", "6", "--decode-phase-output-len", "30", "--random-range-ratio", "0.5",
+             "--seed", "5"]
+    out = tmp_path / "ph.jsonl"
+    rc = main(["bench", *flags, "--save-trace", str(out)])                          # no server: writes and exits
+    stdout = capsys.readouterr().out
+    rows = bench.trace_rows(build_parser().parse_args(["bench", *flags]))
+    assert rc == 0 and f"wrote {len(rows)} requests" in stdout and "replay: --dataset-name trace" in stdout
+    assert [r.phase for r in rows if r.arrival_s in (0, 4, 8)] == [PREFILL_HEAVY, DECODE_HEAVY, PREFILL_HEAVY]
+    replay = load_trace(str(out))
+    assert [(r.prompt_len, r.output_len, r.phase) for r in replay] == [(r.prompt_len, r.output_len, r.phase) for r in rows]
+    assert [r.arrival_s for r in replay] == pytest.approx([r.arrival_s for r in rows], abs=1e-6)
+    # bench sends the same requests at the same times from either
+    tok = load_tokenizer("tiny")
+    reqs, times = bench.workload(build_parser().parse_args(["bench", *flags]), tok)
+    again, times2 = bench.workload(build_parser().parse_args(
+        ["bench", "--dataset-name", "trace", "--dataset-path", str(out), "--num-prompts", "10000", "--seed", "5"]), tok)
+    assert [(q.prompt, q.output_len, q.phase) for q in reqs] == [(q.prompt, q.output_len, q.phase) for q in again]
+    assert times == pytest.approx(times2, abs=1e-6)
+
+
+def test_phases_run_against_a_server_and_report_phase_by_phase(injected_url, tmp_path, capsys):
+    # Two phases of 0.6 s at 10 req/s. Prefill-heavy asks 1 token: done ~FAST_MS after it is sent; decode-heavy
+    # asks 4: FAST_MS + 3 ITL_MS = 450 ms at the earliest. Against e2el <= 300 ms the first phase meets the SLO
+    # and the second cannot.
+    from cluster.cli import build_parser
+    flags = ["--dataset-name", "phases", "--phases", "2", "--phase-s", "0.6", "--prefill-phase-rate", "10",
+             "--decode-phase-rate", "10", "--prefill-phase-input-len", "30", "--prefill-phase-output-len", "1",
+             "--decode-phase-input-len", "5", "--decode-phase-output-len", "4", "--seed", "2"]
+    rows = bench.trace_rows(build_parser().parse_args(["bench", *flags]))
+    n1 = sum(r.phase == PREFILL_HEAVY for r in rows)
+    rc, out, err = run_bench(capsys, "--base-url", injected_url, "--tokenizer", "tiny", *flags, "--goodput", "e2el:300",
+                             "--save-result", "--result-dir", str(tmp_path), "--result-filename", "p.json", "--no-plots")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert (r["completed"], r["failed"]) == (len(rows), 0) and r["output_lens"] == [x.output_len for x in rows]
+    p1, p2 = r["phases"]
+    assert (p1["phase"], p1["start_s"], p1["num_prompts"]) == (PREFILL_HEAVY, 0.0, n1)
+    assert (p2["phase"], p2["start_s"], p2["num_prompts"]) == (DECODE_HEAVY, 0.6, len(rows) - n1)
+    assert p1["slo_attainment"] == 1.0 and p1["request_goodput"] == pytest.approx(n1 / 0.6)
+    assert p2["slo_attainment"] == 0.0 and p2["request_goodput"] == 0.0
+    assert r["slo_attainment"] == pytest.approx(n1 / len(rows))
+    assert r["phase_config"]["phases"] == 2 and r["phase_config"][DECODE_HEAVY]["output_len"] == 4
+    assert "Per phase (by send time)" in out and "2 phases x 0.6 s" in out and "prefill-heavy" in out
