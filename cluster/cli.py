@@ -69,6 +69,12 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
          float),
     Flag("--kv-transfer-timeout-s", "transfer_timeout_s", "seconds one KV pull may take before it fails "
          "(the request then re-runs from prefill)", float),
+    Flag("--controller", "controller", "run the pool-ratio controller: it moves workers between the pools (and "
+         "adds or removes them within --max-workers) as the load shifts, against the --slo-* targets", bool),
+    Flag("--controller-interval-s", "controller_interval_s", "seconds between the controller's decisions", float),
+    Flag("--controller-window-s", "controller_window_s", "seconds of arrivals and finishes a decision sees", float),
+    Flag("--controller-cooldown-s", "controller_cooldown_s", "no change within this long of the last", float),
+    Flag("--max-workers", "max_workers", "the worker budget the controller keeps to (default: the launched pools)"),
 )
 
 ROUTER_FLAGS = (        # RouterConfig fields
@@ -107,7 +113,7 @@ def add_flags(g, flags: tuple[Flag, ...], cls, **overrides) -> None:
     for f in flags:
         default = overrides.get(f.field, _field_default(cls, f.field))
         # SUPPRESS: a flag not given leaves no attribute, so `given` knows what the user said.
-        if f.negate:
+        if f.type is bool:                # a switch: on when given (or, negated, off)
             g.add_argument(f.flag, action="store_true", default=argparse.SUPPRESS, help=f.help)
             continue
         shown = default / f.unit if isinstance(default, (int, float)) and f.unit != 1 else default

@@ -15,10 +15,11 @@ import time
 import ray
 
 from cluster.spec import ClusterSpec
-from router.dispatch import WorkerState
+from router.pools import ACTIVE, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
 
-__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "shutdown"]
+__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "retire", "shutdown",
+           "start_worker"]
 
 log = logging.getLogger("pdcluster.launcher")
 NAMESPACE = "pdcluster"
@@ -26,7 +27,7 @@ NAMESPACE = "pdcluster"
 
 def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
     """Join `spec.address` (or RAY_ADDRESS), else start a local Ray of our own (never one that
-    happens to run on this machine). A local one gets enough CPUs for the requested workers
+    happens to run on this machine). A local one gets enough CPUs for the worker budget
     (a development box may oversubscribe its cores). Returns False when this process was
     already connected (then the caller's Ray is used as it is)."""
     if ray.is_initialized():
@@ -43,7 +44,7 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
                                ) from None
         return True
     if num_cpus is None:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(len(spec.roles()) * spec.num_cpus_per_worker))
+        num_cpus = max(os.cpu_count() or 1, math.ceil(spec.budget * spec.num_cpus_per_worker))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
              log_to_driver=True)
     return True
@@ -89,24 +90,42 @@ def check_fits(spec: ClusterSpec) -> None:
                 f"{flag}, or a larger cluster")
 
 
-def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
-    """Create the workers and wait until each has loaded its model (or fail clearly)."""
-    from workers.worker import Worker, actor_name      # torch: only once workers are made
-    gpus = gpus_per_worker(spec)
+def _engine(spec: ClusterSpec, gpus: float):
     engine = spec.engine
     if gpus and engine.device == "auto":
         engine = dataclasses.replace(engine, device="cuda")
-    handles = []
-    for worker_id, role in spec.roles():
-        opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
-                    num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
-        if spec.placement == "spread":        # Ray's SPREAD: each next worker on the next node with room
-            opts["scheduling_strategy"] = "SPREAD"
-        if os.environ.get(FAULTS_ENV):        # a fault drill: every worker gets the plan, on any node
-            opts["runtime_env"] = {"env_vars": {FAULTS_ENV: os.environ[FAULTS_ENV]}}
-        h = ray.remote(Worker).options(**opts).remote(
-            worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id)
-        handles.append((worker_id, role, h))
+    return engine
+
+
+def start_worker(spec: ClusterSpec, worker_id: str, role: str):
+    """Create one worker actor (it loads its model in the background: `handle.ready` answers
+    once it has). Ray restarts it whenever its process dies."""
+    from workers.worker import Worker, actor_name      # torch: only once workers are made
+    gpus = gpus_per_worker(spec)
+    opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
+                num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
+    if spec.placement == "spread":        # Ray's SPREAD: each next worker on the next node with room
+        opts["scheduling_strategy"] = "SPREAD"
+    if os.environ.get(FAULTS_ENV):        # a fault drill: every worker gets the plan, on any node
+        opts["runtime_env"] = {"env_vars": {FAULTS_ENV: os.environ[FAULTS_ENV]}}
+    return ray.remote(Worker).options(**opts).remote(
+        worker_id, role, _engine(spec, gpus), spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s,
+        spec.cluster_id)
+
+
+def room_for_one(spec: ClusterSpec) -> str | None:
+    """None when the Ray cluster has the resources of one more worker free now, else what is short."""
+    free = ray.available_resources()
+    for res, per in (("CPU", spec.num_cpus_per_worker), ("GPU", gpus_per_worker(spec))):
+        if per > free.get(res, 0) + 1e-9:
+            return f"a worker needs {per:g} {res}, {free.get(res, 0):g} free"
+    return None
+
+
+def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
+    """Create the workers and wait until each has loaded its model (or fail clearly)."""
+    handles = [(worker_id, role, start_worker(spec, worker_id, role)) for worker_id, role in spec.roles()]
+    members = [Member(w, r, h, ACTIVE) for w, r, h in handles]
     refs = [h.ready.remote() for _, _, h in handles]
     t0 = time.monotonic()
     try:
@@ -114,17 +133,17 @@ def launch(spec: ClusterSpec) -> tuple[list[WorkerState], list[dict]]:
     except ray.exceptions.GetTimeoutError:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         free = ray.available_resources()
-        shutdown([WorkerState(w, r, h) for w, r, h in handles])
+        shutdown(members)
         raise RuntimeError(f"{len(refs) - len(ready)} of {len(refs)} workers were not ready within "
-                           f"{spec.ready_timeout_s:g}s (each asks for {spec.num_cpus_per_worker:g} CPU and {gpus:g} "
-                           f"GPU; the cluster had {free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU free): "
-                           "a large model may need a longer --ready-timeout-s; `ray status` shows what is "
-                           "pending") from None
+                           f"{spec.ready_timeout_s:g}s (each asks for {spec.num_cpus_per_worker:g} CPU and "
+                           f"{gpus_per_worker(spec):g} GPU; the cluster had {free.get('CPU', 0):g} CPU and "
+                           f"{free.get('GPU', 0):g} GPU free): a large model may need a longer --ready-timeout-s; "
+                           "`ray status` shows what is pending") from None
     except ray.exceptions.RayActorError as e:
-        shutdown([WorkerState(w, r, h) for w, r, h in handles])
+        shutdown(members)
         raise RuntimeError(f"a worker failed to start: {e}") from None
     log.info("%d workers ready in %.1fs", len(handles), time.monotonic() - t0)
-    return [WorkerState(w, r, h) for w, r, h in handles], infos
+    return members, infos
 
 
 def restart(handle) -> None:
@@ -135,7 +154,12 @@ def restart(handle) -> None:
         log.warning("could not kill a hung worker: %s", e)
 
 
-def shutdown(workers: list[WorkerState], grace_s: float = 5.0) -> None:
+def retire(handle, grace_s: float = 5.0) -> None:
+    """End a drained worker that leaves the cluster, for good (no restart)."""
+    shutdown([Member("", "", handle)], grace_s)
+
+
+def shutdown(workers: list[Member], grace_s: float = 5.0) -> None:
     """Stop each worker's loop and transport, then end the actors (a hung one is killed anyway)."""
     refs = []
     for w in workers:

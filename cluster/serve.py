@@ -14,10 +14,12 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import ClusterSpec, check_fits, connect, launch, restart, shutdown
+from cluster.launcher import (ClusterSpec, check_fits, connect, launch, restart, retire, room_for_one, shutdown,
+                              start_worker)
 from cluster.ports import check_port_free, free_port
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
+from router.pools import STARTING, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import RouterConfig
 from workers.names import ROLES
@@ -30,7 +32,12 @@ log = logging.getLogger("pdcluster.serve")
 @contextlib.asynccontextmanager
 async def _lifespan(app):
     app.state.dispatcher.start()
+    controller = app.state.controller
+    if controller is not None:
+        controller.start()
     yield
+    if controller is not None:
+        await controller.stop()
     await app.state.dispatcher.stop()
 
 
@@ -117,8 +124,9 @@ class ServingCluster:
         self.host, self.port = self.cfg.host, self.cfg.port
         self.model_name = self.cfg.served_model_name or spec.model
         self.ray_num_cpus = ray_num_cpus
-        self.workers = []
-        self.infos: list[dict] = []                   # each worker's ready() answer
+        self.pools: PoolRegistry | None = None
+        self.controller = None                        # cluster/pool_control.py's, with spec.controller
+        self.infos: list[dict] = []                   # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -127,6 +135,11 @@ class ServingCluster:
         """The HTTP server's event loop (the router's coroutines run there:
         `asyncio.run_coroutine_threadsafe(c.server.drain(10), c.loop)`)."""
         return self._uvicorn.loop if self._uvicorn is not None else None
+
+    @property
+    def workers(self) -> list[Member]:
+        """Every worker of the cluster now (launched, added, restarting), in the order they came."""
+        return self.pools.live() if self.pools is not None else []
 
     @property
     def base_url(self) -> str:
@@ -139,13 +152,15 @@ class ServingCluster:
         check_port_free(self.host, self.port)          # before seconds of Ray and model loading
         if connect(self.spec, self.ray_num_cpus):
             check_fits(self.spec)
-        self.workers, infos = launch(self.spec)
+        members, infos = launch(self.spec)
+        self.pools = PoolRegistry.of(members, budget=self.spec.budget)
         self.infos = infos
         cfg = self.cfg
         metrics = Metrics(cfg.slo)
-        dispatcher = Dispatcher(self.workers, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
+        dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
                                 hang_timeout_s=cfg.worker_hang_timeout_s,
-                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart)
+                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire)
+        self.controller = self._controller(dispatcher, infos) if self.spec.controller else None
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending,
@@ -154,6 +169,7 @@ class ServingCluster:
         self.server = server
         app = build_app(server)
         app.state.dispatcher = dispatcher
+        app.state.controller = self.controller
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
@@ -161,6 +177,34 @@ class ServingCluster:
                                 timeout_graceful_shutdown=5, timeout_keep_alive=75)
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
+
+    def _controller(self, dispatcher: Dispatcher, infos: list[dict]):
+        from cluster.controller import ControllerConfig
+        from cluster.pool_control import LiveControl, PoolController, StepFit
+        spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
+        info = infos[0]
+        fit = StepFit(info["bytes_per_block"] // info["block_size"],
+                      min(i["num_blocks"] for i in infos) * info["block_size"])
+        control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
+                              spec.controller_window_s)
+        return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
+                              sched.max_num_seqs, add_worker=lambda role: self._add_worker(dispatcher, role))
+
+    async def _add_worker(self, dispatcher: Dispatcher, role: str) -> Member | None:
+        """The controller grows a pool: a new actor that joins once it has loaded (never above the
+        budget; without room on the Ray cluster, nothing starts and the log says why)."""
+        if len(self.pools.live()) >= self.spec.budget:
+            return None
+        short = await asyncio.to_thread(room_for_one, self.spec)
+        if short:
+            log.warning("controller: cannot add a %s worker: %s", role, short)
+            return None
+        taken = {m.worker_id for m in self.pools}
+        worker_id = next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+        handle = await asyncio.to_thread(start_worker, self.spec, worker_id, role)
+        m = self.pools.add(worker_id, role, handle, STARTING)
+        dispatcher.watch(m)
+        return m
 
     def __enter__(self) -> "ServingCluster":
         server = self.build()
@@ -190,7 +234,7 @@ class ServingCluster:
         """stop_serving(), then stop the workers."""
         self.stop_serving()
         shutdown(self.workers)
-        self.workers = []
+        self.pools = None
 
 
 def banner(cluster: ServingCluster) -> list[str]:

@@ -28,6 +28,12 @@ class ClusterSpec:
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
+    # The pool-ratio controller (cluster/pool_control.py): off by default.
+    controller: bool = False
+    controller_interval_s: float = 10.0
+    controller_window_s: float = 30.0
+    controller_cooldown_s: float = 30.0
+    max_workers: int | None = None            # the worker budget (default: the pools' sizes at launch)
 
     def __post_init__(self):
         if isinstance(self.engine, dict):
@@ -43,9 +49,22 @@ class ClusterSpec:
             raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
         if self.mode == COLOCATED and self.num_colocated < 1:
             raise ValueError("colocated mode needs at least one worker")
-        for name in ("lease_s", "transfer_timeout_s", "ready_timeout_s"):
+        if self.controller and self.mode != DISAGGREGATED:
+            raise ValueError("--controller moves workers between the prefill and decode pools: it needs "
+                             "--mode disaggregated")
+        if self.max_workers is not None and self.max_workers < len(self.roles()):
+            raise ValueError(f"--max-workers {self.max_workers} is below the {len(self.roles())} workers launched")
+        for name in ("lease_s", "transfer_timeout_s", "ready_timeout_s", "controller_interval_s",
+                     "controller_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.controller_cooldown_s >= 0:
+            raise ValueError(f"--controller-cooldown-s must be >= 0, got {self.controller_cooldown_s}")
+
+    @property
+    def budget(self) -> int:
+        """The most workers at once: --max-workers, else the launched pools."""
+        return self.max_workers if self.max_workers is not None else len(self.roles())
 
     def roles(self) -> list[tuple[str, str]]:
         if self.mode == COLOCATED:

@@ -263,7 +263,7 @@ class Server:
         ttft = 0.0
         n_out = 0
         m = self.metrics
-        m.prompt_tokens.inc(len(req.prompt_token_ids))
+        m.observe_arrival(len(req.prompt_token_ids))
         m.waiting.inc()
         events: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._generate(req, events))
@@ -294,7 +294,7 @@ class Server:
                 yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
                 if ev.finished:
                     e2e = time.monotonic() - t0
-                    m.observe_finished(ttft if n_out else e2e, e2e, n_out)
+                    m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, len(req.prompt_token_ids))
                     m.success.labels(ev.finish_reason or "stop").inc()
                     return
         except RequestFailed as e:
@@ -355,7 +355,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = {r: sum(w.alive for w in server.dispatcher.workers.values() if w.role == r) for r in ROLES}
+        alive = {r: server.dispatcher.pools.count(r) for r in ROLES}
         if server.draining:                            # a load balancer stops sending here
             return JSONResponse({"status": "draining", "workers": alive}, status_code=503)
         ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))

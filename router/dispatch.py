@@ -27,36 +27,16 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.metrics import Metrics
 from router.picker import Picker, decode_load, prefill_load
+from router.pools import DEAD, DRAINING, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.names import COLOCATED, DECODE, MODES, ROLES, first_role
+from workers.names import COLOCATED, DECODE, MODES, first_role
 
 log = logging.getLogger("pdcluster.router")
-
-
-@dataclass(slots=True)
-class WorkerState:
-    worker_id: str
-    role: str
-    handle: object
-    report: msg.LoadReport | None = None             # the latest, None before the first poll
-    assigned: set = field(default_factory=set)        # requests open on this worker (for failover)
-    unreported: dict = field(default_factory=dict)    # rid -> (prompt tokens, sent at): not yet in a report
-    alive: bool = True                                 # pickable: answering, not lost or restarting
-
-    def sent(self, rid: str, num_tokens: int) -> None:
-        self.assigned.add(rid)
-        self.unreported[rid] = (num_tokens, time.monotonic())
-
-    def reported(self, report: msg.LoadReport, polled_at: float) -> None:
-        """A report covers what was sent before the poll that carried it was issued."""
-        self.report = report
-        for rid in [r for r, (_, t) in self.unreported.items() if t < polled_at]:
-            del self.unreported[rid]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,37 +60,50 @@ class _Resume:
 
 
 class Dispatcher:
-    def __init__(self, workers: list[WorkerState], mode: str, metrics: Metrics, policy: str = "p2c",
+    def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics, policy: str = "p2c",
                  max_retries: int = 2, seed: int | None = None, hang_timeout_s: float = 10.0,
-                 restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None):
+                 restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
+                 retire: Callable[[object], None] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.workers = {w.worker_id: w for w in workers}
+        self.pools = pools if isinstance(pools, PoolRegistry) else PoolRegistry.of(pools)
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
         self._restart = restart              # kills a hung worker's process so that Ray restarts it
+        self._retire = retire                # ends a drained worker that leaves the cluster (blocking)
         self.prefill_picker = Picker(policy, seed)
         self.decode_picker = Picker(policy, None if seed is None else seed + 1)
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
-        self._pumps: list[asyncio.Task] = []
-        self._count_pools()
+        self._pumps: dict[str, asyncio.Task] = {}
+        self.sample_listeners: list[Callable[[str, str, dict], None]] = []   # (worker, role, samples)
+        self.pools.listen(self._pool_changed)
+        metrics.count_pools(self.pools)
 
-    def _count_pools(self) -> None:
-        for role in ROLES:
-            self.metrics.pool_size.labels(role).set(len(self._alive(role)))
+    def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
+        self.metrics.count_pools(self.pools)
+        if old_role != m.role:
+            self.metrics.role_changes.labels(old_role, m.role).inc()
 
     def start(self) -> None:
-        self._pumps = [asyncio.get_running_loop().create_task(self._pump(w)) for w in self.workers.values()]
+        for m in self.pools.live():
+            self.watch(m)
+
+    def watch(self, m: Member) -> None:
+        """Start polling a worker (one launched later starts in `starting` and joins its pool once
+        it answers `ready()`)."""
+        self._pumps[m.worker_id] = asyncio.get_running_loop().create_task(self._pump(m))
 
     async def stop(self) -> None:
-        for t in self._pumps:
+        for t in self._pumps.values():
             t.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
 
     # -- the pumps -----------------------------------------------------------------------------
-    async def _pump(self, w: WorkerState) -> None:
-        while True:
+    async def _pump(self, w: Member) -> None:
+        if w.state != "active" and not await self._await_ready(w, self.restart_timeout_s):
+            return
+        while w.state != STOPPED:
             polled_at = time.monotonic()
             try:
                 raw = await asyncio.wait_for(_awaitable(w.handle.poll.remote(0.5)), self.hang_timeout_s)
@@ -121,53 +114,97 @@ class Dispatcher:
                 self._lost(w, "hung", f"no answer to a poll within {self.hang_timeout_s:g}s")
                 if self._restart is not None:
                     self._restart(w.handle)
-                if not await self._await_restart(w):
+                if not await self._await_ready(w, self.restart_timeout_s):
                     return
                 continue
             except Exception as e:                       # the actor died (Ray restarts it)
                 self._lost(w, "died", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-                if not await self._await_restart(w):
+                if not await self._await_ready(w, self.restart_timeout_s):
                     return
                 continue
             w.reported(reply.load, polled_at)
             self.metrics.observe_load(reply.load)
-            self.metrics.observe_samples(w.worker_id, w.role, reply.samples)
+            self.metrics.observe_samples(w.worker_id, reply.load.role, reply.samples)
+            for fn in self.sample_listeners:
+                fn(w.worker_id, reply.load.role, reply.samples)
             for ev in reply.events:
                 self._deliver(ev)
+            if w.state == DRAINING and w.idle():
+                await self._finish_drain(w)
 
-    def _lost(self, w: WorkerState, cause: str, detail: str) -> None:
+    async def _finish_drain(self, w: Member) -> None:
+        """A drained worker flips its role (the worker checks, on its own loop, that it holds
+        nothing) and rejoins; or, drained to leave, it stops."""
+        if w.to_role is not None:
+            try:
+                flipped = await asyncio.wait_for(_awaitable(w.handle.set_role.remote(w.to_role)), self.hang_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                       # the next poll finds out what happened
+                log.warning("worker %s: role change failed: %s", w.worker_id, e)
+                return
+            if not flipped:                              # something arrived after all: drain on
+                return
+            old = w.role
+            self.pools.finish_drain(w.worker_id)
+            self.metrics.forget_worker(w.worker_id, old)
+            log.info("worker %s: %s -> %s after a drain of %.1fs", w.worker_id, old, w.role,
+                     time.monotonic() - w.since)
+            return
+        self.pools.finish_drain(w.worker_id)
+        self.metrics.forget_worker(w.worker_id, w.role)
+        log.info("worker %s: drained, leaving the cluster", w.worker_id)
+        if self._retire is not None:
+            await asyncio.to_thread(self._retire, w.handle)
+
+    def _lost(self, w: Member, cause: str, detail: str) -> None:
         """Take a dead or hung worker out of the pools and resume everything open on it."""
         log.error("worker %s %s: %s; resuming its %d requests elsewhere", w.worker_id, cause, detail,
                   len(w.assigned))
-        w.alive, w.report = False, None
-        w.unreported.clear()
+        self.pools.lost(w.worker_id)
         self.metrics.workers_lost.labels(w.role, cause).inc()
-        self._count_pools()
         for rid in list(w.assigned):
             self._deliver(msg.ErrorEvent(rid, f"worker {w.worker_id} {cause}", retryable=True, cause=f"worker_{cause}"))
         w.assigned.clear()
-        for other in self.workers.values():              # their transport pairs with it are stale
+        for other in self.pools:                          # their transport pairs with it are stale
             if other is not w and other.alive:
                 _fire(other.handle.forget_peer.remote(w.worker_id))
 
-    async def _await_restart(self, w: WorkerState) -> bool:
-        """Wait for the restarted process to load its model; then it rejoins the pools."""
+    async def _await_ready(self, w: Member, timeout_s: float) -> bool:
+        """Wait for a starting (or restarted) worker to load its model; then it joins its pool.
+        Ray restarts a process with the role it was created in: a restarted worker first takes
+        its current one (or, lost while draining, the one it was moving to: it holds nothing now,
+        so its flip, or its exit, completes at once)."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < self.restart_timeout_s:
+        restarting = w.state == DEAD
+        while time.monotonic() - t0 < timeout_s and w.state != STOPPED:
             try:
-                await asyncio.wait_for(_awaitable(w.handle.ready.remote()), self.restart_timeout_s)
+                await asyncio.wait_for(_awaitable(w.handle.ready.remote()), timeout_s)
+                if restarting:
+                    await asyncio.wait_for(_awaitable(w.handle.set_role.remote(w.to_role or w.role)), timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception:                            # still restarting
+            except Exception:                            # still starting or restarting
                 await asyncio.sleep(0.5)
                 continue
-            w.alive = True
+            if not restarting:
+                self.pools.activate(w.worker_id)
+                log.info("worker %s (%s) joined after %.1fs", w.worker_id, w.role, time.monotonic() - t0)
+                return True
+            self.pools.restarted(w.worker_id)
             self.metrics.workers_replaced.labels(w.role).inc()
-            self._count_pools()
             log.warning("worker %s is back after %.1fs", w.worker_id, time.monotonic() - t0)
-            return True
-        log.error("worker %s did not come back within %.0fs; the %s pool stays smaller", w.worker_id,
-                  self.restart_timeout_s, w.role)
+            if w.state != STOPPED:
+                return True
+            break
+        else:
+            if w.state == STOPPED:
+                return False
+            log.error("worker %s did not %s within %.0fs; the %s pool stays smaller", w.worker_id,
+                      "come back" if restarting else "start", timeout_s, w.role)
+        self.pools.stop(w.worker_id)
+        if self._retire is not None:
+            await asyncio.to_thread(self._retire, w.handle)
         return False
 
     def _deliver(self, ev: msg.Event) -> None:
@@ -176,25 +213,22 @@ class Dispatcher:
             q.put_nowait(ev)
 
     # -- one request ---------------------------------------------------------------------------
-    def _alive(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
-
-    def _pick(self, role: str) -> WorkerState:
-        pool = self._alive(role)
+    def _pick(self, role: str) -> Member:
+        pool = self.pools.active(role)
         if not pool:
             raise RequestFailed(f"no live {role} worker")
-        ids, ws = [w.worker_id for w in pool], self.workers
+        ws = {w.worker_id: w for w in pool}
+        ids = list(ws)
         if role == DECODE:
             return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report, len(ws[i].unreported)))]
         return ws[self.prefill_picker.choose(ids, lambda i: prefill_load(
             ws[i].report, sum(n for n, _ in ws[i].unreported.values())))]
 
-    async def _pick_live(self, role: str) -> WorkerState:
-        """Pick from the pool; when all of its workers are being restarted (a one-worker pool
-        that lost its worker), wait for one to come back rather than fail the request."""
+    async def _pick_live(self, role: str) -> Member:
+        """Pick from the pool; when none of its workers is active now but one will be (a one-worker
+        pool whose worker is restarting, or one on its way in), wait for it rather than fail."""
         deadline = time.monotonic() + self.restart_timeout_s
-        while not self._alive(role) and any(w.role == role for w in self.workers.values()) \
-                and time.monotonic() < deadline:
+        while not self.pools.active(role) and self.pools.coming(role) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         return self._pick(role)
 
@@ -208,7 +242,7 @@ class Dispatcher:
             start = len(delivered)
             q: asyncio.Queue = asyncio.Queue()
             self._queues[rid] = q
-            involved: list[WorkerState] = []
+            involved: list[Member] = []
             finished = False
             resume: _Resume | None = None
             try:

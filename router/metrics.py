@@ -14,14 +14,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from router.slo import SLOTargets, SLOWindow, judge
+from router.slo import RequestLog, SLOTargets, SLOWindow, judge
 from workers.faults import FAILURE_POINTS
+from router.pools import ACTIVE, DEAD, DRAINING, STARTING
 from workers.messages import LoadReport
 from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 
 P = "pdcluster:"
 FINISH_REASONS = ("stop", "length")
 ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect", "shutdown")
+POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")
 RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung")
@@ -74,6 +76,7 @@ class Metrics:
         for name in ("ttft", "tpot", "both"):
             self.slo_met.labels(name)
         self.slo_window = SLOWindow(self.slo.window_s)
+        self.requests = RequestLog()           # what the pool controller reads
         r.register(_SLOWindowCollector(self.slo_window))
         # -- workers, from their load reports and samples ------------------------------------
         labels = ["worker", "role"]
@@ -100,11 +103,21 @@ class Metrics:
                                             labels + ["point"], registry=r)
         self.kv_in_flight = Gauge(P + "kv_transfers_in_flight", "KV pulls under way", labels, registry=r)
         # -- pools -----------------------------------------------------------------------------
-        self.pool_size = Gauge(P + "pool_workers", "Live workers per role", ["role"], registry=r)
+        self.pool_size = Gauge(P + "pool_workers", "Active workers per role (taking new work)", ["role"],
+                               registry=r)
+        self.pool_members = Gauge(P + "pool_workers_by_state", "Workers per role and state (starting, active, "
+                                  "draining, dead; a draining worker counts in the role it leaves)",
+                                  ["role", "state"], registry=r)
         self.role_changes = Counter(P + "pool_role_changes", "Workers moved from one pool to another",
                                     ["from_role", "to_role"], registry=r)
+        self.controller_decisions = Counter(P + "controller_decisions", "Pool-ratio controller decisions, by "
+                                            "action and reason (none: no change, with why)", ["action", "reason"],
+                                            registry=r)
+        self.controller_decisions.labels("none", "no_cost_model")
         for role in ROLES:
             self.pool_size.labels(role)
+            for state in POOL_STATES:
+                self.pool_members.labels(role, state)
         for a, b in ROLE_FLIPS:
             self.role_changes.labels(a, b)
         # -- faults and recovery ---------------------------------------------------------------
@@ -123,10 +136,17 @@ class Metrics:
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     # -- router side -----------------------------------------------------------------------------
-    def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
+    def observe_arrival(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.requests.arrived(prompt_tokens)
+
+    def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int, sent_at: float | None = None,
+                         prompt_tokens: int = 0) -> None:
         """A request ended normally: E2E, and its verdict against the SLOs."""
         self.e2e.observe(e2e_s)
         verdict = judge(self.slo, ttft_s, e2e_s, num_output_tokens)
+        if sent_at is not None:
+            self.requests.finished(sent_at, prompt_tokens, num_output_tokens, verdict)
         self.slo_requests.inc()
         for name, met in (("ttft", verdict.ttft), ("tpot", verdict.tpot), ("both", verdict.both)):
             if met:
@@ -134,6 +154,22 @@ class Metrics:
         self.slo_window.record(verdict)
 
     # -- worker side -----------------------------------------------------------------------------
+    def count_pools(self, pools) -> None:
+        """The pool gauges from the registry (router/pools.py), after any change."""
+        for role in ROLES:
+            self.pool_size.labels(role).set(pools.count(role))
+            for state in POOL_STATES:
+                self.pool_members.labels(role, state).set(pools.count(role, (state,)))
+
+    def forget_worker(self, worker: str, role: str) -> None:
+        """A worker changed roles or left: drop its gauges under the old labels (its counters
+        stay; they only grow, under the role it has now)."""
+        for g in (self.w_running, self.w_waiting, self.w_kv_usage, self.kv_in_flight):
+            try:
+                g.remove(worker, role)
+            except KeyError:
+                pass
+
     def observe_load(self, r: LoadReport) -> None:
         w, role = r.worker_id, r.role
         self.w_running.labels(w, role).set(r.running)

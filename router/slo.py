@@ -81,3 +81,27 @@ class SLOWindow:
         self._met["ttft"] += sign * v.ttft
         self._met["tpot"] += sign * v.tpot
         self._met["both"] += sign * v.both
+
+
+class RequestLog:
+    """Recent requests as the pool controller reads them: arrivals (time, prompt tokens) and
+    finishes (time, sent at, prompt tokens, output tokens, verdict), kept for `horizon_s`."""
+
+    def __init__(self, horizon_s: float = 300.0, clock=time.monotonic, max_len: int = 200_000):
+        self.horizon_s, self.clock = horizon_s, clock
+        self.arrivals: deque[tuple[float, int]] = deque(maxlen=max_len)
+        self.finishes: deque[tuple[float, float, int, int, SLOVerdict]] = deque(maxlen=max_len)
+
+    def arrived(self, prompt_tokens: int) -> None:
+        self.arrivals.append((self.clock(), prompt_tokens))
+        self._expire()
+
+    def finished(self, sent_at: float, prompt_tokens: int, output_tokens: int, verdict: SLOVerdict) -> None:
+        self.finishes.append((self.clock(), sent_at, prompt_tokens, output_tokens, verdict))
+        self._expire()
+
+    def _expire(self) -> None:
+        horizon = self.clock() - self.horizon_s
+        for q in (self.arrivals, self.finishes):
+            while q and q[0][0] < horizon:
+                q.popleft()

@@ -138,7 +138,9 @@ class LoadReport:
     kv_transfer: TransferTotals = field(default_factory=TransferTotals)
 
 
-SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s")
+SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "step_shape")
+# A "step_shape" sample is one step's seconds followed by its BatchShape's fields, in order
+# (workers/cost_model.py): the controller fits the cost model on them while serving.
 
 
 @message
@@ -146,7 +148,7 @@ SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s
 class PollReply:
     events: list                      # TokenEvent | ErrorEvent, in order
     load: LoadReport
-    samples: dict[str, list[float]]   # SAMPLE_KINDS -> values since the last poll
+    samples: dict[str, list]          # SAMPLE_KINDS -> values since the last poll
 
 
 # -- the KV handoff ---------------------------------------------------------------------------

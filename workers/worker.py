@@ -108,6 +108,24 @@ class Worker:
         REPORT_EVERY_S old). For tools and tests."""
         return self._in_loop(self._report)
 
+    def set_role(self, role: str) -> bool:
+        """Take another role, weights and cache kept (the controller's flip, after a drain).
+        Only a worker that holds nothing changes: no sequence running or waiting, no KV held for
+        a handoff or being received. Returns whether it changed."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+        def flip() -> bool:
+            h = self.handoffs
+            if role != self.role and (self.engine.has_unfinished() or h.num_held or h.num_pending or h.num_receiving):
+                return False
+            self.role = role
+            report = self._report()
+            with self._cv:
+                self._load = report
+            return True
+        return self._in_loop(flip)
+
     def shutdown(self) -> None:
         """Stop the loop and close the transport's connections (the launcher then kills the actor)."""
         with self._cv:
@@ -218,6 +236,7 @@ class Worker:
                 self._samples["batch_size"].append(shape.num_seqs)
                 self._samples["step_tokens"].append(shape.num_tokens)
                 self._samples["queue_s"].extend(shape.queue_times_s)
+                self._samples["step_shape"].append([step_s, *dataclasses.astuple(self.engine.last_shape)])
             self._events.extend(events)
             self._cv.notify_all()
 

@@ -1,0 +1,181 @@
+"""The pool-ratio controller in the serving process: every `interval_s` it reads what the router
+measured, asks `cluster.controller.decide` (the same function `pdcluster simulate --controller`
+runs), logs and counts the decision, and carries it out through the pool registry:
+
+    move  a worker between pools: the least loaded of the donor pool drains (takes no new work;
+          what it runs finishes), flips its role on its own loop with weights and cache kept, and
+          rejoins (router/pools.py, router/dispatch.py finish the drain);
+    add   a worker actor (the launcher starts it; it joins its pool once it has loaded);
+    remove  a worker: it drains, then leaves the cluster.
+
+The signals: arrivals and their prompt lengths over `window_s`, output lengths and SLO
+attainment of the requests sent since the last change (the router's request log), queued
+prefill tokens from the workers' load reports, and each pool's capacity from the cost model
+(workers/cost_model.py) fitted on the workers' own step samples while serving (a profile from
+`pdcluster profile` seeds it until enough steps are seen). Plain Python and asyncio: no Ray, no
+torch (the launcher's hooks are passed in).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
+                                ControllerConfig, Decision, Signals, decide)
+from cluster.sim_control import decode_capacity, prefill_capacity
+from router.dispatch import Dispatcher
+from router.pools import ACTIVE, DRAINING, STARTING, Member
+from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
+from workers.names import DECODE, PREFILL
+
+log = logging.getLogger("pdcluster.controller")
+MIN_JUDGED = 20          # finished requests an attainment needs to count
+MIN_FIT_STEPS = 30       # prefill-only and decode-only steps each, before the fit replaces the seed
+
+
+@dataclass(frozen=True, slots=True)
+class LiveControl:
+    config: ControllerConfig
+    interval_s: float = 10.0
+    window_s: float = 30.0
+
+
+class StepFit:
+    """The step cost model, fitted on the workers' recent ("step_shape") samples: each pool's
+    capacity is predicted from it, at the batch the scheduler would build."""
+
+    def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, seed: CostModel | None = None,
+                 max_samples: int = 2000):
+        self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
+        self.model = seed
+        self._prefill: deque = deque(maxlen=max_samples)
+        self._decode: deque = deque(maxlen=max_samples)
+        self._new = 0
+
+    def add(self, samples: list) -> None:
+        for s in samples:
+            shape = BatchShape(*(int(x) for x in s[1:]))
+            if shape.num_prefill and not shape.num_decode:
+                self._prefill.append((shape, float(s[0])))
+            elif shape.num_decode and not shape.num_prefill:
+                self._decode.append((shape, float(s[0])))
+            self._new += 1
+
+    def current(self) -> CostModel | None:
+        """The latest fit (refit when new samples came), else the seed; None before either."""
+        if self._new and len(self._prefill) >= MIN_FIT_STEPS and len(self._decode) >= MIN_FIT_STEPS:
+            self._new = 0
+            try:
+                step = LinearStepModel.fit(list(self._prefill) + list(self._decode))
+            except ValueError:                    # not enough distinct shapes yet
+                return self.model
+            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens, Link(0.0, math.inf),
+                                   source="fitted while serving")
+        return self.model
+
+
+class PoolController:
+    def __init__(self, dispatcher: Dispatcher, control: LiveControl, fit: StepFit, slo_ttft_s: float,
+                 slo_tpot_s: float, max_num_batched_tokens: int, max_num_seqs: int,
+                 add_worker: Callable[[str], Awaitable[Member | None]] | None = None, clock=time.monotonic):
+        self.d, self.pools, self.control, self.fit = dispatcher, dispatcher.pools, control, fit
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.add_worker = add_worker          # launches one worker of a role (None: the budget is the pools)
+        self.clock = clock
+        self.started_at = clock()
+        self.last_change = -math.inf
+        self.decisions: list[dict] = []       # every action taken, with its reason
+        self._task: asyncio.Task | None = None
+        dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.control.interval_s)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:                     # a bad tick must not end the loop
+                log.exception("controller: a decision failed")
+
+    # -- signals ------------------------------------------------------------------------------------
+    def signals(self) -> Signals | None:
+        """What decide() reads; None while there is no cost model to price the pools with."""
+        cost = self.fit.current()
+        if cost is None:
+            return None
+        now, log_ = self.clock(), self.d.metrics.requests
+        horizon = now - self.control.window_s
+        arrivals = [a for a in log_.arrivals if a[0] >= horizon]
+        span = max(1e-9, min(self.control.window_s, now - self.started_at))
+        prompt = sum(a[1] for a in arrivals) / len(arrivals) if arrivals else 0.0
+        finished = [f for f in log_.finishes if f[0] >= horizon]
+        output = sum(f[3] for f in finished) / len(finished) if finished else 0.0
+        # Attainment judges the pools as they are: requests sent since the last change, enough
+        # of them (a backlog left by the old split would blame the new one).
+        judged = [f for f in log_.finishes if f[1] >= self.last_change]
+        n = len(judged) if len(judged) >= MIN_JUDGED else 0
+        prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
+        queued = sum((m.report.queued_prefill_tokens if m.report else 0) + sum(t for t, _ in m.unreported.values())
+                     for m in prefill)
+        return Signals(
+            now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
+            arrival_rate=len(arrivals) / span, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, self.max_num_batched_tokens),
+            decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs),
+            queued_prefill_tokens=queued,
+            ttft_attainment=sum(f[4].ttft for f in judged) / n if n else math.nan,
+            tpot_attainment=sum(f[4].tpot for f in judged) / n if n else math.nan,
+            draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools))
+
+    # -- one decision -------------------------------------------------------------------------------
+    async def tick(self) -> Decision | None:
+        s = self.signals()
+        if s is None:
+            self.d.metrics.controller_decisions.labels(NONE, "no_cost_model").inc()
+            return None
+        d = decide(s, self.control.config, self.last_change)
+        self.d.metrics.controller_decisions.labels(d.action, getattr(d, "code", d.action)).inc()
+        if d.action == NONE:
+            log.debug("controller: %s", d.reason)
+            return d
+        self.last_change = s.now
+        count = getattr(d, "count", 1)
+        log.warning("controller: %s x%d at %d prefill + %d decode: %s", d.action, count, s.num_prefill,
+                    s.num_decode, d.reason)
+        self.decisions.append({"t": s.now - self.started_at, "action": d.action, "count": count, "reason": d.reason,
+                               "prefill": s.num_prefill, "decode": s.num_decode})
+        if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
+            donor = DECODE if d.action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
+            to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(d.action)
+            for m in self._least_loaded(donor, count):
+                self.pools.drain(m.worker_id, to)
+        elif d.action in (ADD_PREFILL, ADD_DECODE) and self.add_worker is not None:
+            role = PREFILL if d.action == ADD_PREFILL else DECODE
+            for _ in range(count):
+                if await self.add_worker(role) is None:
+                    break
+        return d
+
+    def _least_loaded(self, role: str, count: int) -> list[Member]:
+        """Up to `count` active workers of the pool, least loaded first; one always stays."""
+        pool = self.pools.active(role)
+
+        def load(m: Member) -> float:
+            r = m.report
+            return len(m.assigned) + (r.running + r.waiting + r.held + r.pending + r.receiving if r else 0)
+        return sorted(pool, key=load)[:max(0, min(count, len(pool) - 1))]
