@@ -94,7 +94,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_cost_args(p)
     add_shape_args(p)
     add_controller_args(p)
-    add_dataset_args(p)
+    add_dataset_args(p, phases=True)
     p.add_argument("--tokenizer", default=None, help="for sharegpt and custom datasets: a built-in model name "
                    "or a directory with tokenizer.json, to count their prompts' tokens")
     add_rate_args(p)
@@ -165,17 +165,19 @@ def with_capacity(cost: CostModel, engine: EngineConfig) -> CostModel:
 
 
 # -- the workload ---------------------------------------------------------------------------------
-def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest], bool]:
-    """bench's workload as the simulator takes it: (requests, whether prompts can share blocks).
+def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest], bool, list | None]:
+    """bench's workload as the simulator takes it: (requests, whether prompts can share blocks,
+    each request's load phase or None when the workload has none).
     Send times are bench's own (`workload`'s rule); random, prefix-repetition and trace lengths
     are drawn as bench draws them, with synthetic ids (bench sizes text to those lengths, give or
     take the tokenizer's seams); sharegpt and custom prompts go through the tokenizer."""
-    from cluster.bench import build_requests, check_workload, trace_rows
+    from cluster.bench import TIMED, build_requests, check_workload, trace_rows
     check_workload(a)
-    if a.dataset_name == "trace":
+    if a.dataset_name in TIMED:
         rows = trace_rows(a)
+        phases = [r.phase for r in rows] if any(r.phase is not None for r in rows) else None
         return [SimRequest.synthetic(r.arrival_s, max(2, r.prompt_len), r.output_len, i)
-                for i, r in enumerate(rows)], False
+                for i, r in enumerate(rows)], False, phases
     n = a.num_prompts
     times = loadgen.send_times(n, a.request_rate, a.burstiness, a.seed)
     rng = random.Random(a.seed)
@@ -187,7 +189,7 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
         prefix = [30001, 30001] + [0] * (a.random_prefix_len - 2) if a.random_prefix_len > 1 else None
         p = len(prefix or ())
         return [SimRequest.synthetic(t, p + max(2, k), o, i, prefix)
-                for i, (t, k, o) in enumerate(zip(times, ins, outs))], prefix is not None
+                for i, (t, k, o) in enumerate(zip(times, ins, outs))], prefix is not None, None
     if a.dataset_name == "prefix-repetition":
         if a.prefix_repetition_num_prefixes < 1:
             raise ValueError("--prefix-repetition-num-prefixes must be at least 1")
@@ -196,16 +198,16 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
         which = [i % len(prefixes) for i in range(n)]
         rng.shuffle(which)
         return [SimRequest.synthetic(t, plen + max(2, a.prefix_repetition_suffix_len), a.prefix_repetition_output_len,
-                                     i, prefixes[k]) for i, (t, k) in enumerate(zip(times, which))], True
+                                     i, prefixes[k]) for i, (t, k) in enumerate(zip(times, which))], True, None
     if tokenizer is None:
         raise ValueError(f"--dataset-name {a.dataset_name} needs --tokenizer to count its prompts' tokens")
     reqs = build_requests(a, tokenizer)
-    return [SimRequest(t, tokenizer.encode(r.prompt), r.output_len) for t, r in zip(times, reqs)], True
+    return [SimRequest(t, tokenizer.encode(r.prompt), r.output_len) for t, r in zip(times, reqs)], True, None
 
 
 # -- one simulated run ----------------------------------------------------------------------------
 def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, float], metrics=("ttft", "tpot"),
-             percentiles=(99.0,), max_model_len: int = 1 << 30, control=None) -> dict:
+             percentiles=(99.0,), max_model_len: int = 1 << 30, control=None, keep_results: bool = False) -> dict:
     """bench's summary of one simulated run, plus the simulator's own facts under `simulator`
     (and, with a controller, its decisions)."""
     if control is not None:
@@ -221,6 +223,8 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
                         "simulated_s": duration, "utilization": utilization(sim),
                         "preemptions": sum(w.engine.scheduler.stats.num_preemptions["recompute"]
                                            for w in sim.workers.values())}
+    if keep_results:
+        out["results"] = results        # in request order (the caller splits them by phase)
     if control is not None:
         out["simulator"]["controller"] = {"role_changes": sim.role_changes, "decisions": sim.decisions,
                                           "final": {"prefill": len(sim.pools["prefill"]),
@@ -267,7 +271,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         raise ValueError("--max-concurrency is not simulated yet: drop it")
     costs = costs_from_args(a)
     engine = engine_from_args(a)
-    requests, shared = sim_workload(a, _tokenizer(a))
+    requests, shared, phases = sim_workload(a, _tokenizer(a))
     if not shared and engine.cache.enable_prefix_caching:
         # No two prompts share a block, so the cache cannot hit: skipping the hashes changes
         # nothing but the simulator's speed.
@@ -280,9 +284,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
           flush=True)
     control = control_from_args(a, cluster)
     run = simulate(cluster, requests, opts.slos, opts.percentile_metrics, opts.percentiles, costs.max_model_len,
-                   control)
+                   control, keep_results=phases is not None)
+    results = run.pop("results", None)
     rate = a.request_rate
-    if a.dataset_name == "trace":
+    if a.dataset_name in ("trace", "phases"):
         from cluster.bench import offered_rate
         rate = offered_rate([r.arrival_s for r in requests])
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "pdcluster-simulate",
@@ -292,6 +297,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
               "request_rate": rate if math.isfinite(rate) else "inf",
               "burstiness": None if a.dataset_name == "trace" else a.burstiness, "max_concurrency": None,
               "num_prompts": len(requests)}
+    if phases is not None:
+        result["phases"] = loadgen.summarize_phases(results, [r.arrival_s for r in requests], phases,
+                                                    opts.slos, opts.percentiles)
     if a.dataset_name == "trace":
         result.update(trace=a.dataset_path, trace_time_scale=a.trace_time_scale)
     print(report(result, opts, "Simulated Serving Benchmark Result"))

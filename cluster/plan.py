@@ -182,7 +182,7 @@ def plan(a: argparse.Namespace, progress=print) -> dict:
     if a.dataset_name != "trace":
         a.request_rate = 1.0                       # the Poisson gaps' shape; each probe rescales them
     engine = engine_from_args(a)
-    base, shared = sim_workload(a)
+    base, shared, _ = sim_workload(a)
     if len(base) < 2:
         raise ValueError("--num-prompts must be at least 2 for a rate search")
     if not shared and engine.cache.enable_prefix_caching:

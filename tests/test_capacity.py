@@ -37,6 +37,22 @@ def test_simulate_writes_benchs_result(tmp_path, capsys):
     assert (tmp_path / "sim-latency.png").stat().st_size > 10_000
 
 
+def test_simulate_reports_phase_by_phase(tmp_path, capsys):
+    """bench's phase generator drives the simulator; each phase's requests are the ones the
+    generator made for it (the saved trace is the oracle), and each has its own latencies."""
+    phases = ["--dataset-name", "phases", "--phases", "2", "--phase-s", "20", "--prefill-phase-rate", "10",
+              "--decode-phase-rate", "10", "--seed", "3"]
+    assert main(["bench", *phases, "--save-trace", str(tmp_path / "load.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "load.jsonl").read_text().splitlines()]
+    assert main(["simulate", *ROOFLINE, "--prefill", "1", "--decode", "1", *phases, "--goodput", "ttft:500",
+                 "--save-result", "--no-plots", "--result-dir", str(tmp_path), "--result-filename", "sim.json"]) == 0
+    r = json.loads((tmp_path / "sim.json").read_text())
+    assert [(p["phase"], p["num_prompts"], p["completed"]) for p in r["phases"]] == [
+        (name, n, n) for name, n in ((k, sum(x["phase"] == k for x in rows)) for k in ("prefill-heavy", "decode-heavy"))]
+    assert "Per phase" in capsys.readouterr().out
+    assert "results" not in r
+
+
 def test_simulate_reads_a_profile(tmp_path, capsys):
     cost = CostModel(LinearStepModel(0.004, 6e-5, 4e-8, 0.003, 1e-6, 1e-4), 4096, 65536, Link("m", 1e9, 0.01))
     path = tmp_path / "p.json"
