@@ -11,8 +11,8 @@ runs), logs and counts the decision, and carries it out through the pool registr
 The signals: arrivals and their prompt lengths over `window_s`, output lengths and SLO
 attainment of the requests sent since the last change (the router's request log), queued
 prefill tokens from the workers' load reports, and each pool's capacity from the cost model
-(workers/cost_model.py) fitted on the workers' own step samples while serving (a profile from
-`pdcluster profile` seeds it until enough steps are seen). Plain Python and asyncio: no Ray, no
+(workers/cost_model.py) fitted on a worker's timed step grid before serving and on the workers'
+own steps while serving. Plain Python and asyncio: no Ray, no
 torch (the launcher's hooks are passed in).
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ from workers.names import DECODE, PREFILL
 
 log = logging.getLogger("pdcluster.controller")
 MIN_JUDGED = 20          # finished requests an attainment needs to count
-MIN_FIT_STEPS = 30       # prefill-only and decode-only steps each, before the fit replaces the seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,37 +45,46 @@ class LiveControl:
 
 
 class StepFit:
-    """The step cost model, fitted on the workers' recent ("step_shape") samples: each pool's
-    capacity is predicted from it, at the batch the scheduler would build."""
+    """The step cost model, fitted on timed steps: the grid a worker timed before serving
+    (Worker.profile: every shape the fit needs) plus the workers' recent steps while serving
+    ("step_shape" samples), which soon outweigh it, so the model follows what the pools see now
+    (contention, a slower node). Each pool's capacity is predicted from it."""
 
-    def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, seed: CostModel | None = None,
-                 max_samples: int = 2000):
+    def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list, max_samples: int = 2000):
         self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
-        self.model = seed
-        self._prefill: deque = deque(maxlen=max_samples)
-        self._decode: deque = deque(maxlen=max_samples)
-        self._new = 0
+        self.model: CostModel | None = None
+        self._profiled = [s for s in map(_sample, profiled) if s is not None]
+        self._recent: deque = deque(maxlen=max_samples)
+        self._new = True
 
     def add(self, samples: list) -> None:
-        for s in samples:
-            shape = BatchShape(*(int(x) for x in s[1:]))
-            if shape.num_prefill and not shape.num_decode:
-                self._prefill.append((shape, float(s[0])))
-            elif shape.num_decode and not shape.num_prefill:
-                self._decode.append((shape, float(s[0])))
-            self._new += 1
+        for raw in samples:
+            s = _sample(raw)
+            if s is not None:
+                self._recent.append(s)
+                self._new = True
 
     def current(self) -> CostModel | None:
-        """The latest fit (refit when new samples came), else the seed; None before either."""
-        if self._new and len(self._prefill) >= MIN_FIT_STEPS and len(self._decode) >= MIN_FIT_STEPS:
-            self._new = 0
+        """The fit over the profile and the recent steps (refit when new ones came); None when
+        they do not pin the model down yet."""
+        if self._new:
+            self._new = False
             try:
-                step = LinearStepModel.fit(list(self._prefill) + list(self._decode))
-            except ValueError:                    # not enough distinct shapes yet
+                step = LinearStepModel.fit(self._profiled + list(self._recent))
+            except ValueError:                    # too few distinct shapes: keep the last fit
                 return self.model
-            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens, Link(0.0, math.inf),
-                                   source="fitted while serving")
+            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
+                                   Link("unmeasured", math.inf, 0.0), source="fitted while serving")
         return self.model
+
+
+def _sample(raw) -> tuple[BatchShape, float] | None:
+    """A [seconds, *BatchShape] sample the fit can use: prefill-only or decode-only (a mixed step
+    cannot tell the two fixed costs apart)."""
+    shape = BatchShape(*(int(x) for x in raw[1:]))
+    if bool(shape.num_prefill) == bool(shape.num_decode):
+        return None
+    return shape, float(raw[0])
 
 
 class PoolController:

@@ -22,7 +22,7 @@ from router.dispatch import Dispatcher
 from router.pools import STARTING, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import RouterConfig
-from workers.names import ROLES
+from workers.names import PREFILL, ROLES
 from workers.checkpoint import load_tokenizer
 
 __all__ = ["ServingCluster", "banner", "free_port", "serve_forever"]   # free_port: for tests and tools
@@ -183,8 +183,13 @@ class ServingCluster:
         from cluster.pool_control import LiveControl, PoolController, StepFit
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
         info = infos[0]
+        # One worker times its engine over the step grid before anything is served (seconds on
+        # a GPU); the fit starts from that and follows the steps served from then on.
+        t0 = time.monotonic()
+        profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
+        log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
         fit = StepFit(info["bytes_per_block"] // info["block_size"],
-                      min(i["num_blocks"] for i in infos) * info["block_size"])
+                      min(i["num_blocks"] for i in infos) * info["block_size"], profiled)
         control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
                               spec.controller_window_s)
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,

@@ -21,6 +21,7 @@ peers arrive as opaque handles whose methods are called with `.remote`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -126,6 +127,23 @@ class Worker:
             return True
         return self._in_loop(flip)
 
+    def profile(self, repeats: int = 1, timeout_s: float = 600.0) -> list[list[float]]:
+        """Time this worker's own engine over the step grid (workers/step_profile.py), for the
+        pool controller's cost model: [seconds, *BatchShape] per step. Only before it serves (an
+        idle engine); the engine's counters are left as they were, so metrics see no trace of it."""
+        from workers.step_profile import profile_steps
+
+        def run() -> list[list[float]]:
+            if self.engine.has_unfinished():
+                raise RuntimeError(f"worker {self.worker_id} is serving: profile it before it takes requests")
+            stats = copy.deepcopy(self.engine.scheduler.stats)
+            try:
+                samples = profile_steps(self.engine, repeats, progress=lambda _line: None)
+            finally:
+                self.engine.scheduler.stats = stats
+            return [[t, *dataclasses.astuple(shape)] for shape, t in samples]
+        return self._in_loop(run, timeout_s)
+
     def shutdown(self) -> None:
         """Stop the loop and close the transport's connections (the launcher then kills the actor)."""
         with self._cv:
@@ -177,7 +195,7 @@ class Worker:
             self._inbox.append(fn)
             self._cv.notify_all()
 
-    def _in_loop(self, fn):
+    def _in_loop(self, fn, timeout_s: float | None = None):
         fut: Future = Future()
 
         def run():
@@ -186,7 +204,7 @@ class Worker:
             except Exception as e:     # handed back to the caller's thread
                 fut.set_exception(e)
         self._call_in_loop(run)
-        return fut.result(timeout=self.transfer_timeout_s)
+        return fut.result(timeout=timeout_s or self.transfer_timeout_s)
 
     def _run(self) -> None:
         while not self._stop:

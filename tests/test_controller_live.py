@@ -1,0 +1,102 @@
+"""The pool-ratio controller on the real local cluster (1 prefill + 2 decode `tiny` workers,
+`serve --controller`): under prefill-heavy load the prefill pool grows (a decode worker drains
+and flips), under the decode-heavy load that follows it shrinks back; no request fails other
+than with 429, every greedy output equals the offline engine's on the same prompt, and the role
+changes are counted. The phases end on what the pools do (with deadlines), not on a clock, so a
+slower machine only takes longer."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import openai
+
+from cluster.launcher import ClusterSpec
+from cluster.serve import ServingCluster, free_port
+from router.slo import SLOTargets
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.names import DECODE, PREFILL
+from workers.sequence import SamplingParams
+
+PREFILL_HEAVY = (900, 2, 6.0)        # prompt tokens, output tokens, requests/s
+DECODE_HEAVY = (16, 150, 20.0)
+PHASE_DEADLINE_S = 90.0
+
+
+class Load:
+    """Open-loop greedy requests at a rate, in the phase set now; keeps every prompt and answer."""
+
+    def __init__(self, base_url: str):
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300)
+        self.rng = random.Random(0)
+        self.phase = PREFILL_HEAVY
+        self.sent: list[tuple[list[int], int, asyncio.Task]] = []
+        self.stop = False
+
+    async def one(self, prompt: list[int], n: int):
+        try:
+            r = await self.client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+            return r.choices[0].token_ids
+        except openai.RateLimitError:
+            return 429
+
+    async def run(self):
+        while not self.stop:
+            plen, n, rate = self.phase
+            prompt = [self.rng.randrange(256) for _ in range(plen)]
+            self.sent.append((prompt, n, asyncio.ensure_future(self.one(prompt, n))))
+            await asyncio.sleep(self.rng.expovariate(rate))
+
+    async def results(self) -> list:
+        return await asyncio.gather(*(t for _, _, t in self.sent))
+
+
+async def wait_until(probe, deadline_s: float, what: str):
+    t0 = time.monotonic()
+    while not probe():
+        if time.monotonic() - t0 > deadline_s:
+            raise AssertionError(f"{what} did not happen within {deadline_s:g}s")
+        await asyncio.sleep(0.2)
+
+
+def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_session):
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, engine={"scheduler": {"max_num_batched_tokens": 2048}},
+                       num_cpus_per_worker=0.5, controller=True, controller_interval_s=1.0, controller_window_s=6.0,
+                       controller_cooldown_s=6.0)
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=0.015)) as c:
+        pools = c.pools
+
+        async def drive():
+            load = Load(c.base_url)
+            sender = asyncio.ensure_future(load.run())
+            try:
+                await wait_until(lambda: pools.count(PREFILL) >= 2, PHASE_DEADLINE_S, "the prefill pool growing")
+                grown = (pools.count(PREFILL), pools.count(DECODE))
+                load.phase = DECODE_HEAVY
+                await wait_until(lambda: pools.count(PREFILL) == 1 and pools.count(DECODE) == 2, PHASE_DEADLINE_S,
+                                 "the prefill pool shrinking back")
+            finally:
+                load.stop = True
+                await sender
+            return grown, load.sent, await load.results()
+        grown, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
+        metrics = c.server.metrics.registry
+        changes = {(a, b): metrics.get_sample_value("pdcluster:pool_role_changes_total",
+                                                    {"from_role": a, "to_role": b}) for a, b in
+                   ((DECODE, PREFILL), (PREFILL, DECODE))}
+        decisions = list(c.controller.decisions)
+    assert grown == (2, 1), decisions
+    assert changes[(DECODE, PREFILL)] >= 1 and changes[(PREFILL, DECODE)] >= 1, (changes, decisions)
+    assert [d["action"] for d in decisions][:2] == ["to_prefill", "to_decode"], decisions
+    served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
+    assert len(served) >= 0.9 * len(sent), f"{len(sent) - len(served)} of {len(sent)} refused (429)"
+    engine = LLMEngine(EngineConfig(model="tiny"))
+    for n in sorted({n for _, n, _ in served}):
+        batch = [(p, a) for p, m, a in served if m == n]
+        ref = engine.generate([{"prompt_token_ids": p} for p, _ in batch],
+                              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert [r.token_ids for r in ref] == [a for _, a in batch]
+

@@ -1,0 +1,133 @@
+"""The serving process's controller loop (cluster/pool_control.py) on plain state: the cost
+model it fits from step samples, the signals it reads from the router, and how it carries a
+decision out through the pool registry. No Ray: workers are registry members with reports."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+
+import pytest
+
+from cluster.controller import ControllerConfig
+from cluster.pool_control import LiveControl, PoolController, StepFit
+from router.dispatch import Dispatcher
+from router.metrics import Metrics
+from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
+from router.slo import RequestLog, SLOTargets, judge
+from workers.cost_model import BatchShape, LinearStepModel
+from workers.messages import LoadReport, TransferTotals
+from workers.names import DECODE, DISAGGREGATED, PREFILL
+
+TRUE = LinearStepModel(p0=0.004, p1=2e-5, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4)
+
+
+def timed(shapes, noise=0.0, seed=0) -> list[list[float]]:
+    rng = random.Random(seed)
+    return [[TRUE.step_s(s) * (1 + rng.uniform(-noise, noise)), *dataclasses.astuple(s)] for s in shapes]
+
+
+PROFILE = timed([BatchShape(1, n, n * n) for n in (16, 64, 256, 512, 1024)] + [BatchShape(4, 512, 4 * 128 * 128)]
+                + [BatchShape(num_decode=k, decode_context=k * c) for k, c in ((1, 64), (8, 256), (32, 128),
+                                                                             (64, 512), (128, 64))])
+
+
+def test_the_fit_recovers_the_step_costs_and_follows_what_is_served():
+    fit = StepFit(kv_bytes_per_token=1024, kv_capacity_tokens=65536, profiled=PROFILE)
+    model = fit.current()
+    for s in (BatchShape(2, 800, 2 * 400 * 400), BatchShape(num_decode=50, decode_context=50 * 300)):
+        assert model.step_s(s) == pytest.approx(TRUE.step_s(s), rel=0.02)
+    # Served steps twice as slow (a busy machine): the fit follows them once they outnumber the profile.
+    slow = [[2 * x[0], *x[1:]] for x in timed([BatchShape(1, n, n * n) for n in range(100, 1100, 10)] +
+                                              [BatchShape(num_decode=k, decode_context=k * 200) for k in range(1, 101)],
+                                              noise=0.05)]
+    fit.add(slow)
+    fit.add([[0.5, 1, 100, 10000, 0, 3, 600]])                    # a mixed step: left out
+    s = BatchShape(1, 500, 500 * 500)
+    assert fit.current().step_s(s) == pytest.approx(2 * TRUE.step_s(s), rel=0.15)
+
+
+def test_too_few_shapes_give_no_model_rather_than_a_guess():
+    fit = StepFit(1024, 65536, profiled=PROFILE[:2])
+    assert fit.current() is None
+    fit.add(PROFILE[2:])
+    assert fit.current() is not None
+
+
+def report(worker_id, role, queued=0, running=0) -> LoadReport:
+    return LoadReport(worker_id, role, 0, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def controller(clock, num_prefill=1, num_decode=2, **cfg):
+    members = [Member(f"prefill-{i}", PREFILL, f"hp{i}", ACTIVE) for i in range(num_prefill)] + \
+              [Member(f"decode-{i}", DECODE, f"hd{i}", ACTIVE) for i in range(num_decode)]
+    for m in members:
+        m.report = report(m.worker_id, m.role)
+    metrics = Metrics(SLOTargets(ttft_s=1.0, tpot_s=0.05))
+    metrics.requests = RequestLog(clock=clock)
+    d = Dispatcher(PoolRegistry.of(members), DISAGGREGATED, metrics)
+    fit = StepFit(1024, 65536, PROFILE)
+    ctl = PoolController(d, LiveControl(ControllerConfig(num_prefill + num_decode, **cfg), 1.0, 10.0), fit,
+                         1.0, 0.05, 2048, 128, clock=clock)
+    return ctl, d, metrics
+
+
+def serve_window(clock, metrics, rate, prompt, output, seconds, ttft_s=0.1, tpot_s=0.01):
+    """Arrivals at `rate` for `seconds`, each finishing at once with these latencies."""
+    for _ in range(int(rate * seconds)):
+        clock.t += 1 / rate
+        metrics.requests.arrived(prompt)
+        e2e = ttft_s + tpot_s * (output - 1)
+        metrics.requests.finished(clock.t - e2e, prompt, output, judge(metrics.slo, ttft_s, e2e, output))
+
+
+def test_signals_are_what_the_router_measured():
+    clock = Clock()
+    ctl, d, metrics = controller(clock)
+    ctl.started_at = clock.t
+    serve_window(clock, metrics, rate=4, prompt=800, output=20, seconds=30, ttft_s=2.0)   # TTFT missed
+    pool = d.pools
+    pool["prefill-0"].report = report("prefill-0", PREFILL, queued=3000)
+    pool["prefill-0"].sent("r-new", 500)                         # sent, not yet in a report
+    s = ctl.signals()
+    assert s.arrival_rate == pytest.approx(4, rel=0.05)          # the last 10 s of arrivals
+    assert s.mean_prompt_tokens == 800 and s.mean_output_tokens == 20
+    assert s.queued_prefill_tokens == 3500
+    assert s.ttft_attainment == 0.0 and s.tpot_attainment == 1.0
+    assert (s.num_prefill, s.num_decode, s.draining) == (1, 2, 0)
+    # The fitted model prices the pools: one prefill worker clears a full step of such prompts.
+    full = TRUE.step_s(BatchShape(2, 1600, 2 * 800 * 800))
+    assert s.prefill_tokens_per_s == pytest.approx(1600 / full, rel=0.05)
+    # Attainment judges only requests sent since the last change (and needs enough of them).
+    ctl.last_change = clock.t
+    serve_window(clock, metrics, rate=1, prompt=800, output=20, seconds=5)
+    assert math.isnan(ctl.signals().ttft_attainment)
+
+
+def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
+    clock = Clock()
+    ctl, d, metrics = controller(clock, cooldown_s=5)
+    ctl.started_at = clock.t - 30
+    d.pools["decode-0"].report = report("decode-0", DECODE, running=5)
+    serve_window(clock, metrics, rate=25, prompt=3000, output=2, seconds=30)   # more prompt work than 1 worker does
+    decision = asyncio.run(ctl.tick())
+    assert decision.action == "to_prefill", decision
+    assert d.pools["decode-1"].state == DRAINING and d.pools["decode-1"].to_role == PREFILL
+    assert d.pools["decode-0"].state == ACTIVE                    # the busier one keeps serving
+    assert ctl.decisions[-1]["action"] == "to_prefill"
+    assert metrics.registry.get_sample_value("pdcluster:controller_decisions_total",
+                                             {"action": "to_prefill", "reason": decision.code}) == 1
+    # While it drains, and within the cooldown after, nothing else changes.
+    assert asyncio.run(ctl.tick()).action == "none"
+    d.pools.finish_drain("decode-1")
+    clock.t += 1
+    assert asyncio.run(ctl.tick()).reason == "cooldown"
