@@ -77,17 +77,24 @@ def gpus_per_worker(spec: ClusterSpec) -> float:
 def check_fits(spec: ClusterSpec) -> None:
     """Fail at once, in one line naming the fix, when the Ray cluster cannot hold the workers
     (instead of waiting out the ready timeout)."""
-    total, free = ray.cluster_resources(), ray.available_resources()
-    n, gpus = len(spec.roles()), gpus_per_worker(spec)
-    if spec.engine.device.startswith("cuda") and total.get("GPU", 0) == 0:
+    if spec.engine.device.startswith("cuda") and ray.cluster_resources().get("GPU", 0) == 0:
         raise RuntimeError("--device cuda, but the Ray cluster has no GPUs: use --device auto (or cpu)")
-    for res, per, flag in (("CPU", spec.num_cpus_per_worker, "--cpus-per-worker"), ("GPU", gpus, "--gpus-per-worker")):
-        need = n * per
-        if need > free.get(res, 0) + 1e-9:
-            raise RuntimeError(
-                f"{n} workers x {per:g} {res} need {need:g} {res}, but the Ray cluster has {free.get(res, 0):g} of "
-                f"{total.get(res, 0):g} free: use fewer workers (--prefill/--decode, or --workers), a smaller "
-                f"{flag}, or a larger cluster")
+    if short := _shortfall(spec, len(spec.roles())):
+        what, flag = short
+        raise RuntimeError(f"{what}: use fewer workers (--prefill/--decode, or --workers), a smaller {flag}, "
+                           "or a larger cluster")
+
+
+def _shortfall(spec: ClusterSpec, n: int) -> tuple[str, str] | None:
+    """What the Ray cluster lacks now for `n` more workers of this spec, and the flag that asks
+    for it (None: they fit)."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    for res, per, flag in (("CPU", spec.num_cpus_per_worker, "--cpus-per-worker"),
+                           ("GPU", gpus_per_worker(spec), "--gpus-per-worker")):
+        if n * per > free.get(res, 0) + 1e-9:
+            return (f"{n} worker{'s' if n > 1 else ''} x {per:g} {res} need {n * per:g} {res}, but the Ray "
+                    f"cluster has {free.get(res, 0):g} of {total.get(res, 0):g} free"), flag
+    return None
 
 
 def _engine(spec: ClusterSpec, gpus: float):
@@ -115,11 +122,8 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
 
 def room_for_one(spec: ClusterSpec) -> str | None:
     """None when the Ray cluster has the resources of one more worker free now, else what is short."""
-    free = ray.available_resources()
-    for res, per in (("CPU", spec.num_cpus_per_worker), ("GPU", gpus_per_worker(spec))):
-        if per > free.get(res, 0) + 1e-9:
-            return f"a worker needs {per:g} {res}, {free.get(res, 0):g} free"
-    return None
+    short = _shortfall(spec, 1)
+    return short[0] if short else None
 
 
 def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
