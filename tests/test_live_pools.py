@@ -96,3 +96,26 @@ def test_the_cluster_grows_within_its_budget_and_shrinks_after_a_drain(cluster, 
         wait_for(lambda: ray.get(m.handle.ready.remote(), timeout=10), lambda _: False, 30)
     assert asyncio.run_coroutine_threadsafe(send_all(c.base_url, prompts), c.loop).result(timeout=180) == reference
     wait_pools_clean(c)
+
+
+def test_a_worker_killed_while_draining_resumes_its_requests_and_completes_its_flip(cluster, prompts, reference):
+    """A fault in the middle of a move: decode-0 drains (towards prefill) and dies with requests
+    open on it. They resume on the others, nothing is lost or changed; Ray restarts the process,
+    which comes back empty and so completes the flip at once."""
+    c = cluster
+    m = c.pools["decode-0"]
+    restarts = metric(c, "pdcluster:workers_replaced_total", {"role": DECODE})
+    fut = asyncio.run_coroutine_threadsafe(send_all(c.base_url, prompts), c.loop)
+    wait_for(lambda: m.assigned, bool, 60)
+    on_loop(c, lambda: c.pools.drain("decode-0", PREFILL))
+    ray.kill(m.handle, no_restart=False)
+    assert fut.result(timeout=300) == reference
+    wait_for(lambda: (m.state, m.role), lambda s: s == (ACTIVE, PREFILL), 120)
+    assert ray.get(m.handle.ready.remote())["role"] == PREFILL
+    assert metric(c, "pdcluster:requests_resumed_total", {"cause": "worker_died"}) >= 1
+    assert metric(c, "pdcluster:workers_replaced_total", {"role": DECODE}) + \
+        metric(c, "pdcluster:workers_replaced_total", {"role": PREFILL}) > restarts
+    # Back to where it was, for the next test in this module.
+    on_loop(c, lambda: c.pools.drain("decode-0", DECODE))
+    wait_for(lambda: (m.state, m.role), lambda s: s == (ACTIVE, DECODE), 60)
+    wait_pools_clean(c)
