@@ -8,6 +8,13 @@ decode-heavy), each scaled in time to --code-rate / --conv-rate and in length by
 --length-scale; the same requests go to the controlled cluster (starting at half and half) and
 to every fixed split of --workers workers. Prints goodput (requests meeting both SLOs per
 second) over the whole run and per segment, and the controller's decisions.
+
+The defaults: TTFT 1 s and TPOT 25 ms (interactive serving; at 50 ms nearly any decode pool
+keeps up and the split barely matters), and rates that load 32 H100s with Llama-3-8B near what
+the best split of each phase serves within those SLOs (code 340 req/s: its best split, ~28
+prefill + 4 decode, serves ~360; conversation 380 req/s: ~19 + 13 serves ~415). The phases
+want different splits: code's 2,048-token prompts with 28-token replies lean on prefill,
+conversation's 1,154-token prompts with 211-token replies need ~13 decode workers.
 """
 from __future__ import annotations
 
@@ -71,13 +78,19 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--segment-s", type=float, default=600.0)
     ap.add_argument("--segments", type=int, default=4)
-    ap.add_argument("--code-rate", type=float, default=60.0)
-    ap.add_argument("--conv-rate", type=float, default=60.0)
+    ap.add_argument("--code-rate", type=float, default=340.0, help="requests/s of the code segments")
+    ap.add_argument("--conv-rate", type=float, default=380.0, help="requests/s of the conversation segments")
     ap.add_argument("--length-scale", type=float, default=1.0)
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    ap.add_argument("--max-pending", type=int, default=4096, help="requests in flight before 429")
     ap.add_argument("--fixed-step", type=int, default=4, help="fixed splits tried: every this many prefill workers")
+    ap.add_argument("--fixed", default=None, help="the fixed splits' prefill workers, comma-separated (in place of "
+                    "--fixed-step; empty: none)")
+    ap.add_argument("--interval-s", type=float, default=10.0)
+    ap.add_argument("--window-s", type=float, default=30.0)
+    ap.add_argument("--cooldown-s", type=float, default=30.0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     cost = roofline(a.model, a.gpu, 1)
@@ -86,35 +99,49 @@ def main() -> None:
     requests, spans = phases(a)
     print(f"{len(requests)} requests over {len(spans)} segments of {a.segment_s:g} s "
           f"({', '.join(s[0] for s in spans)}), {a.workers} x {a.gpu} {a.model}")
-    rows = []
-    for p in list(range(a.fixed_step, a.workers, a.fixed_step)):
-        cluster = SimCluster(num_prefill=p, num_decode=a.workers - p, prefill_cost=cost, decode_cost=cost, engine=engine)
-        t = time.perf_counter()
-        results, _ = Simulator(cluster, record_itl=False).run(requests)
-        total, per = goodput(results, spans, slos)
-        rows.append({"ratio": f"{p}P+{a.workers - p}D", "goodput": total, "per_segment": per,
-                     "wall_s": time.perf_counter() - t})
-        print(f"  fixed {p:>3}P+{a.workers - p:<3}D  goodput {total:7.2f} req/s  per segment "
-              + " ".join(f"{x:7.2f}" for x in per), flush=True)
+    splits = ([int(x) for x in a.fixed.split(",") if x.strip()] if a.fixed is not None
+              else list(range(a.fixed_step, a.workers, a.fixed_step)))
+    started = time.perf_counter()
     half = a.workers // 2
     cluster = SimCluster(num_prefill=half, num_decode=a.workers - half, prefill_cost=cost, decode_cost=cost,
-                         engine=engine)
-    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(a.workers), 10.0, 30.0, slos["ttft"], slos["tpot"]),
-                              record_itl=False)
+                         engine=engine, max_pending=a.max_pending)
+    control = SimControl(ControllerConfig(a.workers, a.cooldown_s), a.interval_s, a.window_s, slos["ttft"],
+                         slos["tpot"])
+    sim = ControlledSimulator(cluster, control, record_itl=False)
+    t = time.perf_counter()
     results, _ = sim.run(requests)
+    wall = time.perf_counter() - t
     total, per = goodput(results, spans, slos)
-    best = max(rows, key=lambda r: r["goodput"])
-    best_per = [max(r["per_segment"][i] for r in rows) for i in range(len(spans))]
-    print(f"  controller        goodput {total:7.2f} req/s  per segment " + " ".join(f"{x:7.2f}" for x in per))
-    print(f"controller / best fixed ({best['ratio']}): {total / best['goodput']:.2f}x; per segment against that "
-          "segment's best fixed: " + " ".join(f"{c / b:.2f}" if b else "-" for c, b in zip(per, best_per)))
-    print(f"{sim.role_changes} role changes:")
+    print(f"  controller        goodput {total:7.2f} req/s  per segment " + " ".join(f"{x:7.2f}" for x in per)
+          + f"  ({wall:.0f} s)", flush=True)
+    rows = []
+    for p in splits:
+        cluster = SimCluster(num_prefill=p, num_decode=a.workers - p, prefill_cost=cost, decode_cost=cost,
+                             engine=engine, max_pending=a.max_pending)
+        t = time.perf_counter()
+        res, _ = Simulator(cluster, record_itl=False).run(requests)
+        fixed_total, fixed_per = goodput(res, spans, slos)
+        rows.append({"ratio": f"{p}P+{a.workers - p}D", "goodput": fixed_total, "per_segment": fixed_per,
+                     "wall_s": time.perf_counter() - t})
+        print(f"  fixed {p:>3}P+{a.workers - p:<3}D  goodput {fixed_total:7.2f} req/s  per segment "
+              + " ".join(f"{x:7.2f}" for x in fixed_per) + f"  ({rows[-1]['wall_s']:.0f} s)", flush=True)
+    if rows:
+        best = max(rows, key=lambda r: r["goodput"])
+        best_per = [max(r["per_segment"][i] for r in rows) for i in range(len(spans))]
+        print(f"controller / best fixed ({best['ratio']}): {total / best['goodput']:.2f}x; per segment against "
+              "that segment's best fixed (" + ", ".join(max(rows, key=lambda r: r["per_segment"][i])["ratio"]
+                                                        for i in range(len(spans))) + "): "
+              + " ".join(f"{c / b:.2f}" if b else "-" for c, b in zip(per, best_per)))
+    print(f"{sim.role_changes} role changes in {len(sim.decisions)} decisions:")
     for d in sim.decisions:
-        print(f"  t={d['t']:7.0f}  {d['prefill']}P+{d['decode']}D  {d['action']:<11} {d['reason']}")
+        took = f"(done in {d['settled'] - d['t']:.0f} s)" if "settled" in d else ""
+        print(f"  t={d['t']:5.0f} {took:>15}  {d['prefill']:>2}P+{d['decode']:<2}D  {d['action']:<11} {d['reason']}")
+    print(f"wall time {time.perf_counter() - started:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"fixed": rows, "controller": {"goodput": total, "per_segment": per,
-                                                     "decisions": sim.decisions}}, f, indent=1)
+            json.dump({"args": vars(a), "fixed": rows,
+                       "controller": {"goodput": total, "per_segment": per, "wall_s": wall,
+                                      "role_changes": sim.role_changes, "decisions": sim.decisions}}, f, indent=1)
 
 
 if __name__ == "__main__":

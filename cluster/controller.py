@@ -1,40 +1,84 @@
 """The pool-ratio controller's policy: a plain function from what the cluster measured to one
 action (plain Python, no Ray, no torch: the serving loop and `pdcluster simulate` run it alike).
 
-Like Dynamo's planner it sizes each pool from demand over capacity:
+Like Dynamo's planner it sizes each pool from demand over capacity, in workers' worth of work:
 
-    prefill workers needed = arrival rate x prompt tokens / prefill tokens per second per worker
-    decode workers needed  = arrival rate x output tokens / decode tokens per second per worker
-                             (the decode capacity at the TPOT target)
+    prefill need = (arrival rate x prompt tokens + queued prompt tokens / backlog_s)
+                   / prefill tokens per second per worker
+    decode need  = (arrival rate + waiting handoffs / backlog_s) x output tokens
+                   / decode tokens per second per worker (its capacity at the TPOT target)
 
-and corrects both by what it sees (queued prefill work, SLO attainment). Unlike it, the policy
-does not chase every estimate (its users report oscillation, scale-downs that break the SLO and
-rebalances over the GPU budget):
+A pool's load is its need over its size, and each pool has a target load: decode's capacity is
+already priced at the TPOT target and its batch smooths arrival bursts over each request's
+life, so it runs at up to 0.75 (short replies smooth less: the handoff and bursts eat into
+their TPOT); prefill's capacity is raw throughput and a burst queues in front of the TTFT
+target at once, so it keeps more headroom (0.65: the Azure traces' 2-second peaks run ~1.5x
+their mean). Unlike the planner the policy does not chase every estimate (its users report
+oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
 
-- one change per decision, and none within `cooldown_s` of the last;
-- hysteresis: a pool is short only when it needs more than `grow_at` of its size, and a worker
-  may leave a pool only when the rest would run below `shrink_below` of theirs (the survivors'
-  predicted load stays under 80 % by default);
+- a pool is short when its load is above `grow_at` (demand beyond its capacity), or when its
+  SLO attainment is below `min_attainment` while all of these hold: its load is at least
+  `slo_load_floor` of its target (well under its target a pool has the headroom the policy
+  sizes for: misses come from bursts beyond any sizing or from elsewhere, and a worker more
+  would not stop them), its backlog is at most `slo_backlog_share` of its need, and the last
+  change is `slo_hold_s` old (a backlog left by a burst or by the split before explains the
+  misses, and it counts in the load already);
+- a short pool is sized in one change to its target load (at least one worker more): `count`
+  workers move, or are added under the budget;
+- workers leave a pool only while the rest stay under `shrink_below` (the survivors' predicted
+  load stays under 80 %) and at or under their own target, or, when both pools are past their
+  targets, only as far as evens the two out (load over target; the receiver's without its
+  backlog, which passes); never from a short pool;
+- hysteresis: between its target and `grow_at` a pool neither grows nor gives; and attainment
+  never undoes attainment: after a move for attainment, only a load above `grow_at` moves
+  workers back (attainment may correct a move made on the predicted loads, once; so under a
+  steady load the moves stop);
+- one change per decision, none while a worker is between roles, and none within `cooldown_s`
+  of the last;
 - at least one worker per pool, never more workers than the budget;
-- every action carries its reason (logged and counted by the caller).
+- every decision carries its reason, and `code`, the reason's kind (a metric label).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-# Actions: move one worker between the pools (it drains, flips, rejoins), or grow or shrink a pool.
+# Actions: move workers between the pools (they drain, flip, rejoin), or grow or shrink a pool.
 NONE, TO_PREFILL, TO_DECODE, ADD_PREFILL, ADD_DECODE, REMOVE_PREFILL, REMOVE_DECODE = (
     "none", "to_prefill", "to_decode", "add_prefill", "add_decode", "remove_prefill", "remove_decode")
+# Decision.code: every value decide() gives.
+CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
+         "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "slo_not_capacity", "balanced")
+POOLS = ("prefill", "decode")
+BACKLOG_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     max_workers: int                      # the budget: prefill + decode workers, never above
     cooldown_s: float = 30.0              # no change within this long of the last one
-    grow_at: float = 1.0                  # a pool is short when demand exceeds this share of its capacity
-    shrink_below: float = 0.8             # a worker may leave if the rest stay under this share
-    min_attainment: float = 0.9           # below this (TTFT or TPOT), the pool behind it is short
+    grow_at: float = 1.0                  # a pool is short when its demand exceeds this share of its capacity
+    shrink_below: float = 0.8             # workers leave a pool only if the rest stay under this share
+    prefill_target_load: float = 0.65     # a short pool is sized to its target, and a donor gives
+    decode_target_load: float = 0.75      # only what keeps it at or under its own
+    min_attainment: float = 0.9           # below this (TTFT or TPOT), the pool behind it is short ...
+    slo_load_floor: float = 0.9           # ... if its load is at least this share of its target,
+    slo_backlog_share: float = 0.2        # its backlog at most this share of its need,
+    slo_hold_s: float = 30.0              # and the last change this old (the pools settled)
+    backlog_s: float = BACKLOG_S          # a backlog is work to clear within this long
+
+    def __post_init__(self):
+        if self.max_workers < 2:
+            raise ValueError(f"the worker budget must be at least 2 (one per pool), got {self.max_workers}")
+        if self.cooldown_s < 0 or self.slo_hold_s < 0 or self.backlog_s <= 0:
+            raise ValueError("cooldown_s and slo_hold_s must be >= 0, backlog_s > 0")
+        for t in (self.prefill_target_load, self.decode_target_load):
+            if not 0 < t <= self.shrink_below < self.grow_at:
+                raise ValueError("the controller needs 0 < target load <= shrink_below < grow_at (hysteresis), "
+                                 f"got {t}, {self.shrink_below}, {self.grow_at}")
+
+    def target(self, pool: str) -> float:
+        return self.prefill_target_load if pool == "prefill" else self.decode_target_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +93,10 @@ class Signals:
     prefill_tokens_per_s: float           # one prefill worker's capacity (measured or predicted)
     decode_tokens_per_s: float            # one decode worker's capacity at the TPOT target
     queued_prefill_tokens: int = 0        # waiting now, over the prefill pool
-    ttft_attainment: float = math.nan     # share of the window's requests within the TTFT target
-    tpot_attainment: float = math.nan
+    ttft_attainment: float = math.nan     # share of the judged requests within the TTFT target
+    tpot_attainment: float = math.nan     # (judged: sent since the pools last changed; nan: too few)
     draining: int = 0                     # workers between roles now
+    waiting_handoffs: int = 0             # prefilled requests waiting for room on a decode worker now
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,51 +105,154 @@ class Decision:
     reason: str
     prefill_load: float = 0.0             # demand / capacity of each pool as it stands
     decode_load: float = 0.0
+    count: int = 1                        # workers moved, added or removed (0 with NONE)
+    code: str = ""                        # the reason's kind, a metric label (one of CODES)
 
 
-def loads(s: Signals) -> tuple[float, float]:
-    """(prefill, decode) demand over the pool's capacity; the prefill side counts its backlog as
-    work to clear within one second on top of the arrivals."""
-    prefill_demand = s.arrival_rate * s.mean_prompt_tokens + s.queued_prefill_tokens
-    decode_demand = s.arrival_rate * s.mean_output_tokens
-    p = prefill_demand / max(1e-9, s.num_prefill * s.prefill_tokens_per_s)
-    d = decode_demand / max(1e-9, s.num_decode * s.decode_tokens_per_s)
-    return p, d
+def window_start(arrivals, finishes, now: float, interval_s: float, window_s: float, since: float = -math.inf,
+                 factor: float = 1.5, min_samples: int = 20) -> float:
+    """Where the window of signals starts: `window_s` back, but not before `since` (the last
+    shift the caller saw), and at the last interval when the load just shifted: when the mean
+    prompt length of the `arrivals` ((time, prompt tokens)) or the mean output length of the
+    `finishes` ((time, output tokens)) over the last `interval_s` differs from the rest of the
+    window by more than `factor` either way (each side with `min_samples`). The window's older
+    part would hold the old phase against the new one. The caller keeps the start as `since`
+    when it is the last interval (`now - interval_s`)."""
+    start, recent = max(now - window_s, since), now - interval_s
+    if recent <= start:
+        return start
+    for rows in (arrivals, finishes):
+        a, b = [], []
+        for t, x in rows:
+            if t >= recent:
+                b.append(x)
+            elif t >= start:
+                a.append(x)
+        if len(a) >= min_samples and len(b) >= min_samples:
+            ma, mb = sum(a) / len(a), sum(b) / len(b)
+            if ma > 0 and mb > 0 and not 1 / factor <= mb / ma <= factor:
+                return recent
+    return start
 
 
-def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf) -> Decision:
-    """The one action to take now, with its reason."""
-    p, d = loads(s)
+def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
+    """(prefill, decode) backlog in workers' worth: work to clear within `backlog_s`."""
+    return (s.queued_prefill_tokens / backlog_s / max(1e-9, s.prefill_tokens_per_s),
+            s.waiting_handoffs * s.mean_output_tokens / backlog_s / max(1e-9, s.decode_tokens_per_s))
 
-    def done(action: str, reason: str) -> Decision:
-        return Decision(action, reason, p, d)
+
+def needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
+    """(prefill, decode) demand in workers' worth: what each pool must clear per second over one
+    worker's capacity, arrivals and backlog."""
+    bp, bd = backlog_needs(s, backlog_s)
+    return (s.arrival_rate * s.mean_prompt_tokens / max(1e-9, s.prefill_tokens_per_s) + bp,
+            s.arrival_rate * s.mean_output_tokens / max(1e-9, s.decode_tokens_per_s) + bd)
+
+
+def loads(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
+    """(prefill, decode) demand over each pool's capacity."""
+    p, d = needs(s, backlog_s)
+    return p / max(1, s.num_prefill), d / max(1, s.num_decode)
+
+
+def wanted(need: float, size: int, target: float) -> int:
+    """The size of a short pool: its load at `target`, and at least one worker more."""
+    return max(size + 1, math.ceil(need / target - 1e-9))
+
+
+def givable(cfg: ControllerConfig, donor: str, need_o: float, n_o: int, up_to: int,
+            to: tuple[str, float, int] | None = None) -> int:
+    """Workers (at most `up_to`) the `donor` pool can give: one always stays, the rest stay under
+    `shrink_below`, and at or under the donor's target, or (given `to`, the receiver's pool,
+    steady need and size) no further past it than the receiver would be past its own."""
+    k = 0
+    while k < up_to and n_o - (k + 1) >= 1:
+        after = need_o / (n_o - (k + 1))
+        if after >= cfg.shrink_below:
+            break
+        if after > cfg.target(donor):
+            if to is None:
+                break
+            pool, need_r, n_r = to
+            if after / cfg.target(donor) > need_r / (n_r + k + 1) / cfg.target(pool):
+                break
+        k += 1
+    return k
+
+
+def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
+           last: Decision | None = None) -> Decision:
+    """The one change to make now (of `count` workers), with its reason. `last_change_at` and
+    `last`: when the last change (not NONE) was decided, and the decision."""
+    n = dict(zip(POOLS, (s.num_prefill, s.num_decode)))
+    need = dict(zip(POOLS, needs(s, cfg.backlog_s)))
+    backlog = dict(zip(POOLS, backlog_needs(s, cfg.backlog_s)))
+    steady = {k: need[k] - backlog[k] for k in POOLS}      # what the arrivals alone need
+    load = {k: need[k] / max(1, n[k]) for k in POOLS}
+    slo = {"prefill": ("TTFT", s.ttft_attainment), "decode": ("TPOT", s.tpot_attainment)}
+    loads_txt = f"loads {load['prefill']:.2f} / {load['decode']:.2f}"
+
+    def done(action: str, code: str, reason: str, count: int = 0) -> Decision:
+        return Decision(action, reason, load["prefill"], load["decode"], count, code)
     if s.draining:
-        return done(NONE, "a worker is changing roles")
+        return done(NONE, "changing_roles", f"{s.draining} worker(s) changing roles")
     if s.now - last_change_at < cfg.cooldown_s:
-        return done(NONE, "cooldown")
+        return done(NONE, "cooldown", "cooldown")
     total = s.num_prefill + s.num_decode
-    # A pool is short when its demand exceeds its capacity, or when its SLO is being missed.
-    p_short = p > cfg.grow_at or s.ttft_attainment < cfg.min_attainment
-    d_short = d > cfg.grow_at or s.tpot_attainment < cfg.min_attainment
-    # A pool can spare a worker when the others would stay under shrink_below of their capacity.
-    p_spare = s.num_prefill > 1 and p * s.num_prefill / (s.num_prefill - 1) < cfg.shrink_below
-    d_spare = s.num_decode > 1 and d * s.num_decode / (s.num_decode - 1) < cfg.shrink_below
-    for short, other_short, name, other, load, other_load, attainment, spare, add, move in (
-            (p_short, d_short, "prefill", "decode", p, d, f"TTFT attainment {s.ttft_attainment:.2f}", d_spare,
-             ADD_PREFILL, TO_PREFILL),
-            (d_short, p_short, "decode", "prefill", d, p, f"TPOT attainment {s.tpot_attainment:.2f}", p_spare,
-             ADD_DECODE, TO_DECODE)):
-        if short and not other_short:
-            if total < cfg.max_workers:
-                return done(add, f"{name} short (load {load:.2f}, {attainment})")
-            if spare:
-                return done(move, f"{name} short (load {load:.2f}), {other} can spare one (load {other_load:.2f})")
-            return done(NONE, f"{name} short, but no worker to spare within the budget")
-    if p_short and d_short:
+
+    def why_short(pool: str) -> tuple[str, str] | None:
+        """(code, reason) when `pool` is short, else None."""
+        name, att = slo[pool]
+        if load[pool] > cfg.grow_at:
+            return f"{pool}_short_load", f"{pool} short (load {load[pool]:.2f})"
+        if (att < cfg.min_attainment and load[pool] >= cfg.slo_load_floor * cfg.target(pool)
+                and s.now - last_change_at >= cfg.slo_hold_s and backlog[pool] <= cfg.slo_backlog_share * need[pool]):
+            return f"{pool}_short_slo", f"{pool} short ({name} attainment {att:.2f} at load {load[pool]:.2f})"
+        return None
+    short = {pool: why_short(pool) for pool in POOLS}
+
+    if total > cfg.max_workers:                   # the budget went down: shed what the pools can spare
+        over = total - cfg.max_workers
+        free = {pool: 0 if short[pool] else givable(cfg, pool, need[pool], n[pool], over) for pool in POOLS}
+        pool = max(POOLS, key=lambda k: (free[k], -load[k]))
+        if not free[pool]:
+            return done(NONE, "over_budget", f"over the budget by {over}, nothing to spare ({loads_txt})")
+        return done(REMOVE_PREFILL if pool == "prefill" else REMOVE_DECODE, "over_budget",
+                    f"over the budget by {over}: {free[pool]} from {pool} ({loads_txt})", free[pool])
+
+    if short["prefill"] and short["decode"]:
         if total < cfg.max_workers:
-            return done(ADD_PREFILL if p >= d else ADD_DECODE, f"both short (loads {p:.2f} / {d:.2f})")
-        return done(NONE, "both pools short: at the budget")
-    if total > cfg.max_workers:
-        return done(REMOVE_PREFILL if p_spare and (p <= d or not d_spare) else REMOVE_DECODE,
-                    "over the budget") if (p_spare or d_spare) else done(NONE, "over the budget, nothing to spare")
-    return done(NONE, f"balanced (loads {p:.2f} / {d:.2f})")
+            pool = max(POOLS, key=lambda k: load[k] / cfg.target(k))
+            k = min(wanted(need[pool], n[pool], cfg.target(pool)) - n[pool], cfg.max_workers - total)
+            return done(ADD_PREFILL if pool == "prefill" else ADD_DECODE, "both_short",
+                        f"both pools short ({loads_txt}): {k} more {pool}", k)
+        return done(NONE, "both_short", f"both pools short ({loads_txt}), at the budget")
+
+    for pool, other, add, move in (("prefill", "decode", ADD_PREFILL, TO_PREFILL),
+                                   ("decode", "prefill", ADD_DECODE, TO_DECODE)):
+        if not short[pool]:
+            continue
+        code, why = short[pool]
+        want = wanted(need[pool], n[pool], cfg.target(pool)) - n[pool]
+        if total < cfg.max_workers:
+            k = min(want, cfg.max_workers - total)
+            return done(add, code, f"{why}: {k} more toward load {cfg.target(pool):.2f}", k)
+        if (code.endswith("_slo") and last is not None and last.code.endswith("_slo")
+                and last.action == (TO_DECODE if move == TO_PREFILL else TO_PREFILL)):
+            return done(NONE, "no_undo", f"{why}, but the last change, for attainment too, moved workers the "
+                                         "other way: only a load above capacity moves them back")
+        k = givable(cfg, other, need[other], n[other], want, (pool, steady[pool], n[pool]))
+        if not k:
+            return done(NONE, "no_spare", f"{why}, but {other} cannot spare a worker (load {load[other]:.2f}) "
+                                          "within the budget")
+        return done(move, code, f"{why}: {k} from {other} (load {load[other]:.2f} -> "
+                                f"{need[other] / (n[other] - k):.2f}, {pool} -> {need[pool] / (n[pool] + k):.2f})", k)
+
+    # Nothing short. An SLO missed at a low load, or with a backlog, is reported, not acted on.
+    for pool in POOLS:
+        name, att = slo[pool]
+        if att < cfg.min_attainment:
+            return done(NONE, "slo_not_capacity", f"{name} attainment {att:.2f} at {pool} load {load[pool]:.2f} "
+                                                  f"(backlog {backlog[pool]:.2f} of {need[pool]:.2f}): not acted on "
+                                                  f"({loads_txt})")
+    return done(NONE, "balanced", f"balanced ({loads_txt})")

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                ControllerConfig, Decision, Signals, decide)
+                                CODES, ControllerConfig, Decision, Signals, decide, window_start)
 from cluster.sim_control import decode_capacity, prefill_capacity
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -97,10 +97,20 @@ class PoolController:
         self.add_worker = add_worker          # launches one worker of a role (None: the budget is the pools)
         self.clock = clock
         self.started_at = clock()
-        self.last_change = -math.inf
+        self.last_change = -math.inf          # when the last change was decided
+        self.settled = -math.inf              # when its last worker rejoined, started or left
+        self.last_decision: Decision | None = None
+        self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: list[dict] = []       # every action taken, with its reason
         self._task: asyncio.Task | None = None
         dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
+        self.pools.listen(self._pool_changed)
+        for code in CODES:                    # every "why not" series exists from the start
+            dispatcher.metrics.controller_decisions.labels(NONE, code)
+
+    def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
+        if old_state in (DRAINING, STARTING) and not any(x.state in (DRAINING, STARTING) for x in self.pools):
+            self.settled = self.clock()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -126,16 +136,20 @@ class PoolController:
         cost = self.fit.current()
         if cost is None:
             return None
-        now, log_ = self.clock(), self.d.metrics.requests
-        horizon = now - self.control.window_s
-        arrivals = [a for a in log_.arrivals if a[0] >= horizon]
-        span = max(1e-9, min(self.control.window_s, now - self.started_at))
+        now, log_, c = self.clock(), self.d.metrics.requests, self.control
+        # The window: the last window_s, from where the load last shifted if that is later.
+        start = window_start(((a[0], a[1]) for a in log_.arrivals), ((f[0], f[3]) for f in log_.finishes), now,
+                             c.interval_s, c.window_s, max(self.shift_at, self.started_at))
+        if start == now - c.interval_s:
+            self.shift_at = start
+        arrivals = [a for a in log_.arrivals if a[0] >= start]
+        span = max(1e-9, now - start)
         prompt = sum(a[1] for a in arrivals) / len(arrivals) if arrivals else 0.0
-        finished = [f for f in log_.finishes if f[0] >= horizon]
+        finished = [f for f in log_.finishes if f[0] >= start]
         output = sum(f[3] for f in finished) / len(finished) if finished else 0.0
-        # Attainment judges the pools as they are: requests sent since the last change, enough
-        # of them (a backlog left by the old split would blame the new one).
-        judged = [f for f in log_.finishes if f[1] >= self.last_change]
+        # Attainment judges the pools as they are: requests sent since the last change took
+        # effect, and enough of them (a backlog left by the old split would blame the new one).
+        judged = [f for f in log_.finishes if f[1] >= self.settled]
         n = len(judged) if len(judged) >= MIN_JUDGED else 0
         prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
         queued = sum((m.report.queued_prefill_tokens if m.report else 0) + sum(t for t, _ in m.unreported.values())
@@ -148,7 +162,8 @@ class PoolController:
             queued_prefill_tokens=queued,
             ttft_attainment=sum(f[4].ttft for f in judged) / n if n else math.nan,
             tpot_attainment=sum(f[4].tpot for f in judged) / n if n else math.nan,
-            draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools))
+            draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
+            waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report))
 
     # -- one decision -------------------------------------------------------------------------------
     async def tick(self) -> Decision | None:
@@ -156,13 +171,14 @@ class PoolController:
         if s is None:
             self.d.metrics.controller_decisions.labels(NONE, "no_cost_model").inc()
             return None
-        d = decide(s, self.control.config, self.last_change)
-        self.d.metrics.controller_decisions.labels(d.action, getattr(d, "code", d.action)).inc()
+        d = decide(s, self.control.config, self.last_change, self.last_decision)
+        self.d.metrics.controller_decisions.labels(d.action, d.code).inc()
         if d.action == NONE:
             log.debug("controller: %s", d.reason)
             return d
-        self.last_change = s.now
-        count = getattr(d, "count", 1)
+        self.last_change = self.settled = s.now
+        self.last_decision = d
+        count = d.count
         log.warning("controller: %s x%d at %d prefill + %d decode: %s", d.action, count, s.num_prefill,
                     s.num_decode, d.reason)
         self.decisions.append({"t": s.now - self.started_at, "action": d.action, "count": count, "reason": d.reason,

@@ -1,10 +1,13 @@
 """The pool-ratio controller inside the simulator: every `interval_s` it gathers the signals the
-serving loop would (arrivals and their lengths over a window, SLO attainment of the requests
-that finished in it, queued prefill work, the pools' capacities from the cost model), asks
-`cluster.controller.decide`, and carries the action out the way a live cluster does: a worker
-moving between pools leaves its pool at once (no new work), drains (a decode worker finishes
-its sequences, a prefill worker its prompts and the handoffs of its held KV), flips its role
-without reloading anything, and rejoins the other pool. Plain Python, like the simulator.
+serving loop would (arrivals and their prompt lengths, output lengths of the requests that
+finished, over a window that restarts where the load shifts; SLO attainment of the requests
+sent since the last change took effect; queued prefill work and handoffs waiting for decode
+room; the pools' capacities from the cost model), asks `cluster.controller.decide`, and carries
+the change out the way a live cluster does: the `count` least loaded workers of the donor pool
+leave it at once (no new work), drain (a decode worker finishes its sequences, a prefill worker
+its prompts and the handoffs of its held KV), flip their role without reloading anything, and
+rejoin the other pool (or, removed, leave the cluster); added workers join at once. Plain
+Python, like the simulator.
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, TO_DECODE, TO_PREFILL, ControllerConfig, Signals,
-                                decide)
+from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
+                                ControllerConfig, Decision, Signals, decide, window_start)
 from cluster.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from workers.cost_model import BatchShape, CostModel
 from workers.names import DECODE, DISAGGREGATED, PREFILL
@@ -58,8 +61,8 @@ def decode_capacity(cost: CostModel, context: float, tpot_s: float, max_seqs: in
 
 @dataclass(slots=True)
 class _Window:
-    arrivals: deque = field(default_factory=deque)      # (time, prompt tokens, output tokens)
-    finished: deque = field(default_factory=deque)      # (time, sent at, TTFT met, TPOT met)
+    arrivals: deque = field(default_factory=deque)      # (time, prompt tokens)
+    finished: deque = field(default_factory=deque)      # (time, sent at, TTFT met, TPOT met, output tokens)
 
 
 class ControlledSimulator(Simulator):
@@ -77,10 +80,15 @@ class ControlledSimulator(Simulator):
         self.window = _Window()
         self.decisions: list[dict] = []
         self.role_changes = 0
-        self.last_change = -math.inf
-        self.draining: dict[str, str] = {}              # worker id -> the pool it is moving to
+        self.removed = 0
+        self.last_change = -math.inf                    # when the last change was decided
+        self.settled = -math.inf                        # when its last worker rejoined (or left)
+        self.last_decision: Decision | None = None
+        self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
+        self.draining: dict[str, str | None] = {}       # worker id -> the pool it moves to (None: it leaves)
         self._vocab, self._max_len = kw.get("vocab_size", 32000), kw.get("max_model_len", 1 << 30)
         self._pending_arrivals = 0
+        self._added = 0
 
     def run(self, requests):
         self._pending_arrivals = len(requests)
@@ -90,27 +98,35 @@ class ControlledSimulator(Simulator):
     # -- signals ----------------------------------------------------------------------------------
     def _arrive(self, rid, r) -> None:
         self._pending_arrivals -= 1
-        self.window.arrivals.append((self.now, r.prompt_len, r.output_len))
+        self.window.arrivals.append((self.now, r.prompt_len))
         super()._arrive(rid, r)
 
     def _finished(self, tr) -> None:
         ttft = tr.first_s - tr.sent_s
         tpot = (tr.end_s - tr.first_s) / (tr.count - 1) if tr.count > 1 else 0.0
         self.window.finished.append((self.now, tr.sent_s, ttft <= self.control.slo_ttft_s,
-                                     tpot <= self.control.slo_tpot_s))
+                                     tpot <= self.control.slo_tpot_s, tr.count))
 
     def signals(self) -> Signals:
         c, w, now = self.control, self.window, self.now
         for q in (w.arrivals, w.finished):
             while q and q[0][0] < now - c.window_s:
                 q.popleft()
-        span = min(c.window_s, now) or 1.0
-        n = len(w.arrivals)
-        prompt = sum(a[1] for a in w.arrivals) / n if n else 0.0
-        output = sum(a[2] for a in w.arrivals) / n if n else 0.0
-        # Attainment judges the pools as they are: requests sent since the last change, and
-        # enough of them (a backlog left by the old split would blame the new one).
-        judged = [f for f in w.finished if f[1] >= self.last_change]
+        start = window_start(w.arrivals, ((f[0], f[4]) for f in w.finished), now, c.interval_s, c.window_s,
+                             self.shift_at)
+        if start == now - c.interval_s:
+            self.shift_at = start
+        arrivals = [a for a in w.arrivals if a[0] >= start]
+        finished = [f for f in w.finished if f[0] >= start]
+        span = min(now - start, now) or 1.0
+        n = len(arrivals)
+        prompt = sum(a[1] for a in arrivals) / n if n else 0.0
+        # Output lengths as the serving loop knows them: of the requests that finished.
+        output = sum(f[4] for f in finished) / len(finished) if finished else 0.0
+        # Attainment judges the pools as they are: requests sent since the last change took
+        # effect (its workers rejoined), and enough of them (a backlog left by the old split
+        # would blame the new one).
+        judged = [f for f in w.finished if f[1] >= self.settled]
         done = len(judged) if len(judged) >= MIN_JUDGED else 0
         cost, sched = self.c.prefill_cost, self.c.engine.scheduler
         return Signals(
@@ -122,27 +138,33 @@ class ControlledSimulator(Simulator):
                                       for x in self.pools[PREFILL]),
             ttft_attainment=sum(f[2] for f in judged) / done if done else math.nan,
             tpot_attainment=sum(f[3] for f in judged) / done if done else math.nan,
-            draining=len(self.draining))
+            draining=len(self.draining),
+            waiting_handoffs=sum(len(x.waiting_room) for x in self.workers.values() if x.role == DECODE))
 
     # -- the loop ---------------------------------------------------------------------------------
     def _control(self) -> None:
         s = self.signals()
-        d = decide(s, self.control.config, self.last_change)
+        d = decide(s, self.control.config, self.last_change, self.last_decision)
         if d.action != NONE:
-            self.last_change = self.now
-            self.decisions.append({"t": self.now, "action": d.action, "reason": d.reason,
+            self.last_change = self.settled = self.now
+            self.last_decision = d
+            self.decisions.append({"t": self.now, "action": d.action, "count": d.count, "reason": d.reason,
                                    "prefill": s.num_prefill, "decode": s.num_decode})
-            if d.action == TO_PREFILL:
-                self._move(min(self.pools[DECODE], key=lambda x: len(x.engine._seqs)), PREFILL)
-            elif d.action == TO_DECODE:
-                self._move(min(self.pools[PREFILL], key=lambda x: len(x.engine._seqs)), DECODE)
+            if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
+                donor = DECODE if d.action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
+                to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(d.action)
+                # the least loaded leave; one always stays
+                pool = sorted(self.pools[donor], key=lambda x: len(x.engine._seqs) + len(x.waiting_room) + x.receiving)
+                for w in pool[:max(0, min(d.count, len(pool) - 1))]:
+                    self._move(w, to)
             elif d.action in (ADD_PREFILL, ADD_DECODE):
-                self._add(PREFILL if d.action == ADD_PREFILL else DECODE)
+                for _ in range(d.count):
+                    self._add(PREFILL if d.action == ADD_PREFILL else DECODE)
         if self._pending_arrivals or self.in_flight:
             self._at(self.now + self.control.interval_s, self._control)
 
-    def _move(self, w: SimWorker, to: str) -> None:
-        """Out of its pool now; into the other once drained."""
+    def _move(self, w: SimWorker, to: str | None) -> None:
+        """Out of its pool now; into the other (or out of the cluster) once drained."""
         self.pools[w.role].remove(w)
         self.pool_ids[w.role].remove(w.worker_id)
         self.draining[w.worker_id] = to
@@ -150,7 +172,8 @@ class ControlledSimulator(Simulator):
             self._idle(w)
 
     def _add(self, role: str) -> None:
-        wid = f"{role}-{len(self.workers)}"
+        self._added += 1
+        wid = f"{role}-added-{self._added}"
         cost = self.c.prefill_cost
         w = SimWorker(wid, role, SimEngine(self.c.engine, cost, lambda: self.now, self._vocab, self._max_len), cost)
         self.workers[wid] = w
@@ -158,10 +181,17 @@ class ControlledSimulator(Simulator):
         self.pool_ids[role].append(wid)
 
     def _idle(self, w: SimWorker) -> None:
-        to = self.draining.get(w.worker_id)
-        if to is None or w.engine._seqs or w.inbox or w.waiting_room or w.receiving:
+        if w.worker_id not in self.draining or w.engine._seqs or w.inbox or w.waiting_room or w.receiving:
             return
-        del self.draining[w.worker_id]
+        to = self.draining.pop(w.worker_id)
+        if not self.draining:
+            self.settled = self.now
+            if self.decisions:
+                self.decisions[-1]["settled"] = self.now
+        if to is None:
+            del self.workers[w.worker_id]
+            self.removed += 1
+            return
         w.role = to
         self.pools[to].append(w)
         self.pool_ids[to].append(w.worker_id)

@@ -1,112 +1,324 @@
-"""The pool-ratio controller's policy on synthetic signals: each rule, the budget, the cooldown,
-and no flip that the next decision would undo."""
+"""The pool-ratio controller's policy on synthetic signals: each rule, the count of a change, the
+budget, the cooldown, hysteresis, and no flip that the next decision would undo; then, in the
+simulator, pools that follow a phase shift and stay put under a steady load with realistic
+noise (bursty arrivals, real length mixes)."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import random
 
 import pytest
 
-from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, TO_DECODE, TO_PREFILL, ControllerConfig, Signals,
-                                decide, loads)
+from cluster.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
+                                TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, needs, window_start)
 
 CFG = ControllerConfig(max_workers=4, cooldown_s=30)
+MOVES = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD_DECODE: (0, 1), REMOVE_PREFILL: (-1, 0),
+         REMOVE_DECODE: (0, -1), NONE: (0, 0)}
 
 
 def signals(num_prefill=2, num_decode=2, rate=1.0, prompt=1000, output=100, **kw) -> Signals:
     # One prefill worker clears 1,000 prompt tokens/s, one decode worker 100 output tokens/s: at
-    # 1 req/s each pool needs exactly one worker.
-    return Signals(now=100.0, num_prefill=num_prefill, num_decode=num_decode, arrival_rate=rate,
+    # 1 req/s each pool needs exactly one worker's worth.
+    return Signals(now=kw.pop("now", 1000.0), num_prefill=num_prefill, num_decode=num_decode, arrival_rate=rate,
                    mean_prompt_tokens=prompt, mean_output_tokens=output, prefill_tokens_per_s=1000.0,
                    decode_tokens_per_s=100.0, **kw)
 
 
-def test_loads_are_demand_over_capacity():
+def apply(s: Signals, d: Decision) -> Signals:
+    dp, dd = MOVES[d.action]
+    return dataclasses.replace(s, num_prefill=s.num_prefill + dp * d.count, num_decode=s.num_decode + dd * d.count)
+
+
+def test_loads_are_demand_over_capacity_with_backlogs_to_clear():
     assert loads(signals(rate=1.0)) == pytest.approx((0.5, 0.5))
-    assert loads(signals(rate=1.0, queued_prefill_tokens=1000)) == pytest.approx((1.0, 0.5))
+    # 30,000 queued prompt tokens to clear within backlog_s (30 s): 1,000 tokens/s more.
+    assert loads(signals(rate=1.0, queued_prefill_tokens=30_000)) == pytest.approx((1.0, 0.5))
+    # 30 requests waiting for decode room, 100 output tokens each, within 30 s: 100 tokens/s more.
+    assert loads(signals(rate=1.0, waiting_handoffs=30)) == pytest.approx((0.5, 1.0))
+    assert needs(signals(rate=3.0, prompt=2000, output=50)) == pytest.approx((6.0, 1.5))
 
 
+# -- each rule ----------------------------------------------------------------------------------
 def test_prefill_heavy_moves_a_decode_worker_over_at_the_budget():
     d = decide(signals(rate=1.0, prompt=3000, output=50), CFG)
-    assert d.action == TO_PREFILL and "prefill short" in d.reason
+    assert (d.action, d.count, d.code) == (TO_PREFILL, 1, "prefill_short_load") and "prefill short" in d.reason
 
 
 def test_decode_heavy_moves_a_prefill_worker_over_at_the_budget():
     d = decide(signals(rate=1.0, prompt=300, output=300), CFG)
-    assert d.action == TO_DECODE
+    assert (d.action, d.count, d.code) == (TO_DECODE, 1, "decode_short_load")
 
 
-def test_under_the_budget_a_short_pool_grows_instead():
+def test_one_change_moves_as_many_workers_as_the_short_pool_needs():
+    """Dynamo's sizing in one step: prefill needs 13 workers' worth; at its target load (0.65)
+    that is 20 workers, so 8 of the 20 decode workers (which need one) move at once."""
+    cfg = ControllerConfig(max_workers=32)
+    s = signals(12, 20, rate=6.5, prompt=2000, output=100 / 6.5)
+    d = decide(s, cfg)
+    assert (d.action, d.count) == (TO_PREFILL, 8)
+    after = apply(s, d)
+    assert (after.num_prefill, after.num_decode) == (20, 12)
+    assert loads(after)[0] == pytest.approx(0.65)
+    assert decide(after, cfg, last_change_at=s.now - 1000, last=d).action == NONE
+
+
+def test_the_donor_keeps_its_own_target():
+    """Decode needs 10 workers' worth (13 at its 0.8 target, 9 more than its 4); prefill needs
+    13 and gives only down to its 0.65 target (20 of 28): 8 move, not 9."""
+    s = signals(28, 4, rate=6.5, prompt=2000, output=1000 / 6.5)
+    d = decide(s, ControllerConfig(max_workers=32))
+    assert (d.action, d.count) == (TO_DECODE, 8)
+    assert loads(apply(s, d))[0] <= 0.65 + 1e-9
+
+
+def test_past_both_targets_the_donor_gives_only_to_even_the_pools_out_and_stays_under_80_percent():
+    """Decode is short (load 1.25); prefill (11 workers' worth on 16, 0.69) is past its target
+    already: it gives as long as it stays under 0.8 and no further past its target than decode
+    would be past its own: 2 workers (11/14 = 0.79), not a third (11/13 = 0.85)."""
+    s = signals(16, 16, rate=5.5, prompt=2000, output=2000 / 5.5)
+    d = decide(s, ControllerConfig(max_workers=32))
+    assert (d.action, d.count) == (TO_DECODE, 2)
+    p, dl = loads(apply(s, d))
+    assert p < 0.8 and p / 0.65 <= dl / 0.8
+
+
+def test_under_the_budget_a_short_pool_grows_instead_within_the_budget():
     cfg = dataclasses.replace(CFG, max_workers=6)
-    assert decide(signals(rate=1.0, prompt=3000, output=50), cfg).action == ADD_PREFILL
-    assert decide(signals(rate=1.0, prompt=300, output=300), cfg).action == ADD_DECODE
+    d = decide(signals(rate=1.0, prompt=3000, output=50), cfg)       # needs 5 prefill (3 / 0.65): 3 more,
+    assert (d.action, d.count) == (ADD_PREFILL, 2)                    # but the budget leaves 2
+    d = decide(signals(rate=1.0, prompt=300, output=300), cfg)
+    assert (d.action, d.count) == (ADD_DECODE, 2)
+    d = decide(signals(rate=1.0, prompt=2100, output=50), dataclasses.replace(CFG, max_workers=10))
+    assert (d.action, d.count) == (ADD_PREFILL, 2)                    # 2.1 / 0.65: 4 workers, 2 more
 
 
 def test_never_below_one_worker_per_pool():
     d = decide(signals(num_prefill=3, num_decode=1, rate=1.0, prompt=300, output=300), CFG)
     assert d.action == TO_DECODE                              # prefill (3) can spare one
     d = decide(signals(num_prefill=1, num_decode=3, rate=1.0, prompt=3000, output=10), CFG)
-    assert d.action == TO_PREFILL
+    assert (d.action, d.count) == (TO_PREFILL, 2)             # decode keeps one
     # Both needed more than they have, nothing to spare: no move, no growth past the budget.
     d = decide(signals(num_prefill=1, num_decode=1, rate=1.0, prompt=3000, output=300),
                dataclasses.replace(CFG, max_workers=2))
-    assert d.action == NONE and "budget" in d.reason
+    assert d.action == NONE and d.code == "both_short" and "budget" in d.reason
 
 
-def test_a_missed_slo_marks_its_pool_short():
-    d = decide(signals(rate=0.5, ttft_attainment=0.5), CFG)          # loads are low, TTFT is missed
-    assert d.action == TO_PREFILL
-    d = decide(signals(rate=0.5, tpot_attainment=0.5), CFG)
-    assert d.action == TO_DECODE
+def test_a_missed_slo_marks_its_pool_short_when_it_is_busy():
+    cfg = ControllerConfig(max_workers=8)
+    s = signals(4, 4, rate=3.0, prompt=1000, output=50)           # loads 0.75 / 0.375
+    d = decide(dataclasses.replace(s, ttft_attainment=0.5), cfg)
+    assert (d.action, d.count, d.code) == (TO_PREFILL, 1, "prefill_short_slo")
+    s = signals(4, 4, rate=3.0, prompt=500, output=100)           # loads 0.375 / 0.75
+    d = decide(dataclasses.replace(s, tpot_attainment=0.5), cfg)
+    assert (d.action, d.count, d.code) == (TO_DECODE, 1, "decode_short_slo")
+
+
+def test_a_missed_slo_at_a_low_load_or_with_a_backlog_or_just_after_a_change_is_not_acted_on():
+    """The first run's later moves came from TTFT misses at prefill loads of 0.25-0.44: the code
+    trace's bursts (hundreds of arrivals in one second), which a worker more does not stop."""
+    cfg = ControllerConfig(max_workers=8)
+    d = decide(signals(4, 4, rate=2.2, ttft_attainment=0.5), cfg)            # load 0.55, under 0.9 x 0.65
+    assert (d.action, d.code) == (NONE, "slo_not_capacity")
+    busy = signals(4, 4, rate=3.0, prompt=1000, output=50, ttft_attainment=0.5)
+    # A backlog (23 % of the need here) explains the misses; it counts in the load already.
+    d = decide(dataclasses.replace(busy, queued_prefill_tokens=27_000), cfg)
+    assert (d.action, d.code) == (NONE, "slo_not_capacity")
+    # Just after a change (past the cooldown, within slo_hold_s) the pools have not settled.
+    held = dataclasses.replace(cfg, slo_hold_s=60)
+    assert decide(busy, held, last_change_at=busy.now - 45).action == NONE
+    assert decide(busy, held, last_change_at=busy.now - 61).action == TO_PREFILL
+
+
+def test_nan_attainment_is_no_evidence():
+    d = decide(signals(4, 4, rate=3.0), ControllerConfig(max_workers=8))
+    assert d.action == NONE and d.code == "balanced"
 
 
 def test_cooldown_and_draining_hold_every_change():
     s = signals(rate=1.0, prompt=3000, output=50)
     assert decide(s, CFG, last_change_at=s.now - 10).action == NONE
-    assert decide(s, CFG, last_change_at=s.now - 10).reason == "cooldown"
+    assert decide(s, CFG, last_change_at=s.now - 10).code == "cooldown"
     assert decide(s, CFG, last_change_at=s.now - 31).action == TO_PREFILL
-    assert decide(dataclasses.replace(s, draining=1), CFG).action == NONE
+    d = decide(dataclasses.replace(s, draining=1), CFG)
+    assert (d.action, d.code, d.count) == (NONE, "changing_roles", 0)
 
 
 def test_balanced_load_changes_nothing():
     for rate in (0.2, 0.5, 1.0, 1.5):
-        assert decide(signals(rate=rate), CFG).action == NONE
+        d = decide(signals(rate=rate), CFG)
+        assert d.action == NONE and d.count == 0
 
 
+# -- hysteresis: no undo -------------------------------------------------------------------------
+def test_between_target_and_capacity_a_pool_neither_grows_nor_gives():
+    cfg = ControllerConfig(max_workers=16)
+    # prefill at 0.9 (past its 0.65 target, under capacity), decode at 0.9: nothing moves
+    assert decide(signals(8, 8, rate=7.2, prompt=1000, output=100), cfg).action == NONE
+    # decode short (1.2): prefill at 0.71 is past its target and 8 -> 7 would take it to 0.81: none
+    d = decide(signals(8, 8, rate=5.7, prompt=1000, output=9.6 / 5.7 * 100), cfg)
+    assert (d.action, d.code) == (NONE, "no_spare")
+
+
+def test_attainment_never_undoes_attainment():
+    cfg = ControllerConfig(max_workers=8)
+    s = signals(4, 4, rate=3.0, prompt=1000, output=50, ttft_attainment=0.5)   # prefill short on TTFT
+    back_slo = Decision(TO_DECODE, "decode short (TPOT ...)", count=1, code="decode_short_slo")
+    d = decide(s, cfg, last=back_slo)
+    assert (d.action, d.code) == (NONE, "no_undo")
+    # a move made on the predicted loads may be corrected on attainment (once: see above) ...
+    back_load = Decision(TO_DECODE, "decode short (load ...)", count=1, code="decode_short_load")
+    assert decide(s, cfg, last=back_load).action == TO_PREFILL
+    # ... and a load above capacity moves workers back whatever came before
+    short = signals(4, 4, rate=4.4, prompt=1000, output=30)
+    assert decide(short, cfg, last=back_slo).action == TO_PREFILL
+
+
+@pytest.mark.parametrize("size", [4, 32])
 @pytest.mark.parametrize("rate,prompt,output", list(itertools.product((0.3, 0.8, 1.2, 2.0), (300, 1000, 3000),
                                                                         (30, 100, 300))))
-def test_no_flip_is_undone_by_the_next_decision(rate, prompt, output):
+def test_no_flip_is_undone_by_the_next_decision(size, rate, prompt, output):
     """Hysteresis: after any move, the same signals (now with the new pool sizes) never ask for
-    the move back; with a fixed load, the pools settle."""
-    s = signals(rate=rate, prompt=prompt, output=output)
-    seen = []
-    for _ in range(6):
-        d = decide(s, CFG)
+    the move back; with a fixed load the pools settle, and stay in the budget, one worker each
+    at least, the donor under 80 %."""
+    scale = size / 4
+    s = signals(size // 2, size // 2, rate=rate * scale, prompt=prompt, output=output)
+    cfg = ControllerConfig(max_workers=size)
+    seen, last = [], None
+    for i in range(8):
+        d = decide(s, cfg, last_change_at=s.now - 100, last=last)
         seen.append(d.action)
-        if d.action == TO_PREFILL:
-            s = dataclasses.replace(s, num_prefill=s.num_prefill + 1, num_decode=s.num_decode - 1)
-        elif d.action == TO_DECODE:
-            s = dataclasses.replace(s, num_prefill=s.num_prefill - 1, num_decode=s.num_decode + 1)
-        else:
+        if d.action == NONE:
             break
+        donor = "decode" if d.action == TO_PREFILL else "prefill"
+        s, last = apply(s, d), d
+        assert loads(s)[donor == "decode"] < cfg.shrink_below
+        assert s.num_prefill >= 1 and s.num_decode >= 1 and s.num_prefill + s.num_decode == size
     assert not ({TO_PREFILL, TO_DECODE} <= set(seen)), seen
-    assert seen[-1] == NONE
-    assert s.num_prefill >= 1 and s.num_decode >= 1 and s.num_prefill + s.num_decode == 4
+    assert seen[-1] == NONE and len(seen) <= 2, seen                   # one change, sized, at most
 
 
-# -- in the simulator: the pools follow the load --------------------------------------------------
-def test_simulated_pools_follow_a_phase_shift():
-    """2 prefill + 6 decode H100 workers (Llama-3-8B roofline): a prefill-heavy phase moves
-    workers to prefill, the decode-heavy phase after it moves them back; nothing is lost and
-    every block comes back."""
-    import random
+def test_steady_loads_with_noisy_attainment_settle():
+    """Under fixed loads and attainments drawn at random each interval (noise, nan: too few
+    judged), the moves change direction at most once (attainment may correct a move made on
+    the loads, never its own correction) and stop."""
+    rng = random.Random(3)
+    cfg = ControllerConfig(max_workers=32)
+    for trial in range(300):
+        n_p = rng.randint(1, 31)
+        s = signals(n_p, 32 - n_p, rate=rng.uniform(1, 12), prompt=rng.choice((500, 1000, 2000, 4000)),
+                    output=rng.choice((20, 100, 300)), now=0.0)
+        last, last_at, directions = None, -math.inf, []
+        for step in range(60):
+            s = dataclasses.replace(s, now=step * 10.0, ttft_attainment=rng.choice((math.nan, 0.5, 0.85, 0.95, 1.0)),
+                                    tpot_attainment=rng.choice((math.nan, 0.5, 0.85, 0.95, 1.0)))
+            d = decide(s, cfg, last_at, last)
+            assert d.code in CODES and (d.count == 0) == (d.action == NONE)
+            if d.action != NONE:
+                assert d.action in (TO_PREFILL, TO_DECODE)
+                if not directions or directions[-1] != d.action:
+                    directions.append(d.action)
+                s, last, last_at = apply(s, d), d, s.now
+                assert s.num_prefill >= 1 and s.num_decode >= 1 and s.num_prefill + s.num_decode == 32
+        assert len(directions) <= 2, (trial, directions)
+        assert last_at < 45 * 10.0, (trial, last_at)                       # quiet for the last 15 intervals
 
+
+# -- the budget -----------------------------------------------------------------------------------
+def test_over_the_budget_sheds_what_a_pool_can_spare():
+    cfg = ControllerConfig(max_workers=4)
+    d = decide(signals(4, 2, rate=1.0), cfg)                          # prefill needs 1 of its 4
+    assert (d.action, d.count, d.code) == (REMOVE_PREFILL, 2, "over_budget")
+    d = decide(signals(2, 4, rate=1.0), cfg)
+    assert (d.action, d.count) == (REMOVE_DECODE, 2)
+    d = decide(signals(3, 3, rate=2.5), cfg)                          # both need all they have
+    assert (d.action, d.code) == (NONE, "over_budget")
+
+
+@pytest.mark.parametrize("budget", [2, 4, 8, 32])
+def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget):
+    rng = random.Random(budget)
+    cfg = ControllerConfig(max_workers=budget)
+    for _ in range(2000):
+        n_p = rng.randint(1, budget + 2)
+        n_d = rng.randint(1, budget + 3 - n_p) if budget + 3 - n_p >= 1 else 1
+        s = signals(n_p, n_d, rate=rng.uniform(0, 3 * budget), prompt=rng.choice((100, 1000, 3000)),
+                    output=rng.choice((10, 100, 500)), queued_prefill_tokens=rng.choice((0, 0, 5000, 50_000)),
+                    waiting_handoffs=rng.choice((0, 0, 10, 100)),
+                    ttft_attainment=rng.choice((math.nan, 0.5, 0.95)), tpot_attainment=rng.choice((math.nan, 0.5, 0.95)))
+        d = decide(s, cfg)
+        after = apply(s, d)
+        assert d.code in CODES and (d.count == 0) == (d.action == NONE), d
+        assert after.num_prefill >= 1 and after.num_decode >= 1, (s, d)
+        total, new_total = s.num_prefill + s.num_decode, after.num_prefill + after.num_decode
+        assert new_total <= max(budget, total) and (total <= budget or new_total < total or d.action == NONE), (s, d)
+        if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
+            donor = 0 if d.action in (TO_DECODE, REMOVE_PREFILL) else 1
+            assert loads(after)[donor] < cfg.shrink_below, (s, d)
+
+
+def test_config_keeps_its_hysteresis():
+    with pytest.raises(ValueError):
+        ControllerConfig(max_workers=1)
+    with pytest.raises(ValueError):
+        ControllerConfig(max_workers=4, prefill_target_load=0.9)       # above shrink_below
+    with pytest.raises(ValueError):
+        ControllerConfig(max_workers=4, shrink_below=1.0)              # not under grow_at
+
+
+# -- the window of signals ----------------------------------------------------------------------
+def test_the_window_restarts_where_the_load_shifts():
+    steady = [(t / 10, 1000 + 300 * (t % 3)) for t in range(300)]      # 30 s of ~1,300-token prompts
+    assert window_start(steady, [], 30.0, 10.0, 30.0) == 0.0
+    shifted = [(t, 3000 if t >= 20 else x) for t, x in steady]           # the last 10 s: 3,000 tokens
+    assert window_start(shifted, [], 30.0, 10.0, 30.0) == 20.0
+    outputs = [(t, 30 if t < 20 else 200) for t, _ in steady]            # output lengths shift alike
+    assert window_start(steady, outputs, 30.0, 10.0, 30.0) == 20.0
+    assert window_start(steady, [], 30.0, 10.0, 30.0, since=12.0) == 12.0
+    assert window_start(shifted[:5] + shifted[-5:], [], 30.0, 10.0, 30.0) == 0.0   # too few to tell
+
+
+# -- in the simulator ---------------------------------------------------------------------------
+def _stationary(name: str, rate: float, seconds: float, seed: int = 0, burstiness: float = 0.5):
+    """A stationary load with realistic noise: gamma-distributed gaps (`burstiness` is the
+    shape, as vLLM's benchmark takes it: 0.5 is burstier than Poisson) at a fixed mean `rate`,
+    each request's prompt and output lengths drawn from the real trace's rows."""
+    from cluster.bench_data import load_trace
+    from cluster.simulate import SimRequest
+    rows = load_trace(name, max_len=8192)
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        if t >= seconds:
+            return out
+        r = rng.choice(rows)
+        out.append(SimRequest.synthetic(t, max(2, r.prompt_len), max(1, r.output_len), len(out)))
+
+
+def _controlled(num_prefill, num_decode, budget, **control):
     from cluster.sim_control import ControlledSimulator, SimControl
-    from cluster.simulate import SimCluster, SimRequest
-    from tests.test_simulator import assert_pools_clean, engine
+    from cluster.simulate import SimCluster
+    from tests.test_simulator import engine
     from workers.cost_model import roofline
 
     cost = roofline("llama-3-8b", "h100-sxm", 1)
+    cluster = SimCluster(num_prefill=num_prefill, num_decode=num_decode, prefill_cost=cost, decode_cost=cost,
+                         engine=engine(), max_pending=4096)
+    cfg = ControllerConfig(budget, cooldown_s=control.pop("cooldown_s", 30))
+    return ControlledSimulator(cluster, SimControl(cfg, **{"interval_s": 10, "window_s": 30, "slo_ttft_s": 1.0,
+                                                           "slo_tpot_s": 0.025, **control}), record_itl=False)
+
+
+def test_simulated_pools_follow_a_phase_shift():
+    """2 prefill + 6 decode H100 workers (Llama-3-8B roofline): a prefill-heavy phase moves
+    workers to prefill, the decode-heavy phase after it moves them back; nothing is lost, every
+    block comes back, and a change of several workers counts each."""
+    from cluster.simulate import SimRequest
+    from tests.test_simulator import assert_pools_clean
+
     rng = random.Random(0)
     requests, t = [], 0.0
     for until, rate, prompt, output in ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 2000)):
@@ -114,40 +326,38 @@ def test_simulated_pools_follow_a_phase_shift():
             t += rng.expovariate(rate)
             requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
                                                  rng.randint(output // 2, output * 3 // 2), len(requests)))
-    cluster = SimCluster(num_prefill=2, num_decode=6, prefill_cost=cost, decode_cost=cost, engine=engine(),
-                         max_pending=4096)
-    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(8, cooldown_s=20), interval_s=10, window_s=30,
-                                                  slo_ttft_s=1.0, slo_tpot_s=0.05), record_itl=False)
+    sim = _controlled(2, 6, 8, cooldown_s=20, slo_tpot_s=0.05)
     results, _ = sim.run(requests)
     assert all(r.success for r in results)
     moves = [(d["t"], d["action"]) for d in sim.decisions]
     assert any(a == TO_PREFILL for t, a in moves if t < 200), moves
     assert any(a == TO_DECODE for t, a in moves if t > 200), moves
+    assert any(d["count"] > 1 for d in sim.decisions), sim.decisions
     sizes = [(d["prefill"], d["decode"]) for d in sim.decisions]
     assert all(p >= 1 and d >= 1 and p + d <= 8 for p, d in sizes)
-    assert sim.role_changes == len(moves)
+    assert sim.role_changes == sum(d["count"] for d in sim.decisions)
     assert not sim.draining
     assert_pools_clean(sim)
 
 
-def test_simulated_stationary_load_changes_nothing():
-    """Ten simulated minutes of one steady load on a ratio that serves it: no decision at all."""
-    import random
-
-    from cluster.sim_control import ControlledSimulator, SimControl
-    from cluster.simulate import SimCluster, SimRequest
-    from tests.test_simulator import engine
-    from workers.cost_model import roofline
-
-    cost = roofline("llama-3-8b", "h100-sxm", 1)
-    rng = random.Random(1)
-    requests, t = [], 0.0
-    while t < 600:
-        t += rng.expovariate(8.0)
-        requests.append(SimRequest.synthetic(t, rng.randint(500, 1500), rng.randint(100, 300), len(requests)))
-    cluster = SimCluster(num_prefill=2, num_decode=2, prefill_cost=cost, decode_cost=cost, engine=engine())
-    sim = ControlledSimulator(cluster, SimControl(ControllerConfig(4), interval_s=10, slo_ttft_s=1.0, slo_tpot_s=0.05),
-                              record_itl=False)
-    results, _ = sim.run(requests)
+@pytest.mark.parametrize("trace,rate,split", [("azure-conv", 85.0, (4, 4)), ("azure-code", 75.0, (6, 2))])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_simulated_stationary_load_changes_nothing_for_ten_minutes(trace, rate, split, seed):
+    """Ten simulated minutes of a steady load with realistic noise (bursty arrivals, the real
+    trace's mix of lengths) that runs 8 H100s at about their targets (prefill ~0.63, the pool
+    the trace leans on), starting from a split that serves it: no role change at all (no
+    oscillation), every request served."""
+    sim = _controlled(*split, 8)
+    results, _ = sim.run(_stationary(trace, rate, 600.0, seed))
     assert all(r.success for r in results)
-    assert sim.decisions == [] and sim.role_changes == 0
+    assert sim.decisions == [] and sim.role_changes == 0, sim.decisions
+
+
+def test_simulated_stationary_load_from_a_wrong_split_settles_then_stays():
+    """The same conversation load from a split far off (7 prefill + 1 decode): the controller
+    moves in one direction within the first two minutes, then changes nothing for ten."""
+    sim = _controlled(7, 1, 8)
+    results, _ = sim.run(_stationary("azure-conv", 85.0, 720.0))
+    assert all(r.success for r in results)
+    assert sim.decisions and all(d["t"] <= 120 for d in sim.decisions), sim.decisions
+    assert len({d["action"] for d in sim.decisions}) == 1, sim.decisions

@@ -107,8 +107,8 @@ def test_signals_are_what_the_router_measured():
     # The fitted model prices the pools: one prefill worker clears a full step of such prompts.
     full = TRUE.step_s(BatchShape(2, 1600, 2 * 800 * 800))
     assert s.prefill_tokens_per_s == pytest.approx(1600 / full, rel=0.05)
-    # Attainment judges only requests sent since the last change (and needs enough of them).
-    ctl.last_change = clock.t
+    # Attainment judges only requests sent since the last change took effect (and needs enough).
+    ctl.settled = clock.t
     serve_window(clock, metrics, rate=1, prompt=800, output=20, seconds=5)
     assert math.isnan(ctl.signals().ttft_attainment)
 
@@ -128,6 +128,8 @@ def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
                                              {"action": "to_prefill", "reason": decision.code}) == 1
     # While it drains, and within the cooldown after, nothing else changes.
     assert asyncio.run(ctl.tick()).action == "none"
+    clock.t += 0.5
     d.pools.finish_drain("decode-1")
-    clock.t += 1
+    assert ctl.settled == clock.t                                 # attainment is judged from here on
+    clock.t += 0.5
     assert asyncio.run(ctl.tick()).reason == "cooldown"
