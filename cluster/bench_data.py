@@ -140,16 +140,10 @@ def load_custom(path: str, tokenizer: Tokenizer | None, num: int, output_len: in
     """JSONL, one `{"prompt": "...", "output_tokens": N}` per line (output_tokens optional)."""
     out = []
     try:
-        lines = Path(path).read_text().splitlines()
+        text = Path(path).read_text()
     except FileNotFoundError:
         raise FileNotFoundError(f"--dataset-path {path}: no such file") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+    for lineno, row in json_lines(path, text):
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt'")
@@ -237,15 +231,21 @@ def _first(row: dict, fields: tuple[str, ...]) -> tuple[str | None, object]:
     return None, None
 
 
-def _jsonl_rows(file: Path, text: str, timestamp_unit: str) -> list[_Raw]:
-    out = []
+def json_lines(name, text: str):
+    """(line number, parsed value) of each non-blank line of a JSONL text; a line that is not
+    JSON raises ValueError naming `name` and the line."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{lineno}: not JSON ({e.msg})") from None
+            raise ValueError(f"{name}:{lineno}: not JSON ({e.msg})") from None
+
+
+def _jsonl_rows(file: Path, text: str, timestamp_unit: str) -> list[_Raw]:
+    out = []
+    for lineno, row in json_lines(file, text):
         if not isinstance(row, dict):
             raise ValueError(f"{file}:{lineno}: expected one JSON object per line, got {type(row).__name__}")
         field, value = _first(row, JSONL_TIME)

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 
 from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
                                 CODES, ControllerConfig, Decision, Signals, decide, window_start)
-from cluster.sim_control import decode_capacity, prefill_capacity
+from cluster.sim_control import MIN_JUDGED, decode_capacity, prefill_capacity
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
 from workers.names import DECODE, PREFILL
 
 log = logging.getLogger("pdcluster.controller")
-MIN_JUDGED = 20          # finished requests an attainment needs to count
 
 
 @dataclass(frozen=True, slots=True)
