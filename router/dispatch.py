@@ -17,6 +17,10 @@ A worker that died or hung is restarted by Ray (the launcher's `restart` kills a
 that Ray restarts it); it rejoins the pools once it answers `ready()` again, and every other
 worker forgets its transport pairs with the old process.
 
+The workers are router/pools.py's registry: the dispatcher picks among a role's active members,
+starts a pump for each (one added later too: `watch`), and completes the drains the controller
+starts (a drained worker flips its role, or leaves through `retire`).
+
 Workers are reached through handles (`handle.method.remote(...)` returns an awaitable); the
 messages are workers/messages.py's dataclasses, encoded there.
 """
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 from router.metrics import Metrics
 from router.picker import Picker, decode_load, prefill_load
-from router.pools import DEAD, DRAINING, STOPPED, Member, PoolRegistry
+from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
 from workers.names import COLOCATED, DECODE, MODES, first_role
@@ -101,7 +105,7 @@ class Dispatcher:
 
     # -- the pumps -----------------------------------------------------------------------------
     async def _pump(self, w: Member) -> None:
-        if w.state != "active" and not await self._await_ready(w, self.restart_timeout_s):
+        if w.state != ACTIVE and not await self._await_ready(w, self.restart_timeout_s):
             return
         while w.state != STOPPED:
             polled_at = time.monotonic()
