@@ -99,6 +99,7 @@ class PoolController:
         self.last_change = -math.inf          # when the last change was decided
         self.settled = -math.inf              # when its last worker rejoined, started or left
         self.last_decision: Decision | None = None
+        self.last_reason = ""                 # the latest tick's reason, whatever it decided
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: list[dict] = []       # every action taken, with its reason
         self._task: asyncio.Task | None = None
@@ -169,8 +170,10 @@ class PoolController:
         s = self.signals()
         if s is None:
             self.d.metrics.controller_decisions.labels(NONE, "no_cost_model").inc()
+            self.last_reason = "no cost model yet"
             return None
         d = decide(s, self.control.config, self.last_change, self.last_decision)
+        self.last_reason = d.reason
         self.d.metrics.controller_decisions.labels(d.action, d.code).inc()
         if d.action == NONE:
             log.debug("controller: %s", d.reason)

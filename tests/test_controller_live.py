@@ -2,8 +2,10 @@
 `serve --controller`): under prefill-heavy load the prefill pool grows (a decode worker drains
 and flips), under the decode-heavy load that follows it shrinks back; no request fails other
 than with 429, every greedy output equals the offline engine's on the same prompt, and the role
-changes are counted. The phases end on what the pools do (with deadlines), not on a clock, so a
-slower machine only takes longer."""
+changes are counted. Each phase's rate is a multiple of one worker's capacity as the controller
+prices it before serving (a fixed rate would overload a slow machine and not a fast one), and
+the phases end on what the pools do (with deadlines), not on a clock, so a slower machine only
+takes longer."""
 from __future__ import annotations
 
 import asyncio
@@ -14,15 +16,18 @@ import openai
 
 from cluster.launcher import ClusterSpec
 from cluster.serve import ServingCluster, free_port
+from cluster.sim_control import decode_capacity, prefill_capacity
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.names import DECODE, PREFILL
 from workers.sequence import SamplingParams
 
-PREFILL_HEAVY = (900, 2, 6.0)        # prompt tokens, output tokens, requests/s
-DECODE_HEAVY = (16, 150, 20.0)
+PREFILL_HEAVY = (900, 2)             # prompt tokens, output tokens
+DECODE_HEAVY = (200, 150)
+OVERLOAD = 1.6                       # each phase's demand over one worker's predicted capacity
 PHASE_DEADLINE_S = 90.0
+BATCHED_TOKENS, TPOT_S = 2048, 0.015
 
 
 class Load:
@@ -31,7 +36,7 @@ class Load:
     def __init__(self, base_url: str):
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300)
         self.rng = random.Random(0)
-        self.phase = PREFILL_HEAVY
+        self.phase = (1, 1, 1.0)      # prompt tokens, output tokens, requests/s
         self.sent: list[tuple[list[int], int, asyncio.Task]] = []
         self.stop = False
 
@@ -54,30 +59,44 @@ class Load:
         return await asyncio.gather(*(t for _, _, t in self.sent))
 
 
-async def wait_until(probe, deadline_s: float, what: str):
+async def wait_until(probe, deadline_s: float, what: str, explain=lambda: ""):
     t0 = time.monotonic()
     while not probe():
         if time.monotonic() - t0 > deadline_s:
-            raise AssertionError(f"{what} did not happen within {deadline_s:g}s")
+            raise AssertionError(f"{what} did not happen within {deadline_s:g}s; {explain()}")
         await asyncio.sleep(0.2)
 
 
+def why_not(c: ServingCluster) -> str:
+    """What the controller did and why not: its decisions, its last reason and its counted codes."""
+    samples = [(s.labels["action"], s.labels["reason"], s.value) for m in c.server.metrics.registry.collect()
+               for s in m.samples if s.name == "pdcluster:controller_decisions_total" and s.value]
+    last = c.controller.last_reason
+    return f"decisions {c.controller.decisions}, last reason {last!r}, counted {samples}"
+
+
 def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_session):
-    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, engine={"scheduler": {"max_num_batched_tokens": 2048}},
-                       num_cpus_per_worker=0.5, controller=True, controller_interval_s=1.0, controller_window_s=6.0,
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2,
+                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5, controller=True, controller_interval_s=1.0, controller_window_s=6.0,
                        controller_cooldown_s=6.0)
-    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=0.015)) as c:
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S)) as c:
         pools = c.pools
+        cost, max_seqs = c.controller.fit.current(), spec.engine.scheduler.max_num_seqs
+        (pp, po), (dp, do) = PREFILL_HEAVY, DECODE_HEAVY
+        prefill_heavy = (pp, po, OVERLOAD * prefill_capacity(cost, pp, BATCHED_TOKENS) / pp)
+        decode_heavy = (dp, do, OVERLOAD * decode_capacity(cost, dp + do / 2, TPOT_S, max_seqs) / do)
 
         async def drive():
             load = Load(c.base_url)
+            load.phase = prefill_heavy
             sender = asyncio.ensure_future(load.run())
             try:
-                await wait_until(lambda: pools.count(PREFILL) >= 2, PHASE_DEADLINE_S, "the prefill pool growing")
+                await wait_until(lambda: pools.count(PREFILL) >= 2, PHASE_DEADLINE_S, "the prefill pool growing",
+                                 lambda: why_not(c))
                 grown = (pools.count(PREFILL), pools.count(DECODE))
-                load.phase = DECODE_HEAVY
+                load.phase = decode_heavy
                 await wait_until(lambda: pools.count(PREFILL) == 1 and pools.count(DECODE) == 2, PHASE_DEADLINE_S,
-                                 "the prefill pool shrinking back")
+                                 "the prefill pool shrinking back", lambda: why_not(c))
             finally:
                 load.stop = True
                 await sender
@@ -88,7 +107,7 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
                                                     {"from_role": a, "to_role": b}) for a, b in
                    ((DECODE, PREFILL), (PREFILL, DECODE))}
         decisions = list(c.controller.decisions)
-    assert grown == (2, 1), decisions
+    assert grown == (2, 1), (prefill_heavy, decode_heavy, decisions)
     assert changes[(DECODE, PREFILL)] >= 1 and changes[(PREFILL, DECODE)] >= 1, (changes, decisions)
     assert [d["action"] for d in decisions][:2] == ["to_prefill", "to_decode"], decisions
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
