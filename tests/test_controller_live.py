@@ -77,8 +77,8 @@ def why_not(c: ServingCluster) -> str:
 
 def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_session):
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2,
-                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5, controller=True, controller_interval_s=1.0, controller_window_s=6.0,
-                       controller_cooldown_s=6.0)
+                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
+                       controller=True, controller_interval_s=1.0, controller_window_s=6.0, controller_cooldown_s=6.0)
     with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S)) as c:
         pools = c.pools
         cost, max_seqs = c.controller.fit.current(), spec.engine.scheduler.max_num_seqs
