@@ -5,8 +5,14 @@ Like Dynamo's planner it sizes each pool from demand over capacity, in workers' 
 
     prefill need = (arrival rate x prompt tokens + queued prompt tokens / backlog_s)
                    / prefill tokens per second per worker
-    decode need  = (arrival rate + waiting handoffs / backlog_s) x output tokens
-                   / decode tokens per second per worker (its capacity at the TPOT target)
+    decode need  = max(arrival rate x output tokens / decode tokens per second per worker
+                       (its capacity at the TPOT target),
+                       KV blocks in use now / one worker's blocks)
+                   + waiting handoffs x output tokens / backlog_s / decode tokens per second
+
+(the KV term: sequences hold their blocks until they end, so a pool whose KV is full has no
+room for more whatever its compute load says; the cost model prices capacity from the KV a
+batch needs, and this is its measured check)
 
 A pool's load is its need over its size, and each pool has a target load: decode's capacity is
 already priced at the TPOT target and its batch smooths arrival bursts over each request's
@@ -51,6 +57,7 @@ CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_sho
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "slo_not_capacity", "balanced")
 POOLS = ("prefill", "decode")
 BACKLOG_S = 30.0
+MIN_JUDGED = 20         # finished requests an attainment needs to count
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +96,7 @@ class Signals:
     num_decode: int
     arrival_rate: float                   # requests/s
     mean_prompt_tokens: float             # uncached prompt tokens per request
-    mean_output_tokens: float
+    mean_output_tokens: float             # expected: max_tokens asked x the share of it replies use
     prefill_tokens_per_s: float           # one prefill worker's capacity (measured or predicted)
     decode_tokens_per_s: float            # one decode worker's capacity at the TPOT target
     queued_prefill_tokens: int = 0        # waiting now, over the prefill pool
@@ -97,6 +104,7 @@ class Signals:
     tpot_attainment: float = math.nan     # (judged: sent since the pools last changed; nan: too few)
     draining: int = 0                     # workers between roles now
     waiting_handoffs: int = 0             # prefilled requests waiting for room on a decode worker now
+    decode_kv_usage: float = 0.0          # share of the decode pool's KV blocks in use now
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +117,17 @@ class Decision:
     code: str = ""                        # the reason's kind, a metric label (one of CODES)
 
 
-def window_start(arrivals, finishes, now: float, interval_s: float, window_s: float, since: float = -math.inf,
+def window_start(prompts, outputs, now: float, interval_s: float, window_s: float, since: float = -math.inf,
                  factor: float = 1.5, min_samples: int = 20) -> float:
     """Where the window of signals starts: `window_s` back, but not before `since` (the last
     shift the caller saw), and at the last interval when the load just shifted: when the mean
-    prompt length of the `arrivals` ((time, prompt tokens)) or the mean output length of the
-    `finishes` ((time, output tokens)) over the last `interval_s` differs from the rest of the
-    window by more than `factor` either way (each side with `min_samples`). The window's older
-    part would hold the old phase against the new one. The caller keeps the start as `since`
-    when it is the last interval (`now - interval_s`)."""
+    of `prompts` or of `outputs` (each an iterable of (time, tokens) at arrival) over the last
+    `interval_s` differs from the rest of the window by more than `factor` either way (each side
+    with `min_samples`). The window's older part would hold the old phase against the new one."""
     start, recent = max(now - window_s, since), now - interval_s
     if recent <= start:
         return start
-    for rows in (arrivals, finishes):
+    for rows in (prompts, outputs):
         a, b = [], []
         for t, x in rows:
             if t >= recent:
@@ -135,6 +141,47 @@ def window_start(arrivals, finishes, now: float, interval_s: float, window_s: fl
     return start
 
 
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """The request side of the signals, over the window."""
+    start: float                          # where the window starts
+    shifted: bool                         # it starts at the last interval: the load just shifted
+    arrival_rate: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    ttft_attainment: float
+    tpot_attainment: float
+
+
+def observe(log, now: float, interval_s: float, window_s: float, since: float = -math.inf,
+            settled: float = -math.inf, min_judged: int = MIN_JUDGED) -> Observed:
+    """What the recent requests say (`log`: a router.slo.RequestLog, the serving router's or the
+    simulator's; the same reading for both), over the window that `window_start` gives.
+
+    Output lengths are what the arrivals ask for (max_tokens), times the share of it that the
+    replies finished lately used: waiting for the new requests' replies would lag a shift by a
+    reply's length, and a pool sized on the old phase's replies meanwhile is what a shift must
+    not do. Attainment judges the pools as they are: requests sent since `settled` (the last
+    change took effect) that finished within the window, and at least `min_judged` of them, else
+    NaN (a backlog left by the split before would blame the new one)."""
+    arrivals = log.arrivals
+    start = window_start(((a[0], a[1]) for a in arrivals), ((a[0], a[2]) for a in arrivals), now, interval_s,
+                         window_s, since)
+    recent = [a for a in arrivals if a[0] >= start]
+    n = len(recent)
+    finished = [f for f in log.finishes if f[0] >= now - window_s]
+    lately = [f for f in finished if f[0] >= start] or finished
+    asked = sum(f[3] for f in lately)
+    used = sum(f[2] for f in lately) / asked if asked else 1.0
+    judged = [f for f in finished if f[1] >= settled]
+    k = len(judged) if len(judged) >= min_judged else 0
+    return Observed(start=start, shifted=start == now - interval_s, arrival_rate=n / max(1e-9, now - start),
+                    mean_prompt_tokens=sum(a[1] for a in recent) / n if n else 0.0,
+                    mean_output_tokens=used * sum(a[2] for a in recent) / n if n else 0.0,
+                    ttft_attainment=sum(f[4] for f in judged) / k if k else math.nan,
+                    tpot_attainment=sum(f[5] for f in judged) / k if k else math.nan)
+
+
 def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
     """(prefill, decode) backlog in workers' worth: work to clear within `backlog_s`."""
     return (s.queued_prefill_tokens / backlog_s / max(1e-9, s.prefill_tokens_per_s),
@@ -143,10 +190,11 @@ def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, floa
 
 def needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
     """(prefill, decode) demand in workers' worth: what each pool must clear per second over one
-    worker's capacity, arrivals and backlog."""
+    worker's capacity, arrivals and backlog; decode's at least the KV its sequences hold."""
     bp, bd = backlog_needs(s, backlog_s)
-    return (s.arrival_rate * s.mean_prompt_tokens / max(1e-9, s.prefill_tokens_per_s) + bp,
-            s.arrival_rate * s.mean_output_tokens / max(1e-9, s.decode_tokens_per_s) + bd)
+    decode = max(s.arrival_rate * s.mean_output_tokens / max(1e-9, s.decode_tokens_per_s),
+                 s.decode_kv_usage * s.num_decode)
+    return s.arrival_rate * s.mean_prompt_tokens / max(1e-9, s.prefill_tokens_per_s) + bp, decode + bd
 
 
 def loads(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:

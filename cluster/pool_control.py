@@ -8,12 +8,12 @@ runs), logs and counts the decision, and carries it out through the pool registr
     add   a worker actor (the launcher starts it; it joins its pool once it has loaded);
     remove  a worker: it drains, then leaves the cluster.
 
-The signals: arrivals and their prompt lengths over `window_s`, output lengths and SLO
-attainment of the requests sent since the last change (the router's request log), queued
-prefill tokens from the workers' load reports, and each pool's capacity from the cost model
-(workers/cost_model.py) fitted on a worker's timed step grid before serving and on the workers'
-own steps while serving. Plain Python and asyncio: no Ray, no
-torch (the launcher's hooks are passed in).
+The signals: arrivals, their prompt lengths and the output they ask for over `window_s`, SLO
+attainment of the requests sent since the last change (the router's request log, read by
+`cluster.controller.observe` as the simulator reads its own), queued prefill tokens from the
+workers' load reports, and each pool's capacity from the cost model (workers/cost_model.py)
+fitted on a worker's timed step grid before serving and on the workers' own steps while
+serving. Plain Python and asyncio: no Ray, no torch (the launcher's hooks are passed in).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                CODES, ControllerConfig, Decision, Signals, decide, window_start)
-from cluster.sim_control import MIN_JUDGED, decode_capacity, prefill_capacity
+                                CODES, ControllerConfig, Decision, Signals, decide, observe)
+from cluster.sim_control import decode_capacity, prefill_capacity
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
@@ -136,34 +136,26 @@ class PoolController:
         cost = self.fit.current()
         if cost is None:
             return None
-        now, log_, c = self.clock(), self.d.metrics.requests, self.control
-        # The window: the last window_s, from where the load last shifted if that is later.
-        start = window_start(((a[0], a[1]) for a in log_.arrivals), ((f[0], f[3]) for f in log_.finishes), now,
-                             c.interval_s, c.window_s, max(self.shift_at, self.started_at))
-        if start == now - c.interval_s:
-            self.shift_at = start
-        arrivals = [a for a in log_.arrivals if a[0] >= start]
-        span = max(1e-9, now - start)
-        prompt = sum(a[1] for a in arrivals) / len(arrivals) if arrivals else 0.0
-        finished = [f for f in log_.finishes if f[0] >= start]
-        output = sum(f[3] for f in finished) / len(finished) if finished else 0.0
-        # Attainment judges the pools as they are: requests sent since the last change took
-        # effect, and enough of them (a backlog left by the old split would blame the new one).
-        judged = [f for f in log_.finishes if f[1] >= self.settled]
-        n = len(judged) if len(judged) >= MIN_JUDGED else 0
+        now, c = self.clock(), self.control
+        o = observe(self.d.metrics.requests, now, c.interval_s, c.window_s, max(self.shift_at, self.started_at),
+                    self.settled)
+        if o.shifted:
+            self.shift_at = o.start
+        prompt, output = o.mean_prompt_tokens, o.mean_output_tokens
         prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
+        decode = [m.report for m in self.pools.active(DECODE) if m.report]
         queued = sum((m.report.queued_prefill_tokens if m.report else 0) + sum(t for t, _ in m.unreported.values())
                      for m in prefill)
         return Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
-            arrival_rate=len(arrivals) / span, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
             prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, self.max_num_batched_tokens),
             decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs),
             queued_prefill_tokens=queued,
-            ttft_attainment=sum(f[4].ttft for f in judged) / n if n else math.nan,
-            tpot_attainment=sum(f[4].tpot for f in judged) / n if n else math.nan,
+            ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
-            waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report))
+            waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
+            decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)))
 
     # -- one decision -------------------------------------------------------------------------------
     async def tick(self) -> Decision | None:

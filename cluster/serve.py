@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -188,6 +189,13 @@ class ServingCluster:
         t0 = time.monotonic()
         profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
         log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
+        cores = os.cpu_count() or 1
+        if info["device"] == "cpu" and cores < spec.budget:
+            # The cost model prices each worker as a device of its own (as a GPU is); CPU workers
+            # with fewer cores than workers share them, so a move between pools moves no compute.
+            log.warning("controller: %d CPU workers (the budget) share %d cores here: the controller prices each "
+                        "worker as a device of its own, so its moves exercise the mechanism, not the split",
+                        spec.budget, cores)
         fit = StepFit(info["bytes_per_block"] // info["block_size"],
                       min(i["num_blocks"] for i in infos) * info["block_size"], profiled)
         control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,

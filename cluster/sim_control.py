@@ -1,8 +1,9 @@
 """The pool-ratio controller inside the simulator: every `interval_s` it gathers the signals the
-serving loop would (arrivals and their prompt lengths, output lengths of the requests that
-finished, over a window that restarts where the load shifts; SLO attainment of the requests
-sent since the last change took effect; queued prefill work and handoffs waiting for decode
-room; the pools' capacities from the cost model), asks `cluster.controller.decide`, and carries
+serving loop does, read the same way (`cluster.controller.observe` on a request log kept on the
+simulated clock: arrivals with their prompt lengths and the output they ask for, SLO
+attainment of the requests sent since the last change took effect; queued prefill work and
+handoffs waiting for decode room; the pools' capacities from the cost model; a trace's
+requests ask for the output they get), asks `cluster.controller.decide`, and carries
 the change out the way a live cluster does: the `count` least loaded workers of the donor pool
 leave it at once (no new work), drain (a decode worker finishes its sequences, a prefill worker
 its prompts and the handoffs of its held KV), flip their role without reloading anything, and
@@ -12,17 +13,14 @@ Python, like the simulator.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                ControllerConfig, Decision, Signals, decide, window_start)
+                                ControllerConfig, Decision, Signals, decide, observe)
 from cluster.simulate import SimCluster, SimEngine, Simulator, SimWorker
+from router.slo import RequestLog
 from workers.cost_model import BatchShape, CostModel
 from workers.names import DECODE, DISAGGREGATED, PREFILL
-
-
-MIN_JUDGED = 20         # finished requests an attainment needs to count
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +57,6 @@ def decode_capacity(cost: CostModel, context: float, tpot_s: float, max_seqs: in
     return lo / step(lo)
 
 
-@dataclass(slots=True)
-class _Window:
-    arrivals: deque = field(default_factory=deque)      # (time, prompt tokens)
-    finished: deque = field(default_factory=deque)      # (time, sent at, TTFT met, TPOT met, output tokens)
-
-
 class ControlledSimulator(Simulator):
     def __init__(self, cluster: SimCluster, control: SimControl, **kw):
         if cluster.mode != DISAGGREGATED:
@@ -77,7 +69,7 @@ class ControlledSimulator(Simulator):
                              f"{control.config.max_workers}")
         super().__init__(cluster, **kw)
         self.control = control
-        self.window = _Window()
+        self.requests = RequestLog(control.window_s, clock=lambda: self.now)
         self.decisions: list[dict] = []
         self.role_changes = 0
         self.removed = 0
@@ -98,48 +90,34 @@ class ControlledSimulator(Simulator):
     # -- signals ----------------------------------------------------------------------------------
     def _arrive(self, rid, r) -> None:
         self._pending_arrivals -= 1
-        self.window.arrivals.append((self.now, r.prompt_len))
+        self.requests.arrived(r.prompt_len, r.output_len)
         super()._arrive(rid, r)
 
     def _finished(self, tr) -> None:
-        ttft = tr.first_s - tr.sent_s
         tpot = (tr.end_s - tr.first_s) / (tr.count - 1) if tr.count > 1 else 0.0
-        self.window.finished.append((self.now, tr.sent_s, ttft <= self.control.slo_ttft_s,
-                                     tpot <= self.control.slo_tpot_s, tr.count))
+        c = self.control
+        self.requests.finished(tr.sent_s, tr.count, tr.request.output_len, tr.first_s - tr.sent_s <= c.slo_ttft_s,
+                               tpot <= c.slo_tpot_s)
 
     def signals(self) -> Signals:
-        c, w, now = self.control, self.window, self.now
-        for q in (w.arrivals, w.finished):
-            while q and q[0][0] < now - c.window_s:
-                q.popleft()
-        start = window_start(w.arrivals, ((f[0], f[4]) for f in w.finished), now, c.interval_s, c.window_s,
-                             self.shift_at)
-        if start == now - c.interval_s:
-            self.shift_at = start
-        arrivals = [a for a in w.arrivals if a[0] >= start]
-        finished = [f for f in w.finished if f[0] >= start]
-        span = min(now - start, now) or 1.0
-        n = len(arrivals)
-        prompt = sum(a[1] for a in arrivals) / n if n else 0.0
-        # Output lengths as the serving loop knows them: of the requests that finished.
-        output = sum(f[4] for f in finished) / len(finished) if finished else 0.0
-        # Attainment judges the pools as they are: requests sent since the last change took
-        # effect (its workers rejoined), and enough of them (a backlog left by the old split
-        # would blame the new one).
-        judged = [f for f in w.finished if f[1] >= self.settled]
-        done = len(judged) if len(judged) >= MIN_JUDGED else 0
+        c, now = self.control, self.now
+        o = observe(self.requests, now, c.interval_s, c.window_s, max(self.shift_at, 0.0), self.settled)
+        if o.shifted:
+            self.shift_at = o.start
+        prompt, output = o.mean_prompt_tokens, o.mean_output_tokens
         cost, sched = self.c.prefill_cost, self.c.engine.scheduler
+        decode = [x.engine.load_report(x.worker_id, x.role, 0) for x in self.pools[DECODE]]
         return Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
-            arrival_rate=n / span, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
             prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, sched.max_num_batched_tokens),
             decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs),
             queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
                                       for x in self.pools[PREFILL]),
-            ttft_attainment=sum(f[2] for f in judged) / done if done else math.nan,
-            tpot_attainment=sum(f[3] for f in judged) / done if done else math.nan,
+            ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.draining),
-            waiting_handoffs=sum(len(x.waiting_room) for x in self.workers.values() if x.role == DECODE))
+            waiting_handoffs=sum(len(x.waiting_room) for x in self.workers.values() if x.role == DECODE),
+            decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)))
 
     # -- the loop ---------------------------------------------------------------------------------
     def _control(self) -> None:

@@ -263,7 +263,7 @@ class Server:
         ttft = 0.0
         n_out = 0
         m = self.metrics
-        m.observe_arrival(len(req.prompt_token_ids))
+        m.observe_arrival(len(req.prompt_token_ids), req.params.max_tokens)
         m.waiting.inc()
         events: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._generate(req, events))
@@ -294,7 +294,7 @@ class Server:
                 yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
                 if ev.finished:
                     e2e = time.monotonic() - t0
-                    m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, len(req.prompt_token_ids))
+                    m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
                     m.success.labels(ev.finish_reason or "stop").inc()
                     return
         except RequestFailed as e:

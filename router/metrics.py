@@ -136,17 +136,18 @@ class Metrics:
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     # -- router side -----------------------------------------------------------------------------
-    def observe_arrival(self, prompt_tokens: int) -> None:
+    def observe_arrival(self, prompt_tokens: int, max_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
-        self.requests.arrived(prompt_tokens)
+        self.requests.arrived(prompt_tokens, max_tokens)
 
     def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int, sent_at: float | None = None,
-                         prompt_tokens: int = 0) -> None:
+                         max_tokens: int = 0) -> None:
         """A request ended normally: E2E, and its verdict against the SLOs."""
         self.e2e.observe(e2e_s)
         verdict = judge(self.slo, ttft_s, e2e_s, num_output_tokens)
         if sent_at is not None:
-            self.requests.finished(sent_at, prompt_tokens, num_output_tokens, verdict)
+            self.requests.finished(sent_at, num_output_tokens, max_tokens or num_output_tokens, verdict.ttft,
+                                   verdict.tpot)
         self.slo_requests.inc()
         for name, met in (("ttft", verdict.ttft), ("tpot", verdict.tpot), ("both", verdict.both)):
             if met:

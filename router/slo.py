@@ -84,20 +84,22 @@ class SLOWindow:
 
 
 class RequestLog:
-    """Recent requests as the pool controller reads them: arrivals (time, prompt tokens) and
-    finishes (time, sent at, prompt tokens, output tokens, verdict), kept for `horizon_s`."""
+    """Recent requests as the pool controller reads them (cluster/controller.py `observe`):
+    arrivals (time, prompt tokens, max_tokens asked) and finishes (time, sent at, output tokens,
+    max_tokens asked, TTFT met, TPOT met), kept for `horizon_s`. The serving router and the
+    simulator each keep one (the simulator on its own clock)."""
 
     def __init__(self, horizon_s: float = 300.0, clock=time.monotonic, max_len: int = 200_000):
         self.horizon_s, self.clock = horizon_s, clock
-        self.arrivals: deque[tuple[float, int]] = deque(maxlen=max_len)
-        self.finishes: deque[tuple[float, float, int, int, SLOVerdict]] = deque(maxlen=max_len)
+        self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=max_len)
+        self.finishes: deque[tuple[float, float, int, int, bool, bool]] = deque(maxlen=max_len)
 
-    def arrived(self, prompt_tokens: int) -> None:
-        self.arrivals.append((self.clock(), prompt_tokens))
+    def arrived(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.arrivals.append((self.clock(), prompt_tokens, max_tokens))
         self._expire()
 
-    def finished(self, sent_at: float, prompt_tokens: int, output_tokens: int, verdict: SLOVerdict) -> None:
-        self.finishes.append((self.clock(), sent_at, prompt_tokens, output_tokens, verdict))
+    def finished(self, sent_at: float, output_tokens: int, max_tokens: int, ttft_met: bool, tpot_met: bool) -> None:
+        self.finishes.append((self.clock(), sent_at, output_tokens, max_tokens, ttft_met, tpot_met))
         self._expire()
 
     def _expire(self) -> None:

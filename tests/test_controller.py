@@ -39,6 +39,10 @@ def test_loads_are_demand_over_capacity_with_backlogs_to_clear():
     # 30 requests waiting for decode room, 100 output tokens each, within 30 s: 100 tokens/s more.
     assert loads(signals(rate=1.0, waiting_handoffs=30)) == pytest.approx((0.5, 1.0))
     assert needs(signals(rate=3.0, prompt=2000, output=50)) == pytest.approx((6.0, 1.5))
+    # Decode's need is at least the KV its sequences hold: 2 workers 90 % full hold 1.8 workers'
+    # worth, whatever the arrivals ask (0.5 here); backlog comes on top.
+    assert needs(signals(rate=1.0, decode_kv_usage=0.9))[1] == pytest.approx(1.8)
+    assert needs(signals(rate=1.0, decode_kv_usage=0.9, waiting_handoffs=30))[1] == pytest.approx(2.8)
 
 
 # -- each rule ----------------------------------------------------------------------------------
@@ -83,6 +87,16 @@ def test_past_both_targets_the_donor_gives_only_to_even_the_pools_out_and_stays_
     assert (d.action, d.count) == (TO_DECODE, 2)
     p, dl = loads(apply(s, d))
     assert p < 0.8 and p / 0.65 <= dl / 0.8
+
+
+def test_a_decode_pool_full_of_kv_gives_no_worker_and_grows_when_past_capacity():
+    """Prefill is short (3 workers' worth on 2), decode's arrivals need one worker of its 2 but
+    its KV is 70 % full: one survivor would hold 1.4 workers' worth, so decode gives nothing;
+    at 95 % with sequences waiting for room, decode is the short pool."""
+    d = decide(signals(rate=1.0, prompt=3000, output=50, decode_kv_usage=0.7), CFG)
+    assert (d.action, d.code) == (NONE, "no_spare"), d
+    d = decide(signals(rate=1.0, prompt=500, output=50, decode_kv_usage=0.95, waiting_handoffs=10), CFG)
+    assert (d.action, d.code) == (TO_DECODE, "decode_short_load"), d
 
 
 def test_under_the_budget_a_short_pool_grows_instead_within_the_budget():

@@ -81,13 +81,16 @@ def controller(clock, num_prefill=1, num_decode=2, **cfg):
     return ctl, d, metrics
 
 
-def serve_window(clock, metrics, rate, prompt, output, seconds, ttft_s=0.1, tpot_s=0.01):
-    """Arrivals at `rate` for `seconds`, each finishing at once with these latencies."""
+def serve_window(clock, metrics, rate, prompt, output, seconds, ttft_s=0.1, tpot_s=0.01, max_tokens=None):
+    """Arrivals at `rate` for `seconds` (asking for `max_tokens`, by default `output`), each
+    finishing at once with these latencies."""
+    asked = max_tokens or output
     for _ in range(int(rate * seconds)):
         clock.t += 1 / rate
-        metrics.requests.arrived(prompt)
+        metrics.requests.arrived(prompt, asked)
         e2e = ttft_s + tpot_s * (output - 1)
-        metrics.requests.finished(clock.t - e2e, prompt, output, judge(metrics.slo, ttft_s, e2e, output))
+        v = judge(metrics.slo, ttft_s, e2e, output)
+        metrics.requests.finished(clock.t - e2e, output, asked, v.ttft, v.tpot)
 
 
 def test_signals_are_what_the_router_measured():
@@ -111,6 +114,22 @@ def test_signals_are_what_the_router_measured():
     ctl.settled = clock.t
     serve_window(clock, metrics, rate=1, prompt=800, output=20, seconds=5)
     assert math.isnan(ctl.signals().ttft_attainment)
+
+
+def test_output_lengths_are_what_arrivals_ask_for_times_the_share_replies_use():
+    clock = Clock()
+    ctl, d, metrics = controller(clock)
+    ctl.started_at = clock.t
+    # Replies stop at 20 of the 100 tokens asked: 20 expected.
+    serve_window(clock, metrics, rate=4, prompt=100, output=20, seconds=30, max_tokens=100)
+    assert ctl.signals().mean_output_tokens == pytest.approx(20)
+    # Requests asking for 1,000 start arriving: the estimate follows at the next tick, before
+    # any of them has finished (their share is the replies' so far).
+    for _ in range(40):
+        clock.t += 0.025
+        metrics.requests.arrived(100, 1000)
+    s = ctl.signals()
+    assert s.mean_output_tokens == pytest.approx(0.2 * 1000, rel=0.01)
 
 
 def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
