@@ -21,16 +21,14 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
                                 CODES, ControllerConfig, Decision, Signals, decide, observe)
-from cluster.sim_control import decode_capacity, prefill_capacity
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
-from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
+from workers.cost_model import StepFit
 from workers.names import DECODE, PREFILL
 
 log = logging.getLogger("pdcluster.controller")
@@ -41,49 +39,6 @@ class LiveControl:
     config: ControllerConfig
     interval_s: float = 10.0
     window_s: float = 30.0
-
-
-class StepFit:
-    """The step cost model, fitted on timed steps: the grid a worker timed before serving
-    (Worker.profile: every shape the fit needs) plus the workers' recent steps while serving
-    ("step_shape" samples), which soon outweigh it, so the model follows what the pools see now
-    (contention, a slower node). Each pool's capacity is predicted from it."""
-
-    def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list, max_samples: int = 2000):
-        self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
-        self.model: CostModel | None = None
-        self._profiled = [s for s in map(_sample, profiled) if s is not None]
-        self._recent: deque = deque(maxlen=max_samples)
-        self._new = True
-
-    def add(self, samples: list) -> None:
-        for raw in samples:
-            s = _sample(raw)
-            if s is not None:
-                self._recent.append(s)
-                self._new = True
-
-    def current(self) -> CostModel | None:
-        """The fit over the profile and the recent steps (refit when new ones came); None when
-        they do not pin the model down yet."""
-        if self._new:
-            self._new = False
-            try:
-                step = LinearStepModel.fit(self._profiled + list(self._recent))
-            except ValueError:                    # too few distinct shapes: keep the last fit
-                return self.model
-            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
-                                   Link("unmeasured", math.inf, 0.0), source="fitted while serving")
-        return self.model
-
-
-def _sample(raw) -> tuple[BatchShape, float] | None:
-    """A [seconds, *BatchShape] sample the fit can use: prefill-only or decode-only (a mixed step
-    cannot tell the two fixed costs apart)."""
-    shape = BatchShape(*(int(x) for x in raw[1:]))
-    if bool(shape.num_prefill) == bool(shape.num_decode):
-        return None
-    return shape, float(raw[0])
 
 
 class PoolController:
@@ -149,8 +104,8 @@ class PoolController:
         return Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
-            prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, self.max_num_batched_tokens),
-            decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs),
+            prefill_tokens_per_s=cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens),
+            decode_tokens_per_s=cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs),
             queued_prefill_tokens=queued,
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),

@@ -164,7 +164,7 @@ class ServingCluster:
         self.controller = self._controller(dispatcher, infos) if self.spec.controller else None
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
-                        cfg.api_key, cfg.max_pending,
+                        cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server
@@ -181,7 +181,8 @@ class ServingCluster:
 
     def _controller(self, dispatcher: Dispatcher, infos: list[dict]):
         from cluster.controller import ControllerConfig
-        from cluster.pool_control import LiveControl, PoolController, StepFit
+        from cluster.pool_control import LiveControl, PoolController
+        from workers.cost_model import StepFit
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
         info = infos[0]
         # One worker times its engine over the step grid before anything is served (seconds on

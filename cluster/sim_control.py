@@ -19,7 +19,6 @@ from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, RE
                                 ControllerConfig, Decision, Signals, decide, observe)
 from cluster.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from router.slo import RequestLog
-from workers.cost_model import BatchShape, CostModel
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 
 
@@ -30,31 +29,6 @@ class SimControl:
     window_s: float = 30.0
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
-
-
-def prefill_capacity(cost: CostModel, prompt_tokens: float, budget: int) -> float:
-    """Prompt tokens per second one prefill worker clears: steps full of such prompts."""
-    n = max(1, round(prompt_tokens))
-    k = max(1, budget // n)
-    return k * n / cost.step_s(BatchShape(k, k * n, k * n * n))
-
-
-def decode_capacity(cost: CostModel, context: float, tpot_s: float, max_seqs: int) -> float:
-    """Tokens per second one decode worker produces at the largest batch whose step stays within
-    the TPOT target and whose KV fits."""
-    ctx = max(1, round(context))
-    fit = max(1, min(max_seqs, cost.max_batch_at(ctx)))
-
-    def step(n: int) -> float:
-        return cost.step_s(BatchShape(num_decode=n, decode_context=n * ctx))
-    lo, hi = 1, fit
-    if step(hi) <= tpot_s:
-        lo = hi
-    else:
-        while hi - lo > 1:                      # step(lo) within the target (or lo = 1), step(hi) not
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if step(mid) <= tpot_s else (lo, mid)
-    return lo / step(lo)
 
 
 class ControlledSimulator(Simulator):
@@ -110,8 +84,8 @@ class ControlledSimulator(Simulator):
         return Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
-            prefill_tokens_per_s=prefill_capacity(cost, prompt or 1, sched.max_num_batched_tokens),
-            decode_tokens_per_s=decode_capacity(cost, prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs),
+            prefill_tokens_per_s=cost.prefill_tokens_per_s(prompt or 1, sched.max_num_batched_tokens),
+            decode_tokens_per_s=cost.decode_tokens_per_s(prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs),
             queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
                                       for x in self.pools[PREFILL]),
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,

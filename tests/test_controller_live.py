@@ -16,7 +16,6 @@ import openai
 
 from cluster.launcher import ClusterSpec
 from cluster.serve import ServingCluster, free_port
-from cluster.sim_control import decode_capacity, prefill_capacity
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -83,8 +82,8 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
         pools = c.pools
         cost, max_seqs = c.controller.fit.current(), spec.engine.scheduler.max_num_seqs
         (pp, po), (dp, do) = PREFILL_HEAVY, DECODE_HEAVY
-        prefill_heavy = (pp, po, OVERLOAD * prefill_capacity(cost, pp, BATCHED_TOKENS) / pp)
-        decode_heavy = (dp, do, OVERLOAD * decode_capacity(cost, dp + do / 2, TPOT_S, max_seqs) / do)
+        prefill_heavy = (pp, po, OVERLOAD * cost.prefill_tokens_per_s(pp, BATCHED_TOKENS) / pp)
+        decode_heavy = (dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do)
 
         async def drive():
             load = Load(c.base_url)

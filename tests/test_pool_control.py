@@ -11,12 +11,12 @@ import random
 import pytest
 
 from cluster.controller import ControllerConfig
-from cluster.pool_control import LiveControl, PoolController, StepFit
+from cluster.pool_control import LiveControl, PoolController
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
 from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
 from router.slo import RequestLog, SLOTargets, judge
-from workers.cost_model import BatchShape, LinearStepModel
+from workers.cost_model import BatchShape, LinearStepModel, StepFit
 from workers.messages import LoadReport, TransferTotals
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 

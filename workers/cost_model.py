@@ -9,6 +9,8 @@ is imported only inside `LinearStepModel.fit`.
 from __future__ import annotations
 
 import json
+import math
+from collections import deque
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
@@ -406,6 +408,33 @@ class CostModel:
         blocks_per_seq = -(-context_len // block_size)
         return (self.kv_capacity_tokens // block_size) // max(1, blocks_per_seq)
 
+    def prefill_tokens_per_s(self, prompt_tokens: float, budget: int) -> float:
+        """Prompt tokens per second one worker clears: steps full of such prompts (`budget`:
+        the scheduler's max_num_batched_tokens)."""
+        n = max(1, round(prompt_tokens))
+        k = max(1, budget // n)
+        return k * n / self.step_s(BatchShape(k, k * n, k * n * n))
+
+    def decode_batch_at(self, context: float, tpot_s: float, max_seqs: int) -> int:
+        """The largest decode batch of this context whose step stays within `tpot_s` and whose
+        KV fits (at least 1)."""
+        ctx = max(1, round(context))
+        lo, hi = 1, max(1, min(max_seqs, self.max_batch_at(ctx)))
+
+        def within(n: int) -> bool:
+            return self.step_s(BatchShape(num_decode=n, decode_context=n * ctx)) <= tpot_s
+        if within(hi):
+            return hi
+        while hi - lo > 1:                      # within(lo) (or lo = 1), not within(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo
+
+    def decode_tokens_per_s(self, context: float, tpot_s: float, max_seqs: int) -> float:
+        """Tokens per second one decode worker produces at the largest batch within the TPOT target."""
+        n, ctx = self.decode_batch_at(context, tpot_s, max_seqs), max(1, round(context))
+        return n / self.step_s(BatchShape(num_decode=n, decode_context=n * ctx))
+
     def to_json(self) -> dict:
         kind = "linear" if isinstance(self.step, LinearStepModel) else "roofline"
         step = {k: v for k, v in asdict(self.step).items() if not k.startswith("_")}
@@ -440,3 +469,47 @@ def roofline(model: str | ModelShape, gpu: str | Hardware, tp: int = 1, link: st
     return CostModel(step, m.kv_bytes_per_token(dtype_bytes),
                      kv_capacity_tokens(m, g, tp, dtype_bytes, gpu_memory_utilization), lk, tp,
                      f"roofline {g.name} {m.name} tp{tp}")
+
+
+class StepFit:
+    """The step cost model fitted on timed steps: a grid a worker timed before serving
+    (Worker.profile), if any, plus the workers' recent steps while serving ("step_shape"
+    samples), which soon outweigh it, so the model follows what the pools see now (contention, a
+    slower node). The pool controller and SLO admission price the pools with it."""
+
+    def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list = (),
+                 max_samples: int = 2000):
+        self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
+        self.model: CostModel | None = None
+        self._profiled = [s for s in map(_fit_sample, profiled) if s is not None]
+        self._recent: deque = deque(maxlen=max_samples)
+        self._new = True
+
+    def add(self, samples) -> None:
+        for raw in samples:
+            s = _fit_sample(raw)
+            if s is not None:
+                self._recent.append(s)
+                self._new = True
+
+    def current(self) -> CostModel | None:
+        """The fit over the profile and the recent steps (refit when new ones came); None while
+        they do not pin the model down."""
+        if self._new:
+            self._new = False
+            try:
+                step = LinearStepModel.fit(self._profiled + list(self._recent))
+            except ValueError:                    # too few distinct shapes: keep the last fit
+                return self.model
+            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
+                                   Link("unmeasured", math.inf, 0.0), source="fitted while serving")
+        return self.model
+
+
+def _fit_sample(raw) -> tuple[BatchShape, float] | None:
+    """A [seconds, *BatchShape] sample the fit can use: prefill-only or decode-only (a mixed step
+    cannot tell the two fixed costs apart)."""
+    shape = BatchShape(*(int(x) for x in raw[1:]))
+    if bool(shape.num_prefill) == bool(shape.num_decode):
+        return None
+    return shape, float(raw[0])
