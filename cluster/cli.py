@@ -9,6 +9,7 @@ import sys
 from typing import NamedTuple
 
 from cluster.spec import PLACEMENTS, ClusterSpec
+from router.admission import ADMISSION_POLICIES
 from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
@@ -84,6 +85,10 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
     Flag("--policy", "policy", "how the router picks workers", str, PICKING_POLICIES),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
+    Flag("--admission", "admission", "slo: also refuse (429 at once) a request predicted to miss its TTFT or TPOT "
+         "target; queue: only the --max-pending bound", str, ADMISSION_POLICIES),
+    Flag("--max-body-mib", "max_body_bytes", "largest request body: a larger one gets 413 before it is read "
+         "(a string prompt is bounded by this too)", unit=MiB),
     Flag("--max-retries", "max_retries", "resumes of a request in a row that make no progress (a failed "
          "handoff, a lost worker) before it fails with an error"),
     Flag("--worker-hang-timeout-s", "worker_hang_timeout_s", "a worker that answers no poll for this long is "

@@ -58,7 +58,6 @@ class PoolController:
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: list[dict] = []       # every action taken, with its reason
         self._task: asyncio.Task | None = None
-        dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
         self.pools.listen(self._pool_changed)
         for code in CODES:                    # every "why not" series exists from the start
             dispatcher.metrics.controller_decisions.labels(NONE, code)
@@ -99,8 +98,7 @@ class PoolController:
         prompt, output = o.mean_prompt_tokens, o.mean_output_tokens
         prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
         decode = [m.report for m in self.pools.active(DECODE) if m.report]
-        queued = sum((m.report.queued_prefill_tokens if m.report else 0) + sum(t for t, _ in m.unreported.values())
-                     for m in prefill)
+        queued = sum(m.queued_prefill_tokens() for m in prefill)
         return Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,

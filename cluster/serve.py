@@ -18,6 +18,7 @@ import uvicorn
 from cluster.launcher import (ClusterSpec, check_fits, connect, launch, restart, retire, room_for_one, shutdown,
                               start_worker)
 from cluster.ports import check_port_free, free_port
+from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
 from router.pools import STARTING, Member, PoolRegistry
@@ -161,10 +162,14 @@ class ServingCluster:
         dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
                                 hang_timeout_s=cfg.worker_hang_timeout_s,
                                 restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire)
-        self.controller = self._controller(dispatcher, infos) if self.spec.controller else None
+        sched = self.spec.engine.scheduler
+        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO else None
+        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
+        admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
+                                  sched.max_num_seqs) if cfg.admission == SLO else None)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
-                        cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes,
+                        cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server
@@ -179,26 +184,32 @@ class ServingCluster:
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
-    def _controller(self, dispatcher: Dispatcher, infos: list[dict]):
+    def _step_fit(self, dispatcher: Dispatcher, infos: list[dict]):
+        """The step cost model the controller and SLO admission price the pools with: fitted on
+        the steps the workers serve and, with the controller on, first on a grid one worker times
+        before serving (seconds on a GPU), so that the controller has a model from the start."""
+        from workers.cost_model import StepFit
+        info, profiled = infos[0], []
+        if self.spec.controller:
+            t0 = time.monotonic()
+            profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
+            log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
+        fit = StepFit(info["bytes_per_block"] // info["block_size"],
+                      min(i["num_blocks"] for i in infos) * info["block_size"], profiled)
+        dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
+        return fit
+
+    def _controller(self, dispatcher: Dispatcher, infos: list[dict], fit):
         from cluster.controller import ControllerConfig
         from cluster.pool_control import LiveControl, PoolController
-        from workers.cost_model import StepFit
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
-        info = infos[0]
-        # One worker times its engine over the step grid before anything is served (seconds on
-        # a GPU); the fit starts from that and follows the steps served from then on.
-        t0 = time.monotonic()
-        profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
-        log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
         cores = os.cpu_count() or 1
-        if info["device"] == "cpu" and cores < spec.budget:
+        if infos[0]["device"] == "cpu" and cores < spec.budget:
             # The cost model prices each worker as a device of its own (as a GPU is); CPU workers
             # with fewer cores than workers share them, so a move between pools moves no compute.
             log.warning("controller: %d CPU workers (the budget) share %d cores here: the controller prices each "
                         "worker as a device of its own, so its moves exercise the mechanism, not the split",
                         spec.budget, cores)
-        fit = StepFit(info["bytes_per_block"] // info["block_size"],
-                      min(i["num_blocks"] for i in infos) * info["block_size"], profiled)
         control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
                               spec.controller_window_s)
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,

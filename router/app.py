@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import time
 import uuid
 
@@ -25,11 +27,17 @@ from fastapi.routing import APIRoute
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
-from router.protocol import APIError, GenerationRequest, bad_request, sampling_params
+from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids, parse_json,
+                             request_options, sampling_params, too_large)
 from workers.names import ROLES, roles_of
+from workers.sequence import show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
+
+log = logging.getLogger(__name__)
 
 SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
 _END = object()                        # the generation task is done (queued after its last event)
@@ -71,8 +79,11 @@ class Detokenizer:
 class Server:
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None = None, max_pending: int = 512, default_max_tokens: int = 16,
-                 cluster_info: dict | None = None):
+                 cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
+                 admission: SLOAdmission | None = None):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.admission = admission             # SLO admission (router/admission.py); None: the queue bound only
+        self.max_body_bytes = max_body_bytes   # larger bodies get 413, unread (RouterConfig.max_body_bytes)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.api_key, self.max_pending = api_key, max_pending
         self.default_max_tokens = default_max_tokens
@@ -95,23 +106,39 @@ class Server:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
 
-    async def _body(self, request: Request) -> dict:
+    async def _read(self, request: Request) -> bytes:
+        """The raw body, at most `max_body_bytes` of it: a larger Content-Length is refused before
+        reading, and a chunked body as soon as it passes the limit, so no body is buffered whole
+        (uvicorn discards the rest of an unread body and keeps the connection)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(limit, int(declared))
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise bad_request("the client closed the connection before the whole body arrived") from None
+        return b"".join(chunks)
+
+    async def _body(self, request: Request) -> dict:
+        body = parse_json(await self._read(request))
         model = body.get("model")
         if model is None:
             raise bad_request("'model' is required", "model")
+        if not isinstance(model, str):
+            raise bad_request(f"'model' must be a string, got {show(model)}", "model")
         if model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+            raise APIError(404, f"the model {show(model)} does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         return body
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text)      # parse_json refused what no tokenizer takes (surrogates)
 
     def _check_len(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -130,8 +157,7 @@ class Server:
             ids = self._encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-                raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+            check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
         else:
             raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)",
                               "prompt")
@@ -139,19 +165,7 @@ class Server:
         return self._common(body, "completion", ids)
 
     def chat_request(self, body: dict) -> GenerationRequest:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list", "messages")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-                raise bad_request(f"messages[{i}] needs a 'role' string", "messages")
-            c = m.get("content")
-            if isinstance(c, list):                      # [{"type": "text", "text": ...}, ...]
-                c = "".join(part.get("text", "") for part in c if isinstance(part, dict))
-            if not isinstance(c, str):
-                raise bad_request(f"messages[{i}].content must be a string", "messages")
-        flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
-                 "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))} for m in messages]
+        flat = chat_messages(body)
         try:
             text = self.chat_template.render(messages=flat, add_generation_prompt=True,
                                              bos_token=self.tokenizer.bos_token or "",
@@ -163,24 +177,17 @@ class Server:
         return self._common(body, "chat", ids)
 
     def _common(self, body: dict, kind: str, ids: list[int]) -> GenerationRequest:
-        params = sampling_params(body, self.default_max_tokens)
+        params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise bad_request(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                               f"maximum context length {self.max_model_len}", "max_tokens")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad_request("'stream' must be a boolean", "stream")
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int):
-            raise bad_request("'priority' must be an integer", "priority")
-        return GenerationRequest(kind, self.model_name, ids, params, stream, bool(opts.get("include_usage")),
-                                 priority=priority)
+        stream, include_usage, priority = request_options(body)
+        return GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority)
 
     # -- running one request -------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self, req: GenerationRequest) -> None:
+        """Let the request in, or refuse it: 503 while draining, 429 past `max_pending` in flight
+        or (SLO admission) when it would miss its SLO; Retry-After says when to come back."""
         if self.draining:
             self.metrics.errors.labels("shutdown").inc()
             raise APIError(503, "the server is shutting down and admits no new requests; send it elsewhere",
@@ -190,6 +197,15 @@ class Server:
             raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); "
                            "retry shortly", "rate_limit_exceeded", code="overloaded",
                            headers={"Retry-After": "1"})
+        if self.admission is not None:
+            v = self.admission.check(len(req.prompt_token_ids), req.params.max_tokens, req.priority)
+            if not v.admit:
+                self.metrics.errors.labels("slo_unattainable").inc()
+                wait = max(1, math.ceil(v.retry_after_s))
+                raise APIError(429, f"this request would miss the server's {v.code.upper()} target: {v.reason}; "
+                               f"retry in {wait}s", "rate_limit_exceeded", code="slo_unattainable",
+                               headers={"Retry-After": str(wait)})
+            req.predicted_ttft_s = v.predicted_ttft_s
         self.pending += 1
 
     def _done(self) -> None:
@@ -265,6 +281,7 @@ class Server:
         m = self.metrics
         m.observe_arrival(len(req.prompt_token_ids), req.params.max_tokens)
         m.waiting.inc()
+        ticket = self.admission.started(len(req.prompt_token_ids), req.predicted_ttft_s) if self.admission else None
         events: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._generate(req, events))
         self._runs.add(task)
@@ -289,6 +306,8 @@ class Server:
                             m.itl.observe((now - last) / len(ev.token_ids))
                     n_out += len(ev.token_ids)
                     last = now
+                    if ticket is not None:
+                        self.admission.progress(ticket, n_out, ttft)
                     m.generation_tokens.inc(len(ev.token_ids))
                 text = detok.push(ev.token_ids, ev.finished)
                 yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
@@ -310,6 +329,8 @@ class Server:
         finally:
             task.cancel()                                # the client left (or it is done): abort it
             (m.running if n_out else m.waiting).dec()
+            if ticket is not None:
+                self.admission.ended(ticket)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -386,17 +407,24 @@ def build_app(server: Server) -> FastAPI:
 
 
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
-    """Authentication and validation; a request refused here counts as an invalid_request error."""
+    """Authentication and validation; a request refused here counts as an invalid_request error.
+    A bug in validation answers 500 through the APIError handler: an exception reaching
+    Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
+    client's keep-alive connection."""
     try:
         server._check_auth(request)
         return parse(await server._body(request))
     except APIError:
         server.metrics.errors.labels("invalid_request").inc()
         raise
+    except Exception as e:
+        log.exception("validating a request failed")
+        raise APIError(500, f"internal error while validating the request: {type(e).__name__}: {show(str(e), 200)}",
+                       "server_error") from None
 
 
 async def _respond(server: Server, request: Request, req: GenerationRequest):
-    server._admit()
+    server._admit(req)
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     created = int(time.time())
     if req.stream:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.admission import ADMISSION_POLICIES
 from router.slo import SLOTargets
 from workers.names import PICKING_POLICIES
 
@@ -15,6 +16,8 @@ class RouterConfig:
     served_model_name: str | None = None      # the model name clients send (default: the model)
     policy: str = "p2c"                       # one of PICKING_POLICIES
     max_pending: int = 512                    # requests in flight before 429
+    admission: str = "slo"                    # one of ADMISSION_POLICIES (router/admission.py)
+    max_body_bytes: int = 8 * 2**20           # larger request bodies get 413, unread
     max_retries: int = 2                      # resumes in a row that make no progress, then an error
     worker_hang_timeout_s: float = 10.0       # a worker that answers no poll for this long is restarted
     drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
@@ -25,8 +28,12 @@ class RouterConfig:
             raise ValueError(f"--policy must be one of {PICKING_POLICIES}, got {self.policy!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"--admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
         if self.max_pending < 1:
             raise ValueError(f"--max-pending must be >= 1, got {self.max_pending}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-mib must be >= 1, got {self.max_body_bytes / 2**20:g}")
         if self.max_retries < 0:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         if not self.worker_hang_timeout_s > 0:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.metrics import Metrics
-from router.picker import Picker, decode_load, prefill_load
+from router.picker import Picker, decode_load
 from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
@@ -225,8 +225,7 @@ class Dispatcher:
         ids = list(ws)
         if role == DECODE:
             return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report, len(ws[i].unreported)))]
-        return ws[self.prefill_picker.choose(ids, lambda i: prefill_load(
-            ws[i].report, sum(n for n, _ in ws[i].unreported.values())))]
+        return ws[self.prefill_picker.choose(ids, lambda i: ws[i].queued_prefill_tokens())]
 
     async def _pick_live(self, role: str) -> Member:
         """Pick from the pool; when none of its workers is active now but one will be (a one-worker

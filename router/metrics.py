@@ -22,7 +22,8 @@ from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 
 P = "pdcluster:"
 FINISH_REASONS = ("stop", "length")
-ERROR_REASONS = ("invalid_request", "overloaded", "worker_failure", "client_disconnect", "shutdown")
+ERROR_REASONS = ("invalid_request", "overloaded", "slo_unattainable", "worker_failure", "client_disconnect",
+                 "shutdown")
 POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")

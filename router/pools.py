@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from router.picker import prefill_load
 from workers.messages import LoadReport
 
 STARTING, ACTIVE, DRAINING, DEAD, STOPPED = "starting", "active", "draining", "dead", "stopped"
@@ -63,6 +64,19 @@ class Member:
         self.report = report
         for rid in [r for r, (_, t) in self.unreported.items() if t < polled_at]:
             del self.unreported[rid]
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting here: those in the last report plus those sent since."""
+        return prefill_load(self.report, sum(n for n, _ in self.unreported.values()))
+
+    def queued_prefill_requests(self) -> int:
+        return (self.report.waiting if self.report else 0) + len(self.unreported)
+
+    def decode_sequences(self) -> int:
+        """Sequences a decode worker runs, waits for room for or receives, plus those sent since
+        its last report."""
+        r = self.report
+        return (r.running + r.waiting + r.pending + r.receiving if r else 0) + len(self.unreported)
 
     def idle(self) -> bool:
         """Holds nothing: no request open here (router's view) and, in a report taken after the

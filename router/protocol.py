@@ -1,9 +1,28 @@
-"""OpenAI request validation: JSON bodies in, a typed request or an `APIError` out."""
+"""OpenAI request validation: JSON bodies in, a typed request or an `APIError` out.
+
+Every refusal is a 4xx naming the field (`param`). The limits, so that no body, however
+hostile, reaches code that could fail on it (a 5xx) or hold the server up:
+  - the body's size (`--max-body-mib`, checked while reading, in app.py): 413;
+  - JSON nesting: at most MAX_JSON_DEPTH levels, checked before parsing without recursion;
+  - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
+  - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
+  - list lengths (stop strings, stop_token_ids) and token ids within the vocabulary;
+  - fields asking for behaviour this server does not implement (echo, logit_bias, penalties,
+    best_of, tools, ...) are refused rather than silently ignored; their neutral values pass.
+Unknown fields are ignored (OpenAI's clients send new ones); the body limit bounds their size.
+"""
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
 
-from workers.sequence import SAMPLING_FIELDS, SamplingParams
+from workers.sequence import SAMPLING_FIELDS, SamplingParams, show
+
+MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
+PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
+MAX_STOP_TOKEN_IDS = 256
 
 
 class APIError(Exception):
@@ -23,6 +42,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def too_large(limit: int, size: int | None = None) -> APIError:
+    got = f"is {size} bytes" if size is not None else "is larger than that"
+    return APIError(413, f"the request body {got}; this server accepts at most {limit} bytes "
+                    f"({limit / 2**20:g} MiB, its --max-body-mib)", code="request_too_large")
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     kind: str                                  # "completion" | "chat"
@@ -32,11 +57,141 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+# -- the body as JSON -------------------------------------------------------------------------
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')         # a JSON string literal, escapes included
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")     # maybe an escaped UTF-16 surrogate
+
+
+def _too_deep(raw: bytes) -> bool:
+    """Whether the brackets outside strings nest deeper than MAX_JSON_DEPTH or do not balance,
+    without recursion and in C-speed passes: each pass deletes the innermost pairs, so a
+    document MAX_JSON_DEPTH deep is gone after that many passes."""
+    brackets = _STRING.sub(b"", raw).translate(_TO_SQUARE, _NOT_BRACKET)
+    for _ in range(MAX_JSON_DEPTH):
+        if not brackets:
+            return False
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) == len(brackets):
+            break
+        brackets = shorter
+    return bool(brackets)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 (never a RecursionError: depth is checked first)."""
+    deep = bad_request(f"the request body is not valid JSON: its objects and arrays nest deeper than "
+                       f"{MAX_JSON_DEPTH} levels, or its brackets do not balance")
+    if _too_deep(raw):
+        raise deep
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise deep from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_surrogates(body)
+    return body
+
+
+def _check_surrogates(body: dict) -> None:
+    """An unpaired surrogate decodes to a str that no tokenizer or UTF-8 codec takes."""
+    for key, value in body.items():
+        todo = [key, value]
+        while todo:                   # depth is bounded already; a stack, not recursion, anyway
+            x = todo.pop()
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad_request(f"{show(key, 40)} holds a string with an unpaired UTF-16 surrogate "
+                                      "(a \\ud800-\\udfff escape without its pair)", key) from None
+            elif isinstance(x, dict):
+                todo += x.keys()
+                todo += x.values()
+            elif isinstance(x, list):
+                todo += x
+
+
+# -- fields ---------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> float | None:
+    try:
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+    except OverflowError:
+        return None
+
+
+# Fields that ask for behaviour this server does not implement: (field, accepted neutral values,
+# what to say). Absent or null always passes.
+UNSUPPORTED = (
+    ("echo", (False,), "echo (returning the prompt) is not supported; send false or leave it out"),
+    ("suffix", ("",), "suffix (insertion) is not supported"),
+    ("best_of", (1,), "only best_of=1 is supported"),
+    ("n", (1,), "only n=1 is supported"),
+    ("logit_bias", ({},), "logit_bias is not supported; send {} or leave it out"),
+    ("presence_penalty", (0,), "presence_penalty is not supported; send 0 or leave it out"),
+    ("frequency_penalty", (0,), "frequency_penalty is not supported; send 0 or leave it out"),
+    ("repetition_penalty", (1,), "repetition_penalty is not supported; send 1 or leave it out"),
+    ("min_p", (0,), "min_p is not supported; send 0 or leave it out"),
+    ("min_tokens", (0,), "min_tokens is not supported; send 0 or leave it out"),
+    ("use_beam_search", (False,), "beam search is not supported"),
+    ("include_stop_str_in_output", (False,), "include_stop_str_in_output is not supported"),
+    ("prompt_logprobs", (), "prompt_logprobs is not supported"),
+    ("response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
+    ("tools", ([],), "tools (function calling) are not supported"),
+    ("tool_choice", ("none", "auto"), "tool_choice other than \"none\" is not supported (no tools)"),
+    ("functions", ([],), "functions (function calling) are not supported"),
+    ("function_call", ("none", "auto"), "function_call other than \"none\" is not supported"),
+    ("guided_json", (), "guided decoding is not supported"),
+    ("guided_regex", (), "guided decoding is not supported"),
+    ("guided_choice", (), "guided decoding is not supported"),
+    ("guided_grammar", (), "guided decoding is not supported"),
+)
+
+
+def _neutral(value, allowed: tuple) -> bool:
+    # Exact types: true == 1 and 1.0 == 1 in Python; JSON's true is not best_of=1 (0 and 0.0 are alike).
+    for a in allowed:
+        if isinstance(a, bool) or isinstance(value, bool):
+            if value is a:
+                return True
+        elif isinstance(a, (int, float)):
+            if _number(value) is not None and value == a:
+                return True
+        elif type(value) is type(a) and value == a:
+            return True
+    return False
+
+
+def check_unsupported(body: dict) -> None:
+    for name, allowed, why in UNSUPPORTED:
+        value = body.get(name)
+        if value is not None and not _neutral(value, allowed):
+            raise bad_request(f"{why} (got {name}={show(value)})", name)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"'{param}' holds the token id {show(bad)}; token ids must be in [0, {vocab_size})", param)
+
+
+def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """The request's sampling fields (SamplingParams' own names, plus OpenAI's spellings:
-    max_completion_tokens, chat's logprobs=true + top_logprobs); SamplingParams validates."""
+    max_completion_tokens, chat's logprobs=true + top_logprobs); SamplingParams validates them,
+    the vocabulary (which it does not know) is checked here."""
+    check_unsupported(body)
     kw = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     if "max_tokens" not in kw and body.get("max_completion_tokens") is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
@@ -50,11 +205,59 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         logprobs = None
     if logprobs is not None:
         kw["logprobs"] = logprobs
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "n")
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param if param in kw else None) from None
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids holds {len(params.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                          "stop_token_ids")
+    if vocab_size is not None:
+        check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    return params
+
+
+def request_options(body: dict) -> tuple[bool, bool, int]:
+    """(stream, include_usage, priority)."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be true or false, got {show(stream)}", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request(f"'stream_options' must be an object, got {show(opts)}", "stream_options")
+    usage = (opts or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad_request(f"'stream_options.include_usage' must be true or false, got {show(usage)}",
+                          "stream_options")
+    priority = body.get("priority")
+    lo, hi = PRIORITY_RANGE
+    if priority is not None and not (_is_int(priority) and lo <= priority <= hi):
+        raise bad_request(f"'priority' must be an integer in [{lo}, {hi}], got {show(priority)}", "priority")
+    return bool(stream), bool(usage), priority or 0
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The messages as [{"role", "content"}] with text content (text parts joined); other parts
+    (images, audio) are refused, as this server is text only."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise bad_request(f"messages[{i}] must be an object with a 'role' string", "messages")
+        c = m.get("content")
+        if isinstance(c, list):                      # [{"type": "text", "text": ...}, ...]
+            texts = []
+            for j, part in enumerate(c):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
+                                      f"<string>}} (this server takes text only), got {show(part)}", "messages")
+                texts.append(part["text"])
+            c = "".join(texts)
+        if not isinstance(c, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got {show(c)}",
+                              "messages")
+        flat.append({"role": m["role"], "content": c})
+    return flat

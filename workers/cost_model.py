@@ -492,6 +492,15 @@ class StepFit:
                 self._recent.append(s)
                 self._new = True
 
+    def prefill_throughput(self, min_samples: int = 5) -> float | None:
+        """Prompt tokens per second over the recent prefill-only steps, as they were batched:
+        what a fit cannot give while the steps all have one shape (one prompt length), or None
+        with fewer than `min_samples` of them."""
+        rows = [(s.prefill_tokens, t) for s, t in self._recent if s.num_prefill]
+        if len(rows) < min_samples:
+            return None
+        return sum(n for n, _ in rows) / max(1e-9, sum(t for _, t in rows))
+
     def current(self) -> CostModel | None:
         """The fit over the profile and the recent steps (refit when new ones came); None while
         they do not pin the model down."""

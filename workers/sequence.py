@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field, fields
 
@@ -19,23 +20,33 @@ class SamplingParams:
     logprobs: int | None = None         # also return this many top logprobs per token
 
     def __post_init__(self):
+        # Bounds keep every value within what the wire (msgpack: 64-bit ints, UTF-8 strings)
+        # and the sampler take; a request is refused here, never failed on a worker.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-               and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1,
-               f"top_k must be -1, 0 (off) or a positive count, got {self.top_k!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
+               f"max_tokens must be an integer in [1, {MAX_INT32}], got {show(self.max_tokens)}")
+        _check(_is_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {show(self.temperature)}")
+        self.temperature = float(self.temperature)
+        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {show(self.top_p)}")
+        self.top_p = float(self.top_p)
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32,
+               f"top_k must be -1, 0 (off) or a positive count up to {MAX_INT32}, got {show(self.top_k)}")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+               f"seed must be a 64-bit signed integer, got {show(self.seed)}")
         _check(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
-               f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        _check(isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
-               f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+               f"stop must be a non-empty string or a list of them, got {show(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP, f"stop holds {len(self.stop)} strings; at most {MAX_STOP}")
+        _check(all(len(x) <= MAX_STOP_LEN for x in self.stop),
+               f"stop strings must be at most {MAX_STOP_LEN} characters each, got one of "
+               f"{max(map(len, self.stop), default=0)}")
+        _check(isinstance(self.stop_token_ids, list)
+               and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids (integers >= 0), got {show(self.stop_token_ids)}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {show(self.ignore_eos)}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+               f"logprobs must be an integer between 0 and 20, got {show(self.logprobs)}")
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +54,25 @@ class SamplingParams:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
+
+
+MAX_INT32 = 2**31 - 1               # max_tokens, top_k, token ids: far past any real value
+MAX_STOP = 32                       # stop strings per request
+MAX_STOP_LEN = 512                  # characters per stop string
+
+
+def show(x, limit: int = 60) -> str:
+    """A value as an error message quotes it: repr, cut to `limit` characters."""
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+def _is_finite(x) -> bool:
+    """A real number (not a bool) that converts to a finite float (10**400 does not)."""
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _is_int(x) -> bool:

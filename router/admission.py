@@ -1,0 +1,179 @@
+"""Admission: which requests the front door lets in (plain Python: no Ray, no torch).
+
+    queue  a bounded number of requests in flight (`max_pending`), then 429;
+    slo    (the default) also refuses, at once, a request that would miss its SLO, with 429 and
+           a Retry-After of when it would fit (Mooncake's early rejection): a request let in only
+           to miss its SLO costs the ones that could have met theirs, so under overload goodput
+           falls while throughput holds.
+
+The predictions, from what the router itself knows and the step cost model fitted on the
+workers' own steps (workers/cost_model.py StepFit, shared with the pool controller):
+
+- TTFT: the prompt tokens of the requests admitted and still without a first token, spread over
+  the prefill pool, plus the new prompt, at the pool's prefill throughput. The router's count
+  holds every request ahead wherever it waits (a worker's queue, a resume, a call in transit),
+  where the workers' reports would miss some. Corrected online: the ratio of each admitted
+  request's measured TTFT to its prediction, smoothed, scales the next predictions (what the step
+  model leaves out: the router, contention, the steps' mix).
+- TPOT: the decode pool's room (sequences it runs within the TPOT target at this context, by the
+  cost model), and the handoffs waiting between first and second token against the rate they
+  complete at: the wait must fit in half the request's TPOT budget.
+
+Only work already in the cluster refuses a request; until the fit has enough steps, only the
+queue bound applies. Under pressure lower priorities go first: a request of priority p > 0
+(vLLM's sense: larger is less urgent) is let in only while its predicted TTFT is within
+`ttft_s * shed_ratio ** p`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from router.pools import PoolRegistry
+from router.slo import SLOTargets
+from workers.cost_model import StepFit
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL
+
+QUEUE, SLO = ADMISSION_POLICIES = ("queue", "slo")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admit: bool
+    reason: str = ""                      # why not, for the 429's message
+    code: str = ""                        # "ttft" or "tpot": the SLO it would miss
+    retry_after_s: float = 0.0
+    predicted_ttft_s: float = math.nan    # nan: no prediction (no cost model yet)
+
+
+WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
+
+
+class Ticket:
+    """One admitted request's place in the router's counts: waiting for its first token, then
+    in its handoff (first token out, second not yet), then decoding."""
+    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage")
+
+    def __init__(self, prompt_tokens: int, predicted_ttft_s: float):
+        self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
+
+
+class SLOAdmission:
+    def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
+                 max_num_seqs: int, shed_ratio: float = 0.75, correction_weight: float = 0.1,
+                 handoff_window_s: float = 5.0, clock=time.monotonic):
+        self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
+        self.prefill_role = PREFILL if mode == DISAGGREGATED else COLOCATED
+        self.decode_role = DECODE if mode == DISAGGREGATED else COLOCATED
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.shed_ratio, self.weight, self.handoff_window_s = shed_ratio, correction_weight, handoff_window_s
+        self.correction = 1.0             # measured TTFT / predicted, smoothed
+        self.waiting = self.waiting_tokens = self.in_handoff = 0
+        self.handoffs: deque[float] = deque()   # when recent handoffs completed
+
+    # -- the router's counts ------------------------------------------------------------------------
+    def started(self, prompt_tokens: int, predicted_ttft_s: float = math.nan) -> Ticket:
+        self.waiting += 1
+        self.waiting_tokens += prompt_tokens
+        return Ticket(prompt_tokens, predicted_ttft_s)
+
+    def progress(self, t: Ticket, tokens_out: int, ttft_s: float = math.nan) -> None:
+        """The request has `tokens_out` tokens out (call after each token event)."""
+        if t.stage == WAITING and tokens_out >= 1:
+            self._leave(t)
+            t.stage = HANDOFF
+            self.in_handoff += 1
+            self._learn(t.predicted_ttft_s, ttft_s)
+        if t.stage == HANDOFF and tokens_out >= 2:
+            self._leave(t)
+            t.stage = DECODING
+            self.handoffs.append(self.clock())
+
+    def ended(self, t: Ticket) -> None:
+        self._leave(t)
+        t.stage = ENDED
+
+    def _leave(self, t: Ticket) -> None:
+        if t.stage == WAITING:
+            self.waiting -= 1
+            self.waiting_tokens -= t.prompt_tokens
+        elif t.stage == HANDOFF:
+            self.in_handoff -= 1
+
+    def _learn(self, predicted_ttft_s: float, ttft_s: float) -> None:
+        if not predicted_ttft_s > 0 or not ttft_s > 0:
+            return
+        raw = predicted_ttft_s / self.correction          # the prediction before correction
+        ratio = min(20.0, max(0.25, ttft_s / raw))
+        self.correction += self.weight * (ratio - self.correction)
+
+    # -- predictions --------------------------------------------------------------------------------
+    def predict_ttft(self, prompt_tokens: int) -> tuple[float, float]:
+        """(seconds until the first token of a new prompt, of which for the work ahead of it):
+        the prompts admitted and still without a first token, spread over the prefill pool, and
+        its own, at the pool's throughput (the cost model's, else as measured on the steps
+        served), corrected; (nan, nan) while neither is known."""
+        workers = len(self.pools.active(self.prefill_role))
+        cost = self.fit.current()
+        if cost is not None:
+            def rate(n: float) -> float:
+                return cost.prefill_tokens_per_s(n, self.max_num_batched_tokens)
+        else:
+            measured = self.fit.prefill_throughput()
+            if measured is None:
+                return math.nan, math.nan
+
+            def rate(n: float) -> float:
+                return measured
+        if not workers:
+            return math.nan, math.nan
+        queued = self.waiting_tokens / workers
+        mean_prompt = self.waiting_tokens / self.waiting if self.waiting else prompt_tokens
+        ahead = queued / rate(mean_prompt) if queued else 0.0
+        own = prompt_tokens / rate(prompt_tokens)
+        return (ahead + own) * self.correction, ahead * self.correction
+
+    def handoff_wait(self) -> float:
+        """Seconds the handoffs waiting now take to clear at the rate they completed lately (0
+        with none waiting, or too few completed to tell)."""
+        now = self.clock()
+        while self.handoffs and self.handoffs[0] < now - self.handoff_window_s:
+            self.handoffs.popleft()
+        if not self.in_handoff or len(self.handoffs) < 5:
+            return 0.0
+        return self.in_handoff / (len(self.handoffs) / self.handoff_window_s)
+
+    def decode_room(self, context: float) -> tuple[int, int]:
+        """(sequences the decode pool holds or has coming, sequences it runs within the TPOT
+        target at this context); (0, 0) without a cost model."""
+        cost = self.fit.current()
+        workers = self.pools.active(self.decode_role)
+        if cost is None or not workers:
+            return 0, 0
+        held = sum(m.decode_sequences() for m in workers)
+        return held, len(workers) * cost.decode_batch_at(context, self.slo.tpot_s, self.max_num_seqs)
+
+    def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> Verdict:
+        """Admit, or say why not. Only work already in the pools refuses a request: one that would
+        miss on its own (a prompt longer than the TTFT target allows) is let in, since coming
+        back later would not help it."""
+        ttft, ahead = self.predict_ttft(prompt_tokens)
+        limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
+        if ahead > 0 and ttft > limit:
+            return Verdict(False, f"its predicted time to first token is {ttft:.2f}s, over the "
+                                  f"{limit:.2f}s this server admits at priority {priority}", "ttft",
+                           retry_after_s=ttft - limit, predicted_ttft_s=ttft)
+        held, room = self.decode_room(prompt_tokens + max_tokens / 2)
+        if room and held >= room:
+            # A sequence ends every (its output x TPOT) on average: room comes back about then.
+            return Verdict(False, f"the decode pool holds {held} sequences, all it runs within the "
+                                  f"{self.slo.tpot_s * 1000:g} ms TPOT target", "tpot",
+                           retry_after_s=max_tokens * self.slo.tpot_s / max(1, held), predicted_ttft_s=ttft)
+        wait, budget = self.handoff_wait(), self.slo.tpot_s * (max_tokens - 1) / 2
+        if max_tokens > 1 and wait > budget:
+            return Verdict(False, f"{self.in_handoff} handoffs are waiting for the decode pool, {wait:.2f}s of "
+                                  f"them at the rate they complete, over this request's {budget:.2f}s share "
+                                  "of its TPOT budget", "tpot", retry_after_s=wait - budget, predicted_ttft_s=ttft)
+        return Verdict(True, predicted_ttft_s=ttft)

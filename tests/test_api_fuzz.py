@@ -1,0 +1,328 @@
+"""The front door under hostile request bodies (issue 14): property-based fuzzing of both POST
+endpoints of a real serving cluster (1 prefill + 1 decode, `tiny`), and each limit on its own.
+
+The fuzz contract: every body, whatever it holds (hostile values of known fields, unknown
+fields, deep nesting, raw garbage), is answered 2xx, or 4xx with OpenAI's error JSON; never a
+5xx, and never a dropped connection: all bodies go through one keep-alive connection, and the
+test fails on any transport error or on a second connection. Afterwards the server still
+serves the offline engine's greedy tokens. Hypothesis runs derandomized with no example
+database, so CI sends the same bodies every time; the valid bodies it builds ask for at most 4
+tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from starlette.requests import Request
+
+from cluster.launcher import ClusterSpec
+from cluster.serve import ServingCluster, free_port
+from common import VOCAB
+from router.app import Server
+from router.protocol import MAX_JSON_DEPTH, APIError
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sequence import MAX_STOP, MAX_STOP_LEN, SamplingParams
+
+MODEL = "tiny"
+MiB = 2**20
+EXAMPLES = 2000                  # bodies per endpoint
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                phases=[Phase.explicit, Phase.generate, Phase.shrink],
+                suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    spec = ClusterSpec(model=MODEL, mode="disaggregated", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
+    with ServingCluster(spec, port=free_port()) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as c:
+        yield c
+
+
+def check_answer(r: httpx.Response) -> None:
+    """2xx with a whole answer, or 4xx with OpenAI's error JSON."""
+    assert r.status_code < 500, r.text[:500]
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), err
+        assert err["param"] is None or isinstance(err["param"], str), err
+        return
+    assert r.status_code == 200, r.text[:500]
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
+        assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks), chunks
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text[:500]
+
+
+class OneConnection:
+    """Posts through one keep-alive connection and fails if the server ever closed it (httpx
+    would silently open another: the local port tells)."""
+
+    def __init__(self, client: httpx.Client):
+        self.client, self.port, self.sent, self.status = client, None, 0, {}
+
+    def post(self, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
+        r = self.client.post(path, content=content, headers={"content-type": "application/json", **(headers or {})})
+        port = r.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+        self.port = self.port or port
+        assert port == self.port, f"after {self.sent} bodies the server closed the connection"
+        self.sent += 1
+        self.status[r.status_code] = self.status.get(r.status_code, 0) + 1
+        return r
+
+
+# -- hostile values -------------------------------------------------------------------------
+EXTREME_INTS = [10**30, -10**30, 2**63, 2**63 - 1, -2**63, -2**63 - 1, 2**64, 2**31, -2**31 - 1, 10**4000]
+ODD_STRINGS = ["", "\ud800", "\x00", "\ufffd" * 3, "🙂" * 40, "text", "none", "auto", "required", MODEL, "a" * 3000]
+
+
+def nest(depth: int):
+    out = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.sampled_from(EXTREME_INTS),
+                    st.floats(), st.text(max_size=20), st.sampled_from(ODD_STRINGS))
+hostile = st.one_of(
+    st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids,
+                                                                                    max_size=4), max_leaves=12),
+    st.integers(0, 5000).map(lambda n: [1] * n),                 # long lists
+    st.integers(MAX_JSON_DEPTH - 3, 200).map(nest),              # deep nesting about the limit
+    st.lists(st.integers(-1, VOCAB + 1), max_size=40),           # token ids about the vocabulary
+    st.lists(st.text(max_size=8), max_size=40),                  # stop strings
+    st.dictionaries(st.text(max_size=4), st.integers(-200, 200), max_size=5),   # logit_bias-like
+)
+
+SHARED = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "best_of", "echo", "suffix",
+          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream",
+          "stream_options", "priority", "user", "metadata", "response_format", "tools", "tool_choice"]
+FIELDS = {"completions": ["prompt"] + SHARED, "chat/completions": ["messages"] + SHARED}
+
+texts = st.text(min_size=1, max_size=24)
+prompts = st.one_of(texts, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24),
+                    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8).map(lambda p: [p]))
+contents = st.one_of(texts, st.lists(texts.map(lambda t: {"type": "text", "text": t}), min_size=1, max_size=3))
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                           "content": contents}), min_size=1, max_size=3)
+
+
+def valid_bodies(endpoint: str):
+    """Cheap valid bodies: at most 4 tokens, sampled or greedy, streamed or not."""
+    first = {"prompt": prompts} if endpoint == "completions" else {"messages": messages}
+    return st.fixed_dictionaries({"model": st.just(MODEL), **first, "max_tokens": st.integers(1, 4)}, optional={
+        "temperature": st.sampled_from([0, 0.5, 1.0]), "top_p": st.sampled_from([0.5, 1]),
+        "top_k": st.sampled_from([-1, 0, 5]), "seed": st.integers(-2**63, 2**63 - 1), "stream": st.booleans(),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3), "logprobs": st.booleans()
+        if endpoint == "chat/completions" else st.integers(0, 5), "ignore_eos": st.booleans()})
+
+
+# Built once: a strategy built inside a draw is validated again on every example.
+VALID = {ep: valid_bodies(ep) for ep in FIELDS}
+MUTATED = {ep: st.dictionaries(st.sampled_from(FIELDS[ep]), hostile, min_size=1, max_size=3) for ep in FIELDS}
+UNKNOWN = {ep: st.dictionaries(st.text(min_size=1, max_size=12).filter(lambda k, ep=ep: k not in FIELDS[ep]),
+                               hostile, min_size=1, max_size=2) for ep in FIELDS}
+REQUIRED = {ep: st.sampled_from(["model", FIELDS[ep][0]]) for ep in FIELDS}
+GARBAGE = st.binary(max_size=300)
+choices = st.integers(0, 19)
+depths = st.integers(MAX_JSON_DEPTH, 5000)
+
+
+@st.composite
+def payloads(draw, endpoint: str) -> bytes:
+    """Mostly a valid body with 1 to 3 known fields given hostile values, maybe an unknown field
+    or a required one missing; sometimes a valid body, raw garbage or broken JSON."""
+    kind = draw(choices)
+    if kind == 0:
+        return draw(GARBAGE)
+    body = draw(VALID[endpoint])
+    if kind == 1:                                   # broken JSON: cut short, or nested past the limit
+        raw = json.dumps(body).encode()
+        depth = draw(depths)
+        broken = [raw[:draw(st.integers(0, len(raw) - 1))], raw[:-1] + b', "x": ' + b"[" * depth + b"]" * depth + b"}",
+                  b"[" * depth, b'{"model": ' + b"{" * depth]
+        return broken[draw(st.integers(0, len(broken) - 1))]
+    if kind > 3:                                    # a tenth stay valid (they generate: the slow ones)
+        body.update(draw(MUTATED[endpoint]))
+    if draw(choices) < 4:
+        body.update(draw(UNKNOWN[endpoint]))
+    if draw(choices) < 2:
+        body.pop(draw(REQUIRED[endpoint]), None)
+    return json.dumps(body).encode()                # NaN and Infinity as Python writes them
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_fuzzed_bodies_get_2xx_or_openai_4xx_on_one_connection(client, endpoint):
+    conn = OneConnection(client)
+
+    @FUZZ
+    @given(payloads(endpoint))
+    def one(raw: bytes):
+        check_answer(conn.post(endpoint, raw))
+
+    one()
+    assert conn.sent >= EXAMPLES, conn.sent
+    ok = sum(n for s, n in conn.status.items() if s < 300)
+    assert ok >= EXAMPLES // 20 and conn.status.get(400, 0) >= EXAMPLES // 4, conn.status
+
+
+# -- each limit on its own ------------------------------------------------------------------
+def body_for(endpoint: str, **fields) -> dict:
+    first = {"prompt": "Hello"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    return {"model": MODEL, **first, "max_tokens": 1, **fields}
+
+
+REFUSED = [   # (fields, the param the error names)
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"seed": 10**30}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"priority": 10**30}, "priority"), ({"priority": 2**31}, "priority"), ({"priority": True}, "priority"),
+    ({"max_tokens": 10**30}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": 10**30}, "top_k"), ({"logprobs": 21}, "logprobs"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 10**400}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_p": float("inf")}, "top_p"),
+    ({"stop": ["x"] * (MAX_STOP + 1)}, "stop"), ({"stop": "x" * (MAX_STOP_LEN + 1)}, "stop"), ({"stop": [1]}, "stop"),
+    ({"stop_token_ids": [1] * 257}, "stop_token_ids"), ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"stream": 1}, "stream"), ({"stream_options": []}, "stream_options"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options"), ({"model": 5}, "model"),
+    # asks for behaviour this server does not implement
+    ({"echo": True}, "echo"), ({"logit_bias": {"1": 5}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"n": 2}, "n"), ({"n": True}, "n"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"min_tokens": 2}, "min_tokens"), ({"logit_bias": [1] * 1000}, "logit_bias"),
+]
+ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": False}, {"logit_bias": {}},
+            {"logit_bias": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"best_of": 1}, {"n": 1},
+            {"suffix": ""}, {"user": "someone"}, {"metadata": {"k": "v"}}, {"response_format": {"type": "text"}},
+            {"tools": []}, {"tool_choice": "none"}, {"some_new_field": {"a": [1, 2, 3]}}, {"stop": ["x"] * MAX_STOP},
+            {"stop_token_ids": [VOCAB - 1]}, {"temperature": 10**30, "seed": 1}]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("fields, param", REFUSED, ids=lambda x: json.dumps(x)[:40] if isinstance(x, dict) else x)
+def test_a_value_past_a_limit_gets_400_naming_its_field(client, endpoint, fields, param):
+    r = client.post(endpoint, content=json.dumps(body_for(endpoint, **fields)),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    check_answer(r)
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and len(err["message"]) < 400, err
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("fields", ACCEPTED, ids=lambda x: json.dumps(x)[:40])
+def test_neutral_and_informational_values_are_accepted(client, endpoint, fields):
+    r = client.post(endpoint, json=body_for(endpoint, **fields))
+    assert r.status_code == 200, r.text[:300]
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("completions", {"prompt": [VOCAB]}, "prompt"), ("completions", {"prompt": [-1]}, "prompt"),
+    ("completions", {"prompt": "\ud800"}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+])
+def test_prompts_and_messages_are_checked(client, endpoint, fields, param):
+    r = client.post(endpoint, content=json.dumps(body_for(endpoint, **fields)),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b'{"model": "tiny", "prompt": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}",
+     f"deeper than {MAX_JSON_DEPTH} levels"),
+    (b"[" * 100_000, "deeper than"),
+    (b'{"model": "tiny", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+    (b"\xff\xfe\x00garbage", "not valid JSON"),
+    (b'["model"]', "must be a JSON object"),
+])
+def test_bad_json_gets_400(client, raw, says):
+    r = client.post("completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text[:300]
+
+
+def test_nesting_at_the_limit_is_parsed(client):
+    inner = b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1)       # the body's object is level 1
+    r = client.post("completions", content=b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "x": ' + inner + b"}")
+    assert r.status_code == 200, r.text[:300]
+
+
+# -- the body's size ------------------------------------------------------------------------
+def test_an_oversized_body_gets_413_and_the_connection_serves_on(client, cluster):
+    limit = cluster.cfg.max_body_bytes
+    assert limit == 8 * MiB                                       # the default
+    conn = OneConnection(client)
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (60 * MiB) + b'"}'
+    for content in (big, iter([big[i:i + MiB] for i in range(0, len(big), MiB)])):   # Content-Length, chunked
+        r = conn.post("completions", content)
+        assert r.status_code == 413, r.text[:300]
+        check_answer(r)
+        assert str(limit) in r.json()["error"]["message"] and "--max-body-mib" in r.json()["error"]["message"]
+        check_answer(conn.post("completions", json.dumps(body_for("completions")).encode()))
+
+
+class FakeRequest(Request):
+    """A request whose body arrives in chunks; counts how many the server pulled."""
+
+    def __init__(self, chunks: list[bytes], content_length: int | None):
+        headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+        self.pulled = 0
+
+        async def receive():
+            self.pulled += 1
+            i = self.pulled - 1
+            return {"type": "http.request", "body": chunks[i], "more_body": i + 1 < len(chunks)}
+
+        super().__init__({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
+
+
+@pytest.mark.parametrize("declared", [None, 100 * MiB])
+def test_the_body_is_never_buffered_past_the_limit(declared):
+    """A declared length over the limit is refused before any read; a chunked body as soon as it
+    passes the limit (the server holds at most the limit and one chunk)."""
+    server = SimpleNamespace(max_body_bytes=MiB)
+    req = FakeRequest([b"x" * (64 * 1024)] * 1600, declared)          # 100 MiB
+    with pytest.raises(APIError) as e:
+        asyncio.run(Server._read(server, req))
+    assert e.value.status == 413 and e.value.code == "request_too_large"
+    assert req.pulled == (0 if declared else 17), req.pulled
+    small = FakeRequest([b"{}", b""], 2)
+    assert asyncio.run(Server._read(server, small)) == b"{}"
+
+
+# -- afterwards ----------------------------------------------------------------------------
+def test_after_the_fuzzing_the_server_serves_greedy_tokens(client):
+    prompts = [[5, 6, 7], list(range(40, 90)), [200] * 17]
+    engine = LLMEngine(EngineConfig(model=MODEL))
+    want = [r.token_ids for r in engine.generate([{"prompt_token_ids": p} for p in prompts],
+                                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    got = []
+    for p in prompts:
+        r = client.post("completions", json={"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True})
+        assert r.status_code == 200, r.text[:300]
+        got.append(r.json()["choices"][0]["token_ids"])
+    assert got == want
