@@ -93,6 +93,8 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "handoff, a lost worker) before it fails with an error"),
     Flag("--worker-hang-timeout-s", "worker_hang_timeout_s", "a worker that answers no poll for this long is "
          "taken as hung: restarted, its requests resumed", float),
+    Flag("--client-stall-timeout-s", "client_stall_timeout_s", "a stream whose client takes no data for this "
+         "long (it stopped reading) is ended and its request aborted", float),
     Flag("--drain-timeout-s", "drain_timeout_s", "on SIGINT/SIGTERM: seconds in-flight requests may run to "
          "completion (new ones get 503) before the rest end with an error event", float),
 )

@@ -170,6 +170,7 @@ class ServingCluster:
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
+                        client_stall_timeout_s=cfg.client_stall_timeout_s,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server

@@ -155,17 +155,21 @@ class SLOAdmission:
         held = sum(m.decode_sequences() for m in workers)
         return held, len(workers) * cost.decode_batch_at(context, self.slo.tpot_s, self.max_num_seqs)
 
-    def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> Verdict:
+    def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0,
+              longest_prompt: int | None = None) -> Verdict:
         """Admit, or say why not. Only work already in the pools refuses a request: one that would
         miss on its own (a prompt longer than the TTFT target allows) is let in, since coming
-        back later would not help it."""
+        back later would not help it. A batch of prompts comes as their total `prompt_tokens`
+        (its last first token waits for all of them) and its `longest_prompt` (the context of
+        each of its sequences in the decode pool)."""
         ttft, ahead = self.predict_ttft(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
         if ahead > 0 and ttft > limit:
             return Verdict(False, f"its predicted time to first token is {ttft:.2f}s, over the "
                                   f"{limit:.2f}s this server admits at priority {priority}", "ttft",
                            retry_after_s=ttft - limit, predicted_ttft_s=ttft)
-        held, room = self.decode_room(prompt_tokens + max_tokens / 2)
+        context = prompt_tokens if longest_prompt is None else longest_prompt
+        held, room = self.decode_room(context + max_tokens / 2)
         if room and held >= room:
             # A sequence ends every (its output x TPOT) on average: room comes back about then.
             return Verdict(False, f"the decode pool holds {held} sequences, all it runs within the "

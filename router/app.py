@@ -5,6 +5,9 @@
 
 Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the status.
 Admission is bounded: past `max_pending` requests in flight, 429 with Retry-After.
+A completions request may hold a list of prompts (a batch, at most MAX_PROMPTS): each runs as a
+request of its own (admitted together, counted as its prompts), answered as one response with
+a choice per prompt, `index` in prompt order; one prompt's failure fails the whole response.
 A client that goes away cancels its request wherever it is (the dispatcher aborts it).
 Shutdown drains (`Server.drain`): new requests get 503, those in flight run up to a timeout,
 then each one left ends with an error (an SSE error event and [DONE], or a 503) and is aborted
@@ -13,6 +16,7 @@ on the workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -31,8 +35,8 @@ from starlette.requests import ClientDisconnect
 
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
-from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids, parse_json,
-                             request_options, sampling_params, too_large)
+from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids,
+                             completion_prompts, parse_json, request_options, sampling_params, too_large)
 from workers.names import ROLES, roles_of
 from workers.sequence import show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
 _END = object()                        # the generation task is done (queued after its last event)
+MAX_BUFFERED_EVENTS = 1024             # a request's events its client has not read yet, at most
 
 
 class Detokenizer:
@@ -80,9 +85,10 @@ class Server:
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None = None, max_pending: int = 512, default_max_tokens: int = 16,
                  cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
-                 admission: SLOAdmission | None = None):
+                 admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
         self.admission = admission             # SLO admission (router/admission.py); None: the queue bound only
+        self.client_stall_timeout_s = client_stall_timeout_s
         self.max_body_bytes = max_body_bytes   # larger bodies get 413, unread (RouterConfig.max_body_bytes)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.api_key, self.max_pending = api_key, max_pending
@@ -147,22 +153,27 @@ class Server:
             raise bad_request(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                               f"{self.max_model_len} (prompt plus at least one generated token)", param)
 
-    def completion_request(self, body: dict) -> GenerationRequest:
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise bad_request("'prompt' is required", "prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                       # a batch of one
-        if isinstance(prompt, str):
-            ids = self._encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-            check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
-        else:
-            raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)",
-                              "prompt")
-        self._check_len(ids, "prompt")
-        return self._common(body, "completion", ids)
+    def completion_request(self, body: dict) -> GenerationRequest | list[GenerationRequest]:
+        """One prompt gives one request; a batch of several prompts a list of requests in prompt
+        order, each run as a request of its own with the same sampling parameters (a seed
+        included, as vLLM does). One invalid prompt refuses the whole batch, naming its index."""
+        prompts, batch = completion_prompts(body)
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                if isinstance(prompt, str):
+                    ids = self._encode(prompt)
+                else:
+                    ids = prompt
+                    check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+                self._check_len(ids, "prompt")
+            except APIError as e:
+                if batch:
+                    e.message = f"prompt[{i}]: {e.message}"
+                raise
+            token_ids.append(ids)
+        reqs = self._requests(body, "completion", token_ids)
+        return reqs if len(reqs) > 1 else reqs[0]
 
     def chat_request(self, body: dict) -> GenerationRequest:
         flat = chat_messages(body)
@@ -174,42 +185,58 @@ class Server:
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
         ids = self._encode(text)
         self._check_len(ids, "messages")
-        return self._common(body, "chat", ids)
+        return self._requests(body, "chat", [ids])[0]
 
-    def _common(self, body: dict, kind: str, ids: list[int]) -> GenerationRequest:
+    def _requests(self, body: dict, kind: str, prompts: list[list[int]]) -> list[GenerationRequest]:
+        """A request per prompt, all with the body's sampling parameters and options."""
         params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise bad_request(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                              f"maximum context length {self.max_model_len}", "max_tokens")
+        for i, ids in enumerate(prompts):
+            if len(ids) + params.max_tokens > self.max_model_len:
+                which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise bad_request(f"{which} ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                                  f"maximum context length {self.max_model_len}", "max_tokens")
         stream, include_usage, priority = request_options(body)
-        return GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority)
+        return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority)
+                for ids in prompts]
 
     # -- running one request -------------------------------------------------------------------
-    def _admit(self, req: GenerationRequest) -> None:
+    def _admit(self, req: GenerationRequest | list[GenerationRequest]) -> None:
         """Let the request in, or refuse it: 503 while draining, 429 past `max_pending` in flight
-        or (SLO admission) when it would miss its SLO; Retry-After says when to come back."""
+        or (SLO admission) when it would miss its SLO; Retry-After says when to come back.
+        A batch of prompts is let in or refused whole, once, and counts as its prompts (each
+        runs as a request of its own); SLO admission prices the batch's prompts together."""
+        reqs = req if isinstance(req, list) else [req]
         if self.draining:
             self.metrics.errors.labels("shutdown").inc()
             raise APIError(503, "the server is shutting down and admits no new requests; send it elsewhere",
                            "server_error", code="draining")
-        if self.pending >= self.max_pending:
+        if len(reqs) > self.max_pending:                  # would never fit: coming back does not help
+            self.metrics.errors.labels("invalid_request").inc()
+            raise bad_request(f"this batch of {len(reqs)} prompts is larger than the {self.max_pending} requests "
+                              "this server runs at once; send fewer prompts per request", "prompt")
+        for r in reqs:
+            self.metrics.observe_offered(len(r.prompt_token_ids), r.params.max_tokens)
+        if self.pending + len(reqs) > self.max_pending:
             self.metrics.errors.labels("overloaded").inc()
             raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); "
                            "retry shortly", "rate_limit_exceeded", code="overloaded",
                            headers={"Retry-After": "1"})
         if self.admission is not None:
-            v = self.admission.check(len(req.prompt_token_ids), req.params.max_tokens, req.priority)
+            req = reqs[0]
+            prompts = [len(r.prompt_token_ids) for r in reqs]
+            v = self.admission.check(sum(prompts), req.params.max_tokens, req.priority, longest_prompt=max(prompts))
             if not v.admit:
                 self.metrics.errors.labels("slo_unattainable").inc()
                 wait = max(1, math.ceil(v.retry_after_s))
                 raise APIError(429, f"this request would miss the server's {v.code.upper()} target: {v.reason}; "
                                f"retry in {wait}s", "rate_limit_exceeded", code="slo_unattainable",
                                headers={"Retry-After": str(wait)})
-            req.predicted_ttft_s = v.predicted_ttft_s
-        self.pending += 1
+            if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
+                req.predicted_ttft_s = v.predicted_ttft_s
+        self.pending += len(reqs)
 
-    def _done(self) -> None:
-        self.pending -= 1
+    def _done(self, n: int = 1) -> None:
+        self.pending -= n
         if self.pending == 0 and self._idle is not None:
             self._idle.set()
 
@@ -258,6 +285,11 @@ class Server:
 
     async def _generate(self, req: GenerationRequest, events: asyncio.Queue) -> None:
         async for ev in self.dispatcher.generate(req):
+            if events.qsize() >= MAX_BUFFERED_EVENTS:      # its client reads slower than the tokens come
+                self.metrics.errors.labels("slow_client").inc()
+                log.warning("a request's client read %d events behind its tokens: ended and aborted",
+                            MAX_BUFFERED_EVENTS)
+                raise SlowClient(f"the client read too slowly ({MAX_BUFFERED_EVENTS} events behind its tokens)")
             events.put_nowait(ev)
 
     def _generation_done(self, task: asyncio.Task, events: asyncio.Queue) -> None:
@@ -279,7 +311,7 @@ class Server:
         ttft = 0.0
         n_out = 0
         m = self.metrics
-        m.observe_arrival(len(req.prompt_token_ids), req.params.max_tokens)
+        m.observe_arrival(len(req.prompt_token_ids))
         m.waiting.inc()
         ticket = self.admission.started(len(req.prompt_token_ids), req.predicted_ttft_s) if self.admission else None
         events: asyncio.Queue = asyncio.Queue()
@@ -316,6 +348,8 @@ class Server:
                     m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
                     m.success.labels(ev.finish_reason or "stop").inc()
                     return
+        except SlowClient as e:                          # counted where it was found
+            raise APIError(408, str(e), code="slow_client") from None
         except RequestFailed as e:
             m.errors.labels("worker_failure").inc()
             raise APIError(503, f"the request could not be served: {e}", "server_error",
@@ -423,30 +457,79 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
                        "server_error") from None
 
 
-async def _respond(server: Server, request: Request, req: GenerationRequest):
-    server._admit(req)
+async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
+    """Answers a request, or a batch of prompts (a list of requests, one response for them all)."""
+    reqs = _as_batch(req)
+    server._admit(reqs)
+    req = reqs[0]
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(server, req, rid, created), media_type="text/event-stream",
-                                 background=None)
+        return ClientStream(_stream(server, reqs, rid, created), server)
     try:
-        return await _whole(server, request, req, rid, created)
+        return await _whole(server, request, reqs, rid, created)
     finally:
-        server._done()
+        server._done(len(reqs))
 
 
-async def _whole(server, request: Request, req: GenerationRequest, rid: str, created: int):
-    """Non-streaming: run to completion, but stop (and free) if the client goes away."""
+def _as_batch(req: GenerationRequest | list[GenerationRequest]) -> list[GenerationRequest]:
+    return req if isinstance(req, list) else [req]
+
+
+async def _merged(server: Server, reqs: list[GenerationRequest]):
+    """Yields (index, text delta, token ids, finish_reason or None, logprobs) of each of the
+    batch's prompts, as they come. Each prompt goes through `Server.run` in a task of its own;
+    the first error ends them all, and so does closing or cancelling this generator (each
+    run's cleanup aborts its request on the workers). The hand-over queue is bounded, so a
+    slow client backs up into each run's own bounded buffer, as a single request does."""
+    if len(reqs) == 1:
+        async for item in server.run(reqs[0]):
+            yield (0, *item)
+        return
+    out: asyncio.Queue = asyncio.Queue(maxsize=len(reqs))
+
+    async def pump(i: int, req: GenerationRequest) -> None:
+        try:
+            async for item in server.run(req):
+                await out.put((i, item))
+        except Exception as e:                   # an APIError (or a bug): the consumer re-raises it
+            await out.put((i, e))
+            return
+        await out.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+    left = len(reqs)
+    try:
+        while left:
+            i, item = await out.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield (i, *item)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole(server, request: Request, req: GenerationRequest | list[GenerationRequest], rid: str, created: int):
+    """Non-streaming: run to completion, but stop (and free) if the client goes away. A batch
+    answers a choice per prompt, `index` in prompt order, and its usage summed."""
+    reqs = _as_batch(req)
+    req = reqs[0]
+
     async def collect():
-        text, ids, reason, lps = [], [], None, []
-        async for delta, tok, fin, lp in server.run(req):
-            text.append(delta)
-            ids += tok
-            if lp:
-                lps += lp
-            reason = fin or reason
-        return "".join(text), ids, reason, lps
+        texts, ids, reasons, lps = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs), [[] for _ in reqs]
+        async with contextlib.aclosing(_merged(server, reqs)) as events:
+            async for i, delta, tok, fin, lp in events:
+                texts[i].append(delta)
+                ids[i] += tok
+                if lp:
+                    lps[i] += lp
+                reasons[i] = fin or reasons[i]
+        return ["".join(t) for t in texts], ids, reasons, lps
 
     task = asyncio.ensure_future(collect())
     while not task.done():
@@ -455,22 +538,30 @@ async def _whole(server, request: Request, req: GenerationRequest, rid: str, cre
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
-    text, ids, reason, lps = task.result()
-    usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(ids),
-             "total_tokens": len(req.prompt_token_ids) + len(ids)}
+    texts, ids, reasons, lps = task.result()
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    completion_tokens = sum(map(len, ids))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    want_logprobs = req.params.logprobs is not None
     if req.kind == "completion":
-        choice = {"index": 0, "text": text, "finish_reason": reason, "token_ids": ids,
-                  "logprobs": _completion_logprobs(server, ids, lps) if req.params.logprobs is not None else None}
+        choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i], "token_ids": ids[i],
+                    "logprobs": _completion_logprobs(server, ids[i], lps[i]) if want_logprobs else None}
+                   for i in range(len(reqs))]
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [choice], "usage": usage}
+                "choices": choices, "usage": usage}
+    text, ids, reason, lps = texts[0], ids[0], reasons[0], lps[0]    # chat: one conversation
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-              "logprobs": _chat_logprobs(server, ids, lps) if req.params.logprobs is not None else None}
+              "logprobs": _chat_logprobs(server, ids, lps) if want_logprobs else None}
     return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": [choice], "usage": usage}
 
 
-async def _stream(server, req: GenerationRequest, rid: str, created: int):
-    """SSE chunks; cancellation (client gone) propagates into the dispatcher, which aborts."""
+async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid: str, created: int):
+    """SSE chunks; cancellation (client gone) propagates into the dispatcher, which aborts.
+    A batch's chunks carry their prompt's `index` and interleave as they come; its usage sums."""
+    reqs = _as_batch(req)
+    req = reqs[0]
     n_out = 0
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     try:
@@ -478,30 +569,70 @@ async def _stream(server, req: GenerationRequest, rid: str, created: int):
             yield _sse({"id": rid, "object": obj, "created": created, "model": req.model,
                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                      "finish_reason": None}]})
-        async for delta, tok, fin, lp in server.run(req):
-            n_out += len(tok)
-            # A token whose text is held back (a possible stop string, an incomplete UTF-8
-            # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
-            # empty delta is sent only with the finish_reason. Completion chunks carry the ids.
-            if fin is None and not delta and (req.kind == "chat" or not tok):
-                continue
-            if req.kind == "completion":
-                choice = {"index": 0, "text": delta, "finish_reason": fin, "token_ids": tok}
-                if req.params.logprobs is not None:
-                    choice["logprobs"] = _completion_logprobs(server, tok, lp or [])
-            else:
-                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
-            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
+        async with contextlib.aclosing(_merged(server, reqs)) as events:
+            async for i, delta, tok, fin, lp in events:
+                n_out += len(tok)
+                # A token whose text is held back (a possible stop string, an incomplete UTF-8
+                # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
+                # empty delta is sent only with the finish_reason. Completion chunks carry the ids.
+                if fin is None and not delta and (req.kind == "chat" or not tok):
+                    continue
+                if req.kind == "completion":
+                    choice = {"index": i, "text": delta, "finish_reason": fin, "token_ids": tok}
+                    if req.params.logprobs is not None:
+                        choice["logprobs"] = _completion_logprobs(server, tok, lp or [])
+                else:
+                    choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
+                yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
         if req.include_usage:
+            prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
             yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-                        "usage": {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": n_out,
-                                  "total_tokens": len(req.prompt_token_ids) + n_out}})
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out,
+                                  "total_tokens": prompt_tokens + n_out}})
         yield "data: [DONE]\n\n"
     except APIError as e:
         yield _sse(e.body())
         yield "data: [DONE]\n\n"
     finally:
-        server._done()
+        server._done(len(reqs))
+
+
+class ClientStalled(Exception):
+    """The client took no chunk within the stall timeout."""
+
+
+class SlowClient(Exception):
+    """The client read so far behind its request's tokens that the buffer between filled."""
+
+
+class ClientStream(StreamingResponse):
+    """An SSE response whose client must keep reading: a chunk it does not take within the
+    server's `client_stall_timeout_s` (its socket and the transport's buffer full: it stopped
+    reading) ends the stream, which aborts the request, so such a client holds no request slot,
+    KV or memory for long. uvicorn then closes the connection."""
+
+    def __init__(self, content, server: Server):
+        super().__init__(content, media_type="text/event-stream")
+        self.server = server
+
+    async def stream_response(self, send) -> None:
+        timeout = self.server.client_stall_timeout_s
+
+        async def timed(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except TimeoutError:
+                raise ClientStalled from None
+        await super().stream_response(timed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except* ClientStalled:
+            await self.body_iterator.aclose()              # the generator's cleanup aborts the request
+            self.server.metrics.errors.labels("slow_client").inc()
+            log.warning("a stream's client took no data for %gs: the stream is ended and its request aborted",
+                        self.server.client_stall_timeout_s)
 
 
 def _sse(obj: dict) -> str:

@@ -21,6 +21,7 @@ class RouterConfig:
     max_retries: int = 2                      # resumes in a row that make no progress, then an error
     worker_hang_timeout_s: float = 10.0       # a worker that answers no poll for this long is restarted
     drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
+    client_stall_timeout_s: float = 30.0      # a stream whose client takes no chunk for this long is ended
     slo: SLOTargets = field(default_factory=SLOTargets)
 
     def __post_init__(self):
@@ -38,5 +39,7 @@ class RouterConfig:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         if not self.worker_hang_timeout_s > 0:
             raise ValueError(f"--worker-hang-timeout-s must be > 0, got {self.worker_hang_timeout_s}")
+        if not self.client_stall_timeout_s > 0:
+            raise ValueError(f"--client-stall-timeout-s must be > 0, got {self.client_stall_timeout_s}")
         if not self.drain_timeout_s >= 0:          # NaN too
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")

@@ -23,7 +23,7 @@ from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 P = "pdcluster:"
 FINISH_REASONS = ("stop", "length")
 ERROR_REASONS = ("invalid_request", "overloaded", "slo_unattainable", "worker_failure", "client_disconnect",
-                 "shutdown")
+                 "slow_client", "shutdown")
 POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")
@@ -137,9 +137,14 @@ class Metrics:
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     # -- router side -----------------------------------------------------------------------------
-    def observe_arrival(self, prompt_tokens: int, max_tokens: int) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
+    def observe_offered(self, prompt_tokens: int, max_tokens: int) -> None:
+        """A valid request reached admission, admitted or not: the demand the pool controller
+        sizes the pools for (a refused request is demand the pools could not serve)."""
         self.requests.arrived(prompt_tokens, max_tokens)
+
+    def observe_arrival(self, prompt_tokens: int) -> None:
+        """An admitted request starts."""
+        self.prompt_tokens.inc(prompt_tokens)
 
     def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int, sent_at: float | None = None,
                          max_tokens: int = 0) -> None:

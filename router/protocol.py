@@ -23,6 +23,7 @@ from workers.sequence import SAMPLING_FIELDS, SamplingParams, show
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
 MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 256                      # prompts in one completions request (a batch)
 
 
 class APIError(Exception):
@@ -235,6 +236,28 @@ def request_options(body: dict) -> tuple[bool, bool, int]:
     if priority is not None and not (_is_int(priority) and lo <= priority <= hi):
         raise bad_request(f"'priority' must be an integer in [{lo}, {hi}], got {show(priority)}", "priority")
     return bool(stream), bool(usage), priority or 0
+
+
+def completion_prompts(body: dict) -> tuple[list, bool]:
+    """(the prompts of a completions request in order, whether they came as a batch). A string
+    or a list of token ids is one prompt; a list of strings or of token-id lists is a batch of
+    at most MAX_PROMPTS (as OpenAI and vLLM take it). Each prompt's shape is checked here, its
+    tokens by the server; an empty list is one empty prompt, refused there."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+        return [prompt], False
+    if not isinstance(prompt, list):
+        raise bad_request(f"'prompt' must be a string, a list of token ids, or a list of those (a batch), "
+                          f"got {show(prompt)}", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' is a batch of {len(prompt)} prompts; at most {MAX_PROMPTS} per request",
+                          "prompt")
+    for i, p in enumerate(prompt):
+        if not (isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))):
+            raise bad_request(f"prompt[{i}] must be a string or a list of token ids, got {show(p)}", "prompt")
+    return prompt, True
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -29,7 +29,8 @@ def storm_cluster(ray_session):
                        engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 256,
                                                                           "max_num_seqs": 6}},
                        lease_s=30, transfer_timeout_s=10)
-    with ServingCluster(spec, RouterConfig(port=free_port(), max_pending=4096)) as c:
+    # Every request admitted (no SLO shedding): the cancellations are what the test is about.
+    with ServingCluster(spec, RouterConfig(port=free_port(), max_pending=4096, admission="queue")) as c:
         yield c
 
 

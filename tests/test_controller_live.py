@@ -110,7 +110,9 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
     assert changes[(DECODE, PREFILL)] >= 1 and changes[(PREFILL, DECODE)] >= 1, (changes, decisions)
     assert [d["action"] for d in decisions][:2] == ["to_prefill", "to_decode"], decisions
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
-    assert len(served) >= 0.9 * len(sent), f"{len(sent) - len(served)} of {len(sent)} refused (429)"
+    # SLO admission sheds what the pools cannot serve in time until the controller has moved a
+    # worker (the demand it sizes for counts the refused requests too).
+    assert len(served) >= 0.5 * len(sent), f"{len(sent) - len(served)} of {len(sent)} refused (429)"
     engine = LLMEngine(EngineConfig(model="tiny"))
     for n in sorted({n for _, n, _ in served}):
         batch = [(p, a) for p, m, a in served if m == n]

@@ -36,7 +36,8 @@ def chaos(ray_session):
     spec = ClusterSpec(model="tiny", num_prefill=2, num_decode=2, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 1024}, "scheduler": {"max_num_batched_tokens": 1024}},
                        lease_s=20, transfer_timeout_s=10)
-    with ServingCluster(spec, RouterConfig(port=free_port(), worker_hang_timeout_s=3)) as c:
+    # Every request admitted (no SLO shedding while pools are down): each stream is compared.
+    with ServingCluster(spec, RouterConfig(port=free_port(), worker_hang_timeout_s=3, admission="queue")) as c:
         yield c
 
 
@@ -168,7 +169,7 @@ def test_a_pool_of_one_waits_for_its_restarted_worker(ray_session):
     engine (before, with no live decode worker the request failed at once)."""
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 512}}, transfer_timeout_s=10)
-    with ServingCluster(spec, RouterConfig(port=free_port())) as c:
+    with ServingCluster(spec, RouterConfig(port=free_port(), admission="queue")) as c:
         prompts = word_prompts(4, seed=11)
         params = [{"temperature": 0}] * len(prompts)
         killed: list[str] = []

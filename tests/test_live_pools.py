@@ -35,7 +35,8 @@ def reference(prompts):
 def cluster(ray_session):
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, engine=engine_cfg(), num_cpus_per_worker=0.5,
                        max_workers=4)
-    with ServingCluster(spec, port=free_port(), api_key=API_KEY) as c:
+    # Every request admitted (no SLO shedding while workers drain and flip): each output is checked.
+    with ServingCluster(spec, port=free_port(), api_key=API_KEY, admission="queue") as c:
         yield c
 
 
