@@ -21,6 +21,7 @@ from cluster.offline import generate
 from cluster.serve import ServingCluster, free_port
 from common import wait_for, wait_pools_clean
 from router.config import RouterConfig
+from router.pools import ACTIVE
 
 NUM_STREAMS, MAX_TOKENS = 40, 80
 WORDS = "the a KV cache block prefill decode token stream worker router lease pool".split()
@@ -88,10 +89,12 @@ async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], 
 
 
 def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list, role: str = "") -> callable:
-    """A callable that signals a random answering worker (of `role`, when given)."""
+    """A callable that signals a random answering worker (of `role`, when given) that the router
+    counts as active: a process Ray has restarted but the router has not taken back yet is
+    already counted as lost once."""
     def do():
         pids = worker_pids(c)
-        victim = rng.choice(sorted(w for w in pids if w.startswith(role)))
+        victim = rng.choice(sorted(w for w in pids if w.startswith(role) and c.pools[w].state == ACTIVE))
         os.kill(pids[victim], sig)
         killed.append(victim)
     return do
