@@ -1,6 +1,8 @@
 """Constants and checks shared by the test modules (plain Python, importable from tests)."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import random
 import signal
@@ -263,3 +265,14 @@ class Child:
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+@contextlib.contextmanager
+def api_cluster():
+    """A 1 prefill + 1 decode `tiny` cluster for the API's tests (a small cache and batch)."""
+    from cluster.launcher import ClusterSpec
+    from cluster.serve import ServingCluster, free_port
+    spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
+    with ServingCluster(spec, port=free_port()) as c:
+        yield c

@@ -67,3 +67,11 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """An HTTP client on the test module's own `cluster` fixture (a ServingCluster)."""
+    import httpx
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as c:
+        yield c

@@ -21,9 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
-from common import VOCAB
+from common import VOCAB, api_cluster
 from router.app import Server
 from router.protocol import MAX_JSON_DEPTH, APIError
 from workers.config import EngineConfig
@@ -40,15 +38,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    spec = ClusterSpec(model=MODEL, mode="disaggregated", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
-                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
-    with ServingCluster(spec, port=free_port()) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with httpx.Client(base_url=cluster.base_url, timeout=60) as c:
+    with api_cluster() as c:
         yield c
 
 

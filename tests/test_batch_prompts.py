@@ -17,9 +17,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
-from common import VOCAB, wait_for, wait_pools_clean
+from common import VOCAB, api_cluster, wait_for, wait_pools_clean
 from router.app import Server, build_app
 from router.dispatch import RequestFailed, TokenEvent
 from router.metrics import Metrics
@@ -38,15 +36,7 @@ GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    spec = ClusterSpec(model=MODEL, mode="disaggregated", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
-                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
-    with ServingCluster(spec, port=free_port()) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with httpx.Client(base_url=cluster.base_url, timeout=120) as c:
+    with api_cluster() as c:
         yield c
 
 

@@ -75,6 +75,9 @@ def test_top_k_1_and_temperature_0_equal_greedy(engine):
         mixed.append(dict(ids(p), params=SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)))
     got = run(engine, mixed)
     assert [r.token_ids for r in got[::2]] == greedy
+    # a temperature too small to divide by (logits / 1e-300 overflow) is greedy too, as in vLLM
+    tiny_t = SamplingParams(temperature=1e-300, max_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in run(engine, [ids(p) for p in prompts], tiny_t)] == greedy
 
 
 def test_stop_string_ends_output_and_is_excluded(engine):

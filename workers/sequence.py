@@ -28,7 +28,8 @@ class SamplingParams:
                f"max_tokens must be an integer in [1, {MAX_INT32}], got {show(self.max_tokens)}")
         _check(_is_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {show(self.temperature)}")
-        self.temperature = float(self.temperature)
+        # Below 1e-5 the logits / temperature overflow to inf (NaN probabilities): that is greedy.
+        self.temperature = float(self.temperature) if self.temperature >= 1e-5 else 0.0
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {show(self.top_p)}")
         self.top_p = float(self.top_p)
         _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32,
