@@ -176,6 +176,17 @@ def test_each_prompt_of_a_batch_is_held_to_the_context_length(cluster, client):
 
 
 # -- a client that goes away ----------------------------------------------------------------------
+def answer(s: socket.socket) -> str:
+    """Whatever the server has written back so far (a refusal, say), without waiting for more."""
+    s.setblocking(False)
+    try:
+        return s.recv(65536).decode(errors="replace")
+    except BlockingIOError:
+        return "no answer yet"
+    finally:
+        s.setblocking(True)
+
+
 LONG = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
 
 
@@ -207,7 +218,7 @@ def test_a_client_that_disconnects_leaves_nothing_of_its_batch_running(cluster, 
         with socket.create_connection((host, port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-            wait_for(lambda: cluster.server.pending, lambda n: n == len(prompts))
+            wait_for(lambda: cluster.server.pending, lambda n: n == len(prompts), describe=lambda: answer(s))
             # until all of them decode on the workers
             wait_for(lambda: registry.get_sample_value("pdcluster:router_requests_running"),
                      lambda n: n == len(prompts))
