@@ -8,6 +8,10 @@ Admission is bounded: past `max_pending` requests in flight, 429 with Retry-Afte
 A completions request may hold a list of prompts (a batch, at most MAX_PROMPTS): each runs as a
 request of its own (admitted together, counted as its prompts), answered as one response with
 a choice per prompt, `index` in prompt order; one prompt's failure fails the whole response.
+`n` > 1 (and `best_of`) runs that many samples of each prompt, each a request of its own with
+its own seed (`sample_seed`), started together from one prefill and one handoff (the
+dispatcher's `samples`); choice `index` is prompt x n + sample. best_of > n answers the n
+samples of highest cumulative logprob.
 A client that goes away cancels its request wherever it is (the dispatcher aborts it).
 Shutdown drains (`Server.drain`): new requests get 503, those in flight run up to a timeout,
 then each one left ends with an error (an SSE error event and [DONE], or a 503) and is aborted
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -36,9 +41,10 @@ from starlette.requests import ClientDisconnect
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids,
-                             completion_prompts, parse_json, request_options, sampling_params, too_large)
+                             completion_prompts, parse_json, request_options, sample_counts, sampling_params,
+                             too_large)
 from workers.names import ROLES, roles_of
-from workers.sequence import show
+from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -196,8 +202,24 @@ class Server:
                 raise bad_request(f"{which} ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                                   f"maximum context length {self.max_model_len}", "max_tokens")
         stream, include_usage, priority = request_options(body)
-        return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority)
-                for ids in prompts]
+        n, best_of = sample_counts(body, stream, len(prompts))
+        return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority,
+                                  n=n, best_of=best_of) for ids in prompts]
+
+    def samples(self, req: GenerationRequest) -> list[GenerationRequest]:
+        """The request's samples (best_of of them): sample j seeded with `sample_seed(seed, j)`;
+        when they are to be ranked, each keeps its tokens' logprobs (answered only if asked)."""
+        if req.best_of == 1:
+            return [req]
+        rank = req.best_of > req.n and req.params.logprobs is None
+        return [dataclasses.replace(req, params=dataclasses.replace(
+                    req.params, seed=sample_seed(req.params.seed, j), logprobs=0 if rank else req.params.logprobs))
+                for j in range(req.best_of)]
+
+    def shares_start(self, req: GenerationRequest) -> bool:
+        """Whether the samples can start from one carrier: it computes the prompt and one token
+        more, which must fit the context (otherwise each sample prefills on its own)."""
+        return req.best_of > 1 and len(req.prompt_token_ids) + 2 <= self.max_model_len
 
     # -- running one request -------------------------------------------------------------------
     def _admit(self, req: GenerationRequest | list[GenerationRequest]) -> None:
@@ -206,17 +228,19 @@ class Server:
         A batch of prompts is let in or refused whole, once, and counts as its prompts (each
         runs as a request of its own); SLO admission prices the batch's prompts together."""
         reqs = req if isinstance(req, list) else [req]
+        sequences = sum(r.best_of for r in reqs)
         if self.draining:
             self.metrics.errors.labels("shutdown").inc()
             raise APIError(503, "the server is shutting down and admits no new requests; send it elsewhere",
                            "server_error", code="draining")
-        if len(reqs) > self.max_pending:                  # would never fit: coming back does not help
+        if sequences > self.max_pending:                  # would never fit: coming back does not help
             self.metrics.errors.labels("invalid_request").inc()
-            raise bad_request(f"this batch of {len(reqs)} prompts is larger than the {self.max_pending} requests "
-                              "this server runs at once; send fewer prompts per request", "prompt")
+            raise bad_request(f"this request's {sequences} sequences (prompts x best_of) are more than the "
+                              f"{self.max_pending} requests this server runs at once; send fewer per request",
+                              "prompt" if len(reqs) > 1 else "n")
         for r in reqs:
-            self.metrics.observe_offered(len(r.prompt_token_ids), r.params.max_tokens)
-        if self.pending + len(reqs) > self.max_pending:
+            self.metrics.observe_offered(len(r.prompt_token_ids), r.params.max_tokens * r.best_of)
+        if self.pending + sequences > self.max_pending:
             self.metrics.errors.labels("overloaded").inc()
             raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); "
                            "retry shortly", "rate_limit_exceeded", code="overloaded",
@@ -233,7 +257,7 @@ class Server:
                                headers={"Retry-After": str(wait)})
             if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
                 req.predicted_ttft_s = v.predicted_ttft_s
-        self.pending += len(reqs)
+        self.pending += sequences
 
     def _done(self, n: int = 1) -> None:
         self.pending -= n
@@ -283,8 +307,8 @@ class Server:
         return APIError(503, f"the server shut down before this request finished ({n_out} token"
                         f"{'' if n_out == 1 else 's'} generated); retry it", "server_error", code=SHUTDOWN)
 
-    async def _generate(self, req: GenerationRequest, events: asyncio.Queue) -> None:
-        async for ev in self.dispatcher.generate(req):
+    async def _generate(self, req: GenerationRequest, events: asyncio.Queue, source=None) -> None:
+        async for ev in source if source is not None else self.dispatcher.generate(req):
             if events.qsize() >= MAX_BUFFERED_EVENTS:      # its client reads slower than the tokens come
                 self.metrics.errors.labels("slow_client").inc()
                 log.warning("a request's client read %d events behind its tokens: ended and aborted",
@@ -298,11 +322,13 @@ class Server:
             task.exception()                         # retrieved here; run() re-raises it
         events.put_nowait(_END)
 
-    async def run(self, req: GenerationRequest):
+    async def run(self, req: GenerationRequest, source=None, shares_prompt: bool = False):
         """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics.
         The request counts as waiting until its first token, then as running.
         The dispatcher runs in a task of its own, so that a drain can end the request (cancel
-        that task: the dispatcher aborts it on the workers) and still answer its client."""
+        that task: the dispatcher aborts it on the workers) and still answer its client.
+        `source`: its TokenEvents (a sample of a shared start), else `dispatcher.generate`'s;
+        `shares_prompt`: another sample's prefill computes its prompt (counted there)."""
         if self.ending:
             self.metrics.errors.labels("shutdown").inc()
             raise self._shutdown_error(0)
@@ -311,11 +337,12 @@ class Server:
         ttft = 0.0
         n_out = 0
         m = self.metrics
-        m.observe_arrival(len(req.prompt_token_ids))
+        prompt_tokens = 0 if shares_prompt else len(req.prompt_token_ids)
+        m.observe_arrival(prompt_tokens)
         m.waiting.inc()
-        ticket = self.admission.started(len(req.prompt_token_ids), req.predicted_ttft_s) if self.admission else None
+        ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s) if self.admission else None
         events: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._generate(req, events))
+        task = asyncio.ensure_future(self._generate(req, events, source))
         self._runs.add(task)
         task.add_done_callback(lambda t: self._generation_done(t, events))
         try:
@@ -469,7 +496,7 @@ async def _respond(server: Server, request: Request, req: GenerationRequest | li
     try:
         return await _whole(server, request, reqs, rid, created)
     finally:
-        server._done(len(reqs))
+        server._done(sum(r.best_of for r in reqs))
 
 
 def _as_batch(req: GenerationRequest | list[GenerationRequest]) -> list[GenerationRequest]:
@@ -477,59 +504,72 @@ def _as_batch(req: GenerationRequest | list[GenerationRequest]) -> list[Generati
 
 
 async def _merged(server: Server, reqs: list[GenerationRequest]):
-    """Yields (index, text delta, token ids, finish_reason or None, logprobs) of each of the
-    batch's prompts, as they come. Each prompt goes through `Server.run` in a task of its own;
-    the first error ends them all, and so does closing or cancelling this generator (each
-    run's cleanup aborts its request on the workers). The hand-over queue is bounded, so a
-    slow client backs up into each run's own bounded buffer, as a single request does."""
-    if len(reqs) == 1:
+    """Yields (prompt index, sample index, text delta, token ids, finish_reason or None,
+    logprobs) of each of the batch's prompts and each prompt's samples, as they come. Each
+    sample goes through `Server.run` in a task of its own (a prompt's samples from one shared
+    start, where they fit); the first error ends them all, and so does closing or cancelling
+    this generator (each run's cleanup aborts its request on the workers). The hand-over queue
+    is bounded, so a slow client backs up into each run's own bounded buffer, as a single
+    request does."""
+    if len(reqs) == 1 and reqs[0].best_of == 1:
         async for item in server.run(reqs[0]):
-            yield (0, *item)
+            yield (0, 0, *item)
         return
-    out: asyncio.Queue = asyncio.Queue(maxsize=len(reqs))
+    async with contextlib.AsyncExitStack() as starts:
+        runs = []
+        for p, req in enumerate(reqs):
+            samples = server.samples(req)
+            sources = [None] * len(samples)
+            if server.shares_start(req):
+                sources = await starts.enter_async_context(server.dispatcher.samples(samples))
+            runs += [(p, j, server.run(r, sources[j], shares_prompt=sources[j] is not None and j > 0))
+                     for j, r in enumerate(samples)]
+        out: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
-    async def pump(i: int, req: GenerationRequest) -> None:
+        async def pump(p: int, j: int, run) -> None:
+            try:
+                async for item in run:
+                    await out.put((p, j, item))
+            except Exception as e:               # an APIError (or a bug): the consumer re-raises it
+                await out.put((p, j, e))
+                return
+            await out.put((p, j, None))
+
+        tasks = [asyncio.ensure_future(pump(*r)) for r in runs]
+        left = len(runs)
         try:
-            async for item in server.run(req):
-                await out.put((i, item))
-        except Exception as e:                   # an APIError (or a bug): the consumer re-raises it
-            await out.put((i, e))
-            return
-        await out.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
-    left = len(reqs)
-    try:
-        while left:
-            i, item = await out.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield (i, *item)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            while left:
+                p, j, item = await out.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield (p, j, *item)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _whole(server, request: Request, req: GenerationRequest | list[GenerationRequest], rid: str, created: int):
     """Non-streaming: run to completion, but stop (and free) if the client goes away. A batch
-    answers a choice per prompt, `index` in prompt order, and its usage summed."""
+    answers a choice per prompt and sample, `index` = prompt x n + sample, and its usage summed
+    (every sample generated counts, as OpenAI bills best_of)."""
     reqs = _as_batch(req)
     req = reqs[0]
 
     async def collect():
-        texts, ids, reasons, lps = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs), [[] for _ in reqs]
+        got: dict[tuple[int, int], tuple[list, list, list, list]] = {}     # (prompt, sample) -> parts
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for i, delta, tok, fin, lp in events:
-                texts[i].append(delta)
-                ids[i] += tok
+            async for p, j, delta, tok, fin, lp in events:
+                texts, ids, reason, lps = got.setdefault((p, j), ([], [], [None], []))
+                texts.append(delta)
+                ids += tok
                 if lp:
-                    lps[i] += lp
-                reasons[i] = fin or reasons[i]
-        return ["".join(t) for t in texts], ids, reasons, lps
+                    lps += lp
+                reason[0] = fin or reason[0]
+        return got
 
     task = asyncio.ensure_future(collect())
     while not task.done():
@@ -538,39 +578,48 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
-    texts, ids, reasons, lps = task.result()
+    got = task.result()
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    completion_tokens = sum(map(len, ids))
+    completion_tokens = sum(len(ids) for _, ids, _, _ in got.values())
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     want_logprobs = req.params.logprobs is not None
+    answers = []                                          # (text, ids, reason, logprobs) in choice order
+    for p, r in enumerate(reqs):
+        samples = [got[p, j] for j in range(r.best_of)]
+        if r.best_of > r.n:                               # the n likeliest, likeliest first
+            samples.sort(key=lambda a: -sum(lp["logprob"] for lp in a[3]))
+        answers += [("".join(texts), ids, reason[0], lps) for texts, ids, reason, lps in samples[:r.n]]
     if req.kind == "completion":
-        choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i], "token_ids": ids[i],
-                    "logprobs": _completion_logprobs(server, ids[i], lps[i]) if want_logprobs else None}
-                   for i in range(len(reqs))]
+        choices = [{"index": i, "text": text, "finish_reason": reason, "token_ids": ids,
+                    "logprobs": _completion_logprobs(server, ids, lps) if want_logprobs else None}
+                   for i, (text, ids, reason, lps) in enumerate(answers)]
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage}
-    text, ids, reason, lps = texts[0], ids[0], reasons[0], lps[0]    # chat: one conversation
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-              "logprobs": _chat_logprobs(server, ids, lps) if want_logprobs else None}
+    choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                "logprobs": _chat_logprobs(server, ids, lps) if want_logprobs else None}
+               for i, (text, ids, reason, lps) in enumerate(answers)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-            "choices": [choice], "usage": usage}
+            "choices": choices, "usage": usage}
 
 
 async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid: str, created: int):
     """SSE chunks; cancellation (client gone) propagates into the dispatcher, which aborts.
-    A batch's chunks carry their prompt's `index` and interleave as they come; its usage sums."""
+    A batch's (and n's) chunks carry their choice's `index` (prompt x n + sample) and
+    interleave as they come; its usage sums. (best_of > n does not stream.)"""
     reqs = _as_batch(req)
     req = reqs[0]
     n_out = 0
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     try:
         if req.kind == "chat":
-            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]})
+            for i in range(req.n):
+                yield _sse({"id": rid, "object": obj, "created": created, "model": req.model,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]})
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for i, delta, tok, fin, lp in events:
+            async for p, j, delta, tok, fin, lp in events:
+                i = p * req.n + j
                 n_out += len(tok)
                 # A token whose text is held back (a possible stop string, an incomplete UTF-8
                 # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
@@ -594,7 +643,7 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
         yield _sse(e.body())
         yield "data: [DONE]\n\n"
     finally:
-        server._done(len(reqs))
+        server._done(sum(r.best_of for r in reqs))
 
 
 class ClientStalled(Exception):

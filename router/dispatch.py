@@ -27,6 +27,7 @@ messages are workers/messages.py's dataclasses, encoded there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -39,6 +40,7 @@ from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
 from workers.names import COLOCATED, DECODE, MODES, first_role
+from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
 
@@ -235,21 +237,39 @@ class Dispatcher:
             await asyncio.sleep(0.1)
         return self._pick(role)
 
-    async def generate(self, req: GenerationRequest):
-        """Async iterator of TokenEvents; raises RequestFailed when resumes run out."""
-        base = f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
+    def _new_base(self) -> str:
+        return f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
+
+    @contextlib.asynccontextmanager
+    async def samples(self, reqs: list[GenerationRequest]):
+        """Several samples of one prompt (`n` > 1; `reqs`: the prompt with each sample's
+        parameters): an async iterator of TokenEvents per sample, as `generate` gives, all
+        started by one carrier (`_SharedStart`): one prefill, one handoff, then each sample
+        decodes from the shared KV. A sample whose start fails resumes alone, as any request."""
+        shared = _SharedStart(self, reqs)
+        try:
+            yield [self.generate(r, first=shared.first[j]) for j, r in enumerate(reqs)]
+        finally:
+            await shared.close()
+
+    async def generate(self, req: GenerationRequest, first: _First | None = None):
+        """Async iterator of TokenEvents; raises RequestFailed when resumes run out. `first`:
+        the first attempt is a sample of a shared start (see `samples`)."""
+        base = first.base if first is not None else self._new_base()
         delivered: list[int] = []                        # output tokens the client has
         stalled = 0                                      # resumes in a row that got nowhere
         for attempt in itertools.count():
-            rid = f"{base}.{attempt}"
             start = len(delivered)
-            q: asyncio.Queue = asyncio.Queue()
-            self._queues[rid] = q
-            involved: list[Member] = []
+            if attempt == 0 and first is not None:
+                first.taken = True
+                rid, q, involved, run = first.rid, first.queue, first.involved, first.run
+            else:
+                rid, q, involved, run = f"{base}.{attempt}", asyncio.Queue(), [], self._attempt
+                self._queues[rid] = q
             finished = False
             resume: _Resume | None = None
             try:
-                async for ev in self._attempt(req, rid, q, involved, delivered):
+                async for ev in run(req, rid, q, involved, delivered):
                     if isinstance(ev, _Resume):
                         resume = ev
                         break
@@ -316,6 +336,127 @@ class Dispatcher:
             yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
             if ev.finished:
                 return
+
+
+@dataclass(slots=True)
+class _First:
+    """A sample's first attempt in a shared start: its id, queue and workers, made up front."""
+    base: str
+    rid: str
+    queue: asyncio.Queue
+    involved: list
+    run: Callable
+    taken: bool = False                  # `generate` started it
+
+
+class _SharedStart:
+    """One carrier starts n samples of a prompt. Disaggregated: the carrier is prefilled on one
+    worker and handed to one decode worker with the samples as its forks; colocated: one worker
+    computes the prompt and forks them. Each fork shares the prompt's full blocks, copies the
+    partial one, and samples its first token itself, with its own seed (workers/engine_core.py
+    `_fork`), so the carrier's own token is nobody's. Its events are the carrier's: once it is
+    "forked" every sample runs on its own id; if the start fails first, each sample gets the
+    failure, retryable, and resumes alone (a prefill of its own)."""
+    CARRIER = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)   # held after one token, always
+
+    def __init__(self, dispatcher: Dispatcher, reqs: list[GenerationRequest]):
+        self.d, self.req = dispatcher, reqs[0]
+        base = dispatcher._new_base()
+        self.rid = f"{base}.carrier"
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.involved: list[Member] = []
+        dispatcher._queues[self.rid] = self.queue
+        self.first = []
+        for j in range(len(reqs)):
+            f = _First(f"{base}-{j}", f"{base}-{j}.0", asyncio.Queue(), [], self._wait)
+            dispatcher._queues[f.rid] = f.queue
+            self.first.append(f)
+        self.forks = [msg.Fork(f.rid, r.params) for f, r in zip(self.first, reqs)]
+        self.forked = False
+        self.task = asyncio.ensure_future(self._start())
+
+    async def _wait(self, req, rid, q, involved, delivered):
+        """A sample's first attempt: its fork's events (`_attempt`'s second half, on its own id)."""
+        while True:
+            ev = await q.get()
+            if isinstance(ev, RequestFailed):
+                raise ev
+            if (resume := _resume_for(ev)) is not None:
+                yield resume
+                return
+            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+            if ev.finished:
+                return
+
+    def _involve(self, w: Member, tokens: int) -> None:
+        """The samples run on `w` from here: a loss of it fails them, their cleanup aborts there."""
+        self.involved.append(w)
+        w.sent(self.rid, tokens)
+        for f in self.first:
+            f.involved.append(w)
+            w.assigned.add(f.rid)
+
+    async def _start(self) -> None:
+        d, req, q = self.d, self.req, self.queue
+        try:
+            role = first_role(d.mode)
+            w = await d._pick_live(role)
+            prompt = req.prompt_token_ids
+            if role == COLOCATED:
+                self._involve(w, len(prompt))
+                _fire(w.handle.submit.remote(msg.encode(msg.GenerateOp(
+                    self.rid, prompt, self.CARRIER, req.priority, forks=self.forks))))
+            else:
+                self.involved.append(w)
+                w.sent(self.rid, len(prompt))
+                _fire(w.handle.submit.remote(msg.encode(msg.PrefillOp(self.rid, prompt, self.CARRIER, req.priority))))
+                ev = await q.get()
+                if isinstance(ev, msg.ErrorEvent) or not ev.held:
+                    return self._failed(ev)
+                dw = await d._pick_live(DECODE)
+                self._involve(dw, 1)
+                _fire(dw.handle.submit.remote(msg.encode(msg.DecodeOp(
+                    self.rid, prompt, self.CARRIER, ev.tokens, w.worker_id, req.priority, forks=self.forks))))
+            ev = await q.get()
+            if isinstance(ev, msg.TokenEvent) and ev.reason == "forked":
+                self.forked = True
+                for m in self.involved:
+                    m.assigned.discard(self.rid)
+                return
+            self._failed(ev)
+        except RequestFailed as e:                       # no live worker to start on
+            self._fail(e)
+
+    def _failed(self, ev: msg.Event) -> None:
+        if isinstance(ev, msg.ErrorEvent):
+            self._fail(msg.ErrorEvent("", ev.error, ev.retryable, ev.cause or "handoff_failed"))
+        else:       # the carrier ended at its first token (the app shares no start where it could)
+            self._fail(RequestFailed(f"the shared start of {len(self.first)} samples ended early ({ev.reason})"))
+
+    def _fail(self, failure: msg.ErrorEvent | RequestFailed) -> None:
+        """Every sample still in its first attempt gets the start's failure (a retryable one
+        resumes it alone); one that the carrier had already forked is aborted there by its own
+        attempt's cleanup, so it never runs twice."""
+        for f in self.first:
+            f.queue.put_nowait(failure)
+
+    async def close(self) -> None:
+        """Ends the start (if the samples ended first) and frees what it holds: the carrier,
+        and any fork whose sample never started its first attempt."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.d._queues.pop(self.rid, None)
+        for m in self.involved:
+            m.assigned.discard(self.rid)
+            if m.alive and not self.forked:
+                _fire(m.handle.submit.remote(msg.encode(msg.AbortOp(self.rid))))
+        for f in self.first:
+            if not f.taken:
+                self.d._queues.pop(f.rid, None)
+                for m in f.involved:
+                    m.assigned.discard(f.rid)
+                    if m.alive:
+                        _fire(m.handle.submit.remote(msg.encode(msg.AbortOp(f.rid))))
 
 
 def _resume_for(ev: msg.Event) -> _Resume | None:

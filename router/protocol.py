@@ -8,7 +8,8 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids) and token ids within the vocabulary;
   - fields asking for behaviour this server does not implement (echo, logit_bias, penalties,
-    best_of, tools, ...) are refused rather than silently ignored; their neutral values pass.
+    tools, ...) are refused rather than silently ignored; their neutral values pass;
+  - samples: `n` and `best_of` within MAX_SAMPLES, and at most MAX_TOTAL_SAMPLES per request.
 Unknown fields are ignored (OpenAI's clients send new ones); the body limit bounds their size.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 256                      # prompts in one completions request (a batch)
+MAX_SAMPLES = 64                       # n or best_of: samples of one prompt
+MAX_TOTAL_SAMPLES = 256                # samples of one request, over its prompts
 
 
 class APIError(Exception):
@@ -59,6 +62,8 @@ class GenerationRequest:
     include_usage: bool = False
     priority: int = 0
     predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
+    n: int = 1                                 # samples answered
+    best_of: int = 1                           # samples generated (>= n): the n likeliest are answered
 
 
 # -- the body as JSON -------------------------------------------------------------------------
@@ -138,8 +143,6 @@ def _number(x) -> float | None:
 UNSUPPORTED = (
     ("echo", (False,), "echo (returning the prompt) is not supported; send false or leave it out"),
     ("suffix", ("",), "suffix (insertion) is not supported"),
-    ("best_of", (1,), "only best_of=1 is supported"),
-    ("n", (1,), "only n=1 is supported"),
     ("logit_bias", ({},), "logit_bias is not supported; send {} or leave it out"),
     ("presence_penalty", (0,), "presence_penalty is not supported; send 0 or leave it out"),
     ("frequency_penalty", (0,), "frequency_penalty is not supported; send 0 or leave it out"),
@@ -236,6 +239,29 @@ def request_options(body: dict) -> tuple[bool, bool, int]:
     if priority is not None and not (_is_int(priority) and lo <= priority <= hi):
         raise bad_request(f"'priority' must be an integer in [{lo}, {hi}], got {show(priority)}", "priority")
     return bool(stream), bool(usage), priority or 0
+
+
+def sample_counts(body: dict, stream: bool, num_prompts: int = 1) -> tuple[int, int]:
+    """(n, best_of): n samples answered per prompt, each with its own random stream, out of
+    best_of generated (the n with the highest cumulative logprob), as OpenAI and vLLM define
+    them. best_of > n needs the whole answer to rank, so it cannot stream."""
+    counts = {}
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and 1 <= value <= MAX_SAMPLES):
+            raise bad_request(f"'{name}' must be an integer in [1, {MAX_SAMPLES}], got {show(value)}", name)
+        counts[name] = value
+    n = counts["n"] or 1
+    best_of = counts["best_of"] or n
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if stream and best_of > n:
+        raise bad_request(f"best_of ({best_of}) above n ({n}) ranks whole samples, so it cannot stream; "
+                          "send stream=false or best_of=n", "best_of")
+    if best_of * num_prompts > MAX_TOTAL_SAMPLES:
+        raise bad_request(f"{num_prompts} prompt(s) x {best_of} samples is {best_of * num_prompts} sequences; "
+                          f"at most {MAX_TOTAL_SAMPLES} per request", "best_of" if best_of > n else "n")
+    return n, best_of
 
 
 def completion_prompts(body: dict) -> tuple[list, bool]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 import os
 import random
@@ -268,13 +269,30 @@ class Child:
 
 
 @contextlib.contextmanager
-def api_cluster():
-    """A 1 prefill + 1 decode `tiny` cluster for the API's tests (a small cache and batch). Its
-    admission is the queue bound: SLO admission may refuse a long batch on a busy box, which is
-    its own tests' subject (test_admission*.py), not these."""
+def api_cluster(mode: str = "disaggregated"):
+    """A 1 prefill + 1 decode `tiny` cluster (or one colocated worker) for the API's tests (a
+    small cache and batch). Its admission is the queue bound: SLO admission may refuse a long
+    batch on a busy box, which is its own tests' subject (test_admission*.py), not these."""
     from cluster.launcher import ClusterSpec
     from cluster.serve import ServingCluster, free_port
-    spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
+    spec = ClusterSpec(model="tiny", mode=mode, num_prefill=1, num_decode=1, num_colocated=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
     with ServingCluster(spec, port=free_port(), admission="queue") as c:
         yield c
+
+
+def sse_events(text: str) -> list:
+    """The data of each SSE event: parsed JSON, or the string "[DONE]"."""
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def nothing_left_running(cluster) -> None:
+    """No request in flight at the router (SLO admission's counts back to zero too), and no
+    sequence, block or hold on any worker."""
+    wait_for(lambda: cluster.server.pending, lambda n: n == 0, deadline_s=30)
+    admission = cluster.server.admission
+    if admission is not None:
+        wait_for(lambda: (admission.waiting, admission.waiting_tokens, admission.in_handoff),
+                 lambda counts: counts == (0, 0, 0), deadline_s=30)
+    wait_pools_clean(cluster)

@@ -197,14 +197,15 @@ REFUSED = [   # (fields, the param the error names)
     # asks for behaviour this server does not implement
     ({"echo": True}, "echo"), ({"logit_bias": {"1": 5}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"n": 2}, "n"), ({"n": True}, "n"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"min_tokens": 2}, "min_tokens"), ({"logit_bias": [1] * 1000}, "logit_bias"),
 ]
 ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": False}, {"logit_bias": {}},
-            {"logit_bias": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"best_of": 1}, {"n": 1},
+            {"logit_bias": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"best_of": 1}, {"n": 1}, {"n": 2}, {"n": 2, "best_of": 3},
             {"suffix": ""}, {"user": "someone"}, {"metadata": {"k": "v"}}, {"response_format": {"type": "text"}},
             {"tools": []}, {"tool_choice": "none"}, {"some_new_field": {"a": [1, 2, 3]}}, {"stop": ["x"] * MAX_STOP},
             {"stop_token_ids": [VOCAB - 1]}, {"temperature": 10**30, "seed": 1}]

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from common import VOCAB, api_cluster, wait_for, wait_pools_clean
+from common import VOCAB, api_cluster, nothing_left_running, sse_events, wait_for
 from router.app import Server, build_app
 from router.dispatch import RequestFailed, TokenEvent
 from router.metrics import Metrics
@@ -50,23 +50,6 @@ def offline_greedy(prompts: list[list[int]]) -> list[list[int]]:
     engine = LLMEngine(EngineConfig(model=MODEL))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [r.token_ids for r in engine.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def sse_events(text: str) -> list:
-    """The data of each SSE event: parsed JSON, or the string "[DONE]"."""
-    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
-    return [e if e == "[DONE]" else json.loads(e) for e in events]
-
-
-def nothing_left_running(cluster) -> None:
-    """No request in flight at the router (SLO admission's counts back to zero too), and no
-    sequence, block or hold on any worker."""
-    wait_for(lambda: cluster.server.pending, lambda n: n == 0, deadline_s=30)
-    admission = cluster.server.admission
-    if admission is not None:
-        wait_for(lambda: (admission.waiting, admission.waiting_tokens, admission.in_handoff),
-                 lambda counts: counts == (0, 0, 0), deadline_s=30)
-    wait_pools_clean(cluster)
 
 
 # -- a batch equals its prompts one by one ------------------------------------------------------

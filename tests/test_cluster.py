@@ -212,7 +212,7 @@ USER_HI = [{"role": "user", "content": "hi"}]
     ({"model": "tiny", "messages": USER_HI, "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": "tiny", "messages": USER_HI, "stop": [1, 2]}, 400, "stop"),
     ({"model": "tiny", "messages": USER_HI, "stream": "yes"}, 400, "stream"),
-    ({"model": "tiny", "messages": USER_HI, "n": 3}, 400, "n"),
+    ({"model": "tiny", "messages": USER_HI, "n": 65}, 400, "n"),
     ({"messages": USER_HI}, 400, "model"),
     ({"model": "gpt-9", "messages": USER_HI}, 404, "model"),
 ], ids=["missing", "empty", "not-list", "no-role", "role-not-str", "content-not-str", "no-content",

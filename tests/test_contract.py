@@ -19,9 +19,11 @@ LOAD = msg.LoadReport("decode-0", "decode", waiting=1, running=3, swapped=0, que
                       preemptions={"recompute": 1, "swap": 0}, kv_transfer=msg.TransferTotals(4096, 2, 0.5, 1, {"mid_payload": 1}))
 
 EXAMPLES = [
-    msg.GenerateOp("r1.0", [1, 2, 3], PARAMS, priority=-1, output_token_ids=[7, 8]),
+    msg.GenerateOp("r1.0", [1, 2, 3], PARAMS, priority=-1, output_token_ids=[7, 8],
+                   forks=[msg.Fork("r1-0.0", PARAMS), msg.Fork("r1-1.0", SamplingParams(seed=5))]),
     msg.PrefillOp("r2.0", [5], PARAMS),
-    msg.DecodeOp("r3.1", [1, 2], PARAMS, output_token_ids=[9], prefill_id="prefill-0"),
+    msg.DecodeOp("r3.1", [1, 2], PARAMS, output_token_ids=[9], prefill_id="prefill-0",
+                 forks=[msg.Fork("r3-0.0", PARAMS)]),
     msg.AbortOp("r4.0"),
     msg.TokenEvent("r1.0", [11], finished=True, reason="length", logprobs=[{"logprob": -0.5, "top": {11: -0.5}}]),
     msg.ErrorEvent("r2.0", "KV transfer failed", retryable=True),

@@ -100,6 +100,8 @@ class EngineCore:
         self.kv = KVCacheManager(layout.num_blocks, layout.block_size, enable_prefix_caching, layout.num_host_blocks)
         self.scheduler = Scheduler(scheduler_cfg, self.kv, preemption_cost)
         self._seqs: dict[str, Sequence] = {}
+        self._forking: dict[str, Sequence] = {}        # a fork not started yet -> its carrier
+        self._copies: list[tuple[int, int]] = []       # forks' block copies for the next step
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, ())
         self.last_shape = BatchShape()
@@ -111,16 +113,62 @@ class EngineCore:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prefill_only: bool = False, output_token_ids: list[int] = ()) -> Sequence:
+                    prefill_only: bool = False, output_token_ids: list[int] = (), forks=()) -> Sequence:
         """Queue a request. With prefill_only, it stops after its next token and its blocks
         are held (see `held_block_ids` / `release`) for a decode worker to pull. With
         `output_token_ids` it resumes: those tokens were generated already (elsewhere); they are
         computed with the prompt, count against max_tokens and stop strings, and sampling
-        continues after them."""
+        continues after them. With `forks` (workers/messages.py Fork: an id and sampling
+        parameters each) it is a carrier: once its prompt is computed, each fork starts from
+        its KV as a request of its own, and the carrier ends (`_fork`)."""
+        if forks and (prefill_only or output_token_ids):
+            raise ValueError("a carrier of forks computes a prompt and nothing else")
+        self._check_forks(forks)
         seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         seq.prefill_only = prefill_only
+        self._carry(seq, forks)
         self.scheduler.add(seq)
         return seq
+
+    # -- samples of one prompt (n > 1): a carrier computes or receives the prompt, forks start ---
+    def _check_forks(self, forks) -> None:
+        ids = [f.rid for f in forks]
+        if len(set(ids)) < len(ids) or any(i in self._seqs or i in self._forking for i in ids):
+            raise ValueError(f"fork ids must be new and distinct, got {ids}")
+
+    def _carry(self, seq: Sequence, forks) -> None:
+        if forks:
+            seq.forks = list(forks)
+            for f in forks:
+                self._forking[f.rid] = seq
+
+    def _fork(self, carrier: Sequence) -> RequestOutput:
+        """The carrier has the KV of its prompt (computed, or received): each fork becomes a
+        sequence of the prompt with the KV of all its tokens but the last (full blocks shared,
+        the partial one copied), so that its first decode step computes the last prompt token
+        and samples its first token with its own parameters. A fork that finds no seat or block
+        free waits as a new request instead (the prefix cache serves it the shared blocks).
+        Then the carrier ends; its own sampled token is nobody's."""
+        sched, kv = self.scheduler, self.kv
+        num_kv = carrier.num_prompt_tokens - 1
+        for f in carrier.forks:
+            del self._forking[f.rid]
+            child = Sequence(f.rid, carrier.prompt_token_ids, f.params, carrier.priority, carrier.arrival_time)
+            self._seqs[f.rid] = child
+            copy = False
+            if len(sched.running) < sched.cfg.max_num_seqs:
+                copy = kv.fork(carrier, child, num_kv, sched.watermark_blocks)
+            if copy is False:
+                sched.add(child)
+                continue
+            if copy is not None:
+                self._copies.append(copy)
+            child.num_computed_tokens = num_kv
+            sched.add_running(child)
+        carrier.forks = None
+        self._seqs.pop(carrier.seq_id, None)
+        sched.finish(carrier, "forked")
+        return RequestOutput(carrier.seq_id, [], 0, True, "forked")
 
     def _new_seq(self, prompt, prompt_token_ids, params, request_id, priority, arrival_time,
                  output_token_ids=()) -> Sequence:
@@ -156,33 +204,42 @@ class EngineCore:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
-                num_receiving: int = 0) -> list[int] | None:
+                num_receiving: int = 0, forks=()) -> list[int] | None:
         """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
         output but the last (the last was sampled there and is computed here, by the first
         decode step). Returns the block ids to receive into, or None when there is no room now
         (backpressure: call again later); `num_receiving` counts the sequences already reserved
-        (they will join the batch)."""
+        (they will join the batch). With `forks`, a carrier (see `add_request`): room is kept
+        for the forks' seats and their copied blocks too."""
+        self._check_forks(forks)
         seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         num_kv = seq.num_tokens - 1
         sched = self.scheduler
-        fits = (num_receiving + len(sched.running) < sched.cfg.max_num_seqs and
-                self.kv.can_allocate(seq, num_kv, [], 0, sched.watermark_blocks if sched.running else 0))
+        extra = max(0, len(forks) - 1)
+        fits = (num_receiving + extra + len(sched.running) < sched.cfg.max_num_seqs and
+                self.kv.can_allocate(seq, num_kv + extra * self.kv.block_size, [], 0,
+                                     sched.watermark_blocks if sched.running else 0))
         if not fits:
             del self._seqs[request_id]
             return None
         self.kv.allocate(seq, num_kv, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
+        self._carry(seq, forks)
         return list(self.kv.block_ids(seq))
 
-    def commit_received(self, request_id: str) -> None:
-        """The reserved blocks now hold the prompt's KV: the sequence joins the running batch."""
+    def commit_received(self, request_id: str) -> RequestOutput | None:
+        """The reserved blocks now hold the prompt's KV: the sequence joins the running batch,
+        or, a carrier, its forks start from it (their carrier's end is returned)."""
         seq = self._seqs[request_id]
         assert seq.status is SequenceStatus.RECEIVING, seq
         seq.num_computed_tokens = seq.num_tokens - 1
         self.kv.commit(seq, seq.num_computed_tokens)
+        if seq.forks is not None:
+            return self._fork(seq)
         if seq.first_token_time is None:
             seq.first_token_time = self.clock()
         self.scheduler.add_running(seq)
+        return None
 
     def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -207,10 +264,18 @@ class EngineCore:
             raise ValueError(f"{name} must be integers in [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
-        """End a request wherever it is (queued, running, swapped, held, receiving)."""
+        """End a request wherever it is (queued, running, swapped, held, receiving; a fork not
+        started yet never starts; a carrier's forks not started with it)."""
+        carrier = self._forking.pop(request_id, None)
+        if carrier is not None:
+            carrier.forks = [f for f in carrier.forks if f.rid != request_id]
+            return True
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        for f in seq.forks or ():
+            del self._forking[f.rid]
+        seq.forks = None
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -245,6 +310,8 @@ class EngineCore:
     def schedule_step(self) -> SchedulerOutput:
         """The first half of a step: what runs, recorded in `last_step` and `last_shape`."""
         out = self.scheduler.schedule()
+        if self._copies and not out.is_empty:          # forks' tails, copied before the forward
+            out.copies, self._copies = self._copies, []
         # A sequence's first chunk starts where the prefix cache left it, before any output
         # (later chunks, decode rows and received sequences all start further on).
         t = self.clock()
@@ -264,6 +331,9 @@ class EngineCore:
         outputs = []
         now = self.clock()
         for seq, token_id, lps in zip(seqs, token_ids, logprobs or [None] * len(seqs)):
+            if seq.forks is not None:                  # a carrier: its prompt is computed
+                outputs.append(self._fork(seq))
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.token_ids.append(token_id)

@@ -4,6 +4,7 @@ The scheduler speaks to memory only through these verbs: `get_computed_blocks`,
 `can_allocate` / `allocate` (a new sequence), `append_slots` (a running one; False when it
 does not fit), `free`, and `can_swap_out` / `swap_out` / `can_swap_in` / `swap_in`. Swap verbs return copy
 lists (device block, host block) that the model runner executes before the step's forward.
+The engine forks a sample from a carrier's prompt with `fork` (shared blocks, a copied tail).
 """
 from __future__ import annotations
 
@@ -124,6 +125,27 @@ class KVCacheManager:
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of the first `num_tokens` tokens is in place: index their full blocks."""
         self._cache_full_blocks(seq, num_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int, watermark_blocks: int = 0
+             ) -> tuple[int, int] | None | bool:
+        """Give `child` the KV of `parent`'s first `num_tokens` tokens: their full blocks shared
+        (a reference each), the last partial one copied into a block of its own, since the
+        child writes its next tokens there (copy-on-write, done at the fork). Returns the
+        (source, destination) block copy the runner must make before the next forward, None
+        when nothing needs copying, or False, with nothing changed, when there is no room."""
+        assert child.seq_id not in self._blocks, child
+        bs = self.block_size
+        full, partial = divmod(num_tokens, bs)
+        if self.pool.num_free - (1 if partial else 0) < watermark_blocks:
+            return False
+        shared = self._blocks[parent.seq_id][:full]
+        self.pool.touch(shared)
+        blocks = shared + (self.pool.allocate(1) if partial else [])
+        self._blocks[child.seq_id] = blocks
+        self._block_ids[child.seq_id] = [b.block_id for b in blocks]
+        self._num_cached_blocks[child.seq_id] = full
+        child.block_hashes = parent.block_hashes[:full]
+        return (self._blocks[parent.seq_id][full].block_id, blocks[-1].block_id) if partial else None
 
     # -- running sequences -----------------------------------------------------------------
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -38,14 +38,27 @@ message(SamplingParams)             # the sampling parameters travel as they are
 # -- router -> worker: operations -----------------------------------------------------------
 @message
 @dataclass(slots=True)
+class Fork:
+    """One of a request's samples (`n` > 1): a sequence of its own, with its own id and seed,
+    that starts from the prompt's KV its carrier computed or received (the full blocks shared,
+    the last partial one copied) and samples its first token itself."""
+    rid: str
+    params: SamplingParams
+
+
+@message
+@dataclass(slots=True)
 class GenerateOp:
     """Colocated: run the whole request. `output_token_ids`: tokens the client already has (a
-    resumed request): they are recomputed with the prompt, and generation continues after them."""
+    resumed request): they are recomputed with the prompt, and generation continues after them.
+    With `forks`, this request is a carrier: once its prompt is computed the forks start from
+    its KV and it ends (a TokenEvent finished with reason "forked"); its own token is not sent."""
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
 
 
 @message
@@ -58,13 +71,15 @@ class PrefillOp(GenerateOp):
 @dataclass(slots=True)
 class DecodeOp:
     """Reserve blocks when there is room, pull the KV from `prefill_id`, decode on. The prefill
-    worker holds the KV of every token but the last of prompt + output_token_ids."""
+    worker holds the KV of every token but the last of prompt + output_token_ids. With `forks`,
+    a carrier (as GenerateOp's): the forks start from the received KV, and it ends."""
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int]       # already sent to the client; the last one sampled by prefill
     prefill_id: str
     priority: int = 0
+    forks: list[Fork] = field(default_factory=list)
 
 
 @message
@@ -85,7 +100,7 @@ class TokenEvent:
     rid: str
     tokens: list[int]
     finished: bool = False
-    reason: str | None = None         # "stop" | "length" when finished
+    reason: str | None = None         # "stop" | "length" when finished ("forked": a carrier's forks started)
     logprobs: list | None = None
     held: bool = False
 

@@ -107,6 +107,14 @@ class ModelRunner:
                 k[dev] = hk[host].to(self.device, non_blocking=True)
                 v[dev] = hv[host].to(self.device, non_blocking=True)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks' KV within the device cache ((source, destination) pairs): a fork's tail."""
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Sequence], SampledTokens]:
@@ -114,6 +122,8 @@ class ModelRunner:
         Returns the sequences whose scheduled chunk reaches their last token (partial prefill
         chunks sample nothing), decoding rows first, and a token for each."""
         t0 = time.perf_counter()
+        if out.copies:               # first: a swap may reuse a copy's source block this step
+            self.copy_blocks(out.copies)
         self.swap(out.swap_out, out.swap_in)
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(out, block_tables)
         t1 = time.perf_counter()

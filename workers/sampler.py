@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.sequence import Sequence
+from workers.sequence import Sequence, position_seed
 
 
 class SampledTokens(NamedTuple):
@@ -60,15 +60,6 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit seed for draw number `position` of a request seeded with `seed` (splitmix64's
-    finalizer: neighbouring positions and seeds give unrelated streams)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _apply_top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

@@ -61,6 +61,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)          # (host, device) blocks
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    copies: list[tuple[int, int]] = field(default_factory=list)           # (source, destination) blocks
 
     @property
     def is_empty(self) -> bool:

@@ -57,6 +57,24 @@ class SamplingParams:
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
 
 
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for draw number `position` of a request seeded with `seed` (splitmix64's
+    finalizer: neighbouring positions and seeds give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request asking for several (`n`, `best_of`) with `seed`:
+    sample 0 keeps it (so it equals the same request with n=1), the others get streams of their
+    own, unrelated to it and to each other. None stays None (unseeded)."""
+    if seed is None or index == 0:
+        return seed
+    return position_seed(seed, -1 - index)
+
+
 MAX_INT32 = 2**31 - 1               # max_tokens, top_k, token ids: far past any real value
 MAX_STOP = 32                       # stop strings per request
 MAX_STOP_LEN = 512                  # characters per stop string
@@ -107,7 +125,7 @@ class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival_time",
                  "status", "num_computed_tokens", "finish_reason", "stop_reason", "output_logprobs",
                  "num_cached_tokens", "num_preemptions", "text", "first_token_time", "generator",
-                 "block_hashes", "prefill_only")
+                 "block_hashes", "prefill_only", "forks")
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None):
@@ -129,6 +147,8 @@ class Sequence:
         self.generator = None                  # per-request torch.Generator when seeded
         self.block_hashes: list[bytes] = []    # chained hashes of its full blocks, as known
         self.prefill_only = False              # stop after the first token and hold the KV
+        self.forks: list | None = None         # a carrier: the samples (workers/messages.py Fork) that
+        #                                        fork from its prompt's KV, then it ends (n > 1)
 
     @property
     def num_tokens(self) -> int:

@@ -282,7 +282,7 @@ class Worker:
             else:
                 self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
                                         priority=op.priority, prefill_only=isinstance(op, PrefillOp),
-                                        output_token_ids=op.output_token_ids)
+                                        output_token_ids=op.output_token_ids, forks=op.forks)
         except ValueError as e:
             self._emit(ErrorEvent(op.rid, str(e)))
 
@@ -291,7 +291,9 @@ class Worker:
         if outcome is Outcome.FREE:
             self.engine.abort(rid) if abort else self.engine.release(rid)
         elif outcome is Outcome.COMMIT:
-            self.engine.commit_received(rid)
+            forked = self.engine.commit_received(rid)
+            if forked is not None:                      # a carrier: its forks run from here
+                self._emit(TokenEvent(rid, [], True, forked.finish_reason))
         elif outcome is Outcome.NOTHING and abort:
             self.engine.abort(rid)                      # not in a handoff: queued or running here
 
@@ -299,7 +301,7 @@ class Worker:
         """Reserve blocks for waiting decode requests, oldest first, while there is room."""
         def reserve(op: DecodeOp):
             return self.engine.reserve(op.rid, op.prompt_token_ids, op.output_token_ids, op.params, op.priority,
-                                       num_receiving=self.handoffs.num_receiving)
+                                       num_receiving=self.handoffs.num_receiving, forks=op.forks)
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
             threading.Thread(target=self._pull, args=(op, dst), daemon=True, name=f"pull-{op.rid}").start()

@@ -1,0 +1,190 @@
+"""`n` > 1 and `best_of` (issue 14, item 3), against real serving clusters (1 prefill + 1 decode,
+and one colocated worker; `tiny`).
+
+The samples of a prompt start from one carrier: one prefill, one handoff, then each sample
+decodes from the shared KV with its own seed. The oracles: the same server with n=1 (greedy
+samples equal it; seeded sample j equals n=1 with `sample_seed(seed, j)`), the offline engine,
+the metrics the workers report (prompt tokens prefilled, KV pulls), and the fault-free run for
+a sample whose shared start failed and resumed alone.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from common import api_cluster, nothing_left_running, sse_events, wait_for
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.faults import ENV_VAR as FAULTS_ENV
+from workers.sequence import SamplingParams, sample_seed
+
+MODEL = "tiny"
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(37)]     # 2 full blocks and a partial one
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+SEEDED = {"max_tokens": 8, "temperature": 1.0, "seed": 77, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def cluster(request, ray_session):
+    with api_cluster(request.param) as c:
+        yield c
+
+
+def metric_sum(cluster, name: str, **labels) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for family in cluster.server.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def completion(client, **body) -> dict:
+    r = client.post("completions", json={"model": MODEL, "prompt": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def token_ids(answer: dict) -> list[list[int]]:
+    assert [c["index"] for c in answer["choices"]] == list(range(len(answer["choices"])))
+    return [c["token_ids"] for c in answer["choices"]]
+
+
+def offline(params: SamplingParams, prompt: list[int] = PROMPT) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=MODEL))
+    return engine.generate([{"prompt_token_ids": prompt}], params)[0].token_ids
+
+
+def test_greedy_samples_equal_n_1_from_one_prefill_and_one_handoff(cluster, client):
+    first_role = "prefill" if cluster.spec.mode == "disaggregated" else "colocated"
+    nothing_left_running(cluster)
+    queried = metric_sum(cluster, "pdcluster:prefix_cache_queries_total", role=first_role)
+    pulls = metric_sum(cluster, "pdcluster:kv_transfer_seconds_count")
+    answer = completion(client, n=4, **GREEDY)
+    one = token_ids(completion(client, **GREEDY))[0]
+    assert token_ids(answer) == [one] * 4
+    assert one == offline(SamplingParams(**GREEDY))
+    assert answer["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 32,
+                               "total_tokens": len(PROMPT) + 32}
+    nothing_left_running(cluster)
+    # The n=4 request and the n=1 one: two prompts prefilled (each looked up once in the prefix
+    # cache), two KV pulls when disaggregated: one each.
+    wait_for(lambda: metric_sum(cluster, "pdcluster:prefix_cache_queries_total", role=first_role) - queried,
+             lambda n: n >= 2 * len(PROMPT))
+    assert metric_sum(cluster, "pdcluster:prefix_cache_queries_total", role=first_role) - queried == 2 * len(PROMPT)
+    if cluster.spec.mode == "disaggregated":
+        wait_for(lambda: metric_sum(cluster, "pdcluster:kv_transfer_seconds_count") - pulls, lambda n: n >= 2)
+        assert metric_sum(cluster, "pdcluster:kv_transfer_seconds_count") - pulls == 2
+
+
+def test_seeded_samples_differ_repeat_and_each_equals_its_own_seed_alone(cluster, client):
+    answer = token_ids(completion(client, n=4, **SEEDED))
+    assert len({tuple(x) for x in answer}) == 4
+    assert token_ids(completion(client, n=4, **SEEDED)) == answer
+    for j, ids in enumerate(answer):
+        alone = token_ids(completion(client, **{**SEEDED, "seed": sample_seed(SEEDED["seed"], j)}))[0]
+        assert ids == alone
+    assert answer[0] == offline(SamplingParams(**SEEDED))
+    nothing_left_running(cluster)
+
+
+def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):
+    whole = token_ids(completion(client, n=3, **SEEDED))
+    r = client.post("completions", json={"model": MODEL, "prompt": PROMPT, "n": 3, "stream": True,
+                                         "stream_options": {"include_usage": True}, **SEEDED})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events[-3:]
+    ids, finishes = [[] for _ in range(3)], [[] for _ in range(3)]
+    for e in events[:-2]:
+        (choice,) = e["choices"]
+        ids[choice["index"]] += choice["token_ids"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]].append(choice["finish_reason"])
+    assert ids == whole and finishes == [["length"]] * 3
+    assert events[-2]["usage"]["completion_tokens"] == 24
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "n": 2, **GREEDY}
+    whole = client.post("chat/completions", json=chat).json()
+    alone = client.post("chat/completions", json={**chat, "n": 1}).json()
+    assert [c["message"]["content"] for c in whole["choices"]] == [alone["choices"][0]["message"]["content"]] * 2
+    events = sse_events(client.post("chat/completions", json={**chat, "stream": True}).text)
+    texts = ["", ""]
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == [c["message"]["content"] for c in whole["choices"]]
+    nothing_left_running(cluster)
+
+
+def test_best_of_answers_the_likeliest_samples(cluster, client):
+    # best_of=4, n=2 generates the 4 samples that n=4 gives (the same seeds) and answers the 2
+    # of highest cumulative logprob, likeliest first; usage counts all 4.
+    every = completion(client, n=4, logprobs=0, **SEEDED)["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    best = completion(client, n=2, best_of=4, **SEEDED)
+    assert token_ids(best) == [c["token_ids"] for c in ranked[:2]]
+    assert all(c["logprobs"] is None for c in best["choices"])     # ranked by them, not asked for
+    assert best["usage"]["completion_tokens"] == 32
+    nothing_left_running(cluster)
+
+
+def test_a_batch_of_prompts_with_n_samples_each(cluster, client):
+    prompts = [PROMPT, [5, 6, 7]]
+    batch = token_ids(completion(client, **{"prompt": prompts, "n": 2, **SEEDED}))
+    each = [token_ids(completion(client, **{"prompt": p, "n": 2, **SEEDED})) for p in prompts]
+    assert batch == each[0] + each[1]                # index = prompt x n + sample
+    nothing_left_running(cluster)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"n": 2.0}, "n"), ({"best_of": True}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"), ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": [[1, 2]] * 5, "n": 64}, "n"),
+])
+def test_bad_sample_counts_are_refused(client, body, param):
+    r = client.post("completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_client_that_leaves_ends_every_sample(cluster, client):
+    registry = cluster.server.metrics.registry
+
+    def disconnects() -> float:
+        return registry.get_sample_value("pdcluster:request_errors_total", {"reason": "client_disconnect"}) or 0.0
+    before = disconnects()
+    body = {"model": MODEL, "prompt": PROMPT, "n": 4, "stream": True, "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True}
+    with client.stream("POST", "completions", json=body) as r:
+        seen = set()
+        for line in r.iter_lines():                      # until every sample has sent tokens
+            if line.startswith("data: {"):
+                seen.add(json.loads(line.removeprefix("data: "))["choices"][0]["index"])
+                if len(seen) == 4:
+                    break
+    nothing_left_running(cluster)
+    assert disconnects() - before == 4
+
+
+@pytest.fixture
+def failing_handoff(monkeypatch):
+    """A cluster whose decode worker fails its first KV pull halfway (a fault drill)."""
+    monkeypatch.setenv(FAULTS_ENV, "recv:mid_payload:fail*1")
+    with api_cluster("disaggregated") as c:
+        yield c
+
+
+def test_samples_whose_shared_handoff_fails_resume_alone_and_equal_the_fault_free_run(ray_session, failing_handoff):
+    cluster = failing_handoff
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as client:
+        answer = token_ids(completion(client, n=3, **SEEDED))
+    want = [offline(SamplingParams(**{**SEEDED, "seed": sample_seed(SEEDED["seed"], j)})) for j in range(3)]
+    assert answer == want
+    resumed = cluster.server.metrics.registry.get_sample_value(
+        "pdcluster:requests_resumed_total", {"cause": "handoff_failed"})
+    assert resumed == 3                                  # each sample, once, alone
+    wait_for(lambda: metric_sum(cluster, "pdcluster:kv_transfer_failures_total"), lambda n: n >= 1)
+    assert metric_sum(cluster, "pdcluster:kv_transfer_failures_total") == 1
+    nothing_left_running(cluster)
