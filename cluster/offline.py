@@ -44,6 +44,9 @@ def parse_request(obj, where: str) -> dict:
         params = SamplingParams(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     except (TypeError, ValueError) as e:
         raise RequestError(f"{where}: {e}") from None
+    if params.max_tokens == 0 or params.prompt_logprobs is not None:
+        raise RequestError(f"{where}: max_tokens must be at least 1 and prompt_logprobs is not taken here (a "
+                           "prompt's logprobs are served by `pdcluster serve`: completions with echo and logprobs)")
     return {"prompt": obj.get("prompt"), "prompt_token_ids": obj.get("prompt_token_ids"),
             "params": params, "priority": priority, "where": where}
 

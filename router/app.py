@@ -41,8 +41,8 @@ from starlette.requests import ClientDisconnect
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids,
-                             completion_prompts, parse_json, request_options, sample_counts, sampling_params,
-                             too_large)
+                             completion_prompts, echo_of, parse_json, request_options, sample_counts,
+                             sampling_params, too_large)
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
@@ -203,8 +203,9 @@ class Server:
                                   f"maximum context length {self.max_model_len}", "max_tokens")
         stream, include_usage, priority = request_options(body)
         n, best_of = sample_counts(body, stream, len(prompts))
+        echo = echo_of(body, kind, params)
         return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority,
-                                  n=n, best_of=best_of) for ids in prompts]
+                                  echo=echo, n=n, best_of=best_of) for ids in prompts]
 
     def samples(self, req: GenerationRequest) -> list[GenerationRequest]:
         """The request's samples (best_of of them): sample j seeded with `sample_seed(seed, j)`;
@@ -218,8 +219,10 @@ class Server:
 
     def shares_start(self, req: GenerationRequest) -> bool:
         """Whether the samples can start from one carrier: it computes the prompt and one token
-        more, which must fit the context (otherwise each sample prefills on its own)."""
-        return req.best_of > 1 and len(req.prompt_token_ids) + 2 <= self.max_model_len
+        more, which must fit the context (otherwise each sample prefills on its own), and which
+        computes no prompt logprobs (samples that echo them each compute their own)."""
+        return (req.best_of > 1 and len(req.prompt_token_ids) + 2 <= self.max_model_len
+                and req.params.prompt_logprobs is None)
 
     # -- running one request -------------------------------------------------------------------
     def _admit(self, req: GenerationRequest | list[GenerationRequest]) -> None:
@@ -323,7 +326,8 @@ class Server:
         events.put_nowait(_END)
 
     async def run(self, req: GenerationRequest, source=None, shares_prompt: bool = False):
-        """Yields (text delta, token ids, finish_reason or None, logprobs); records metrics.
+        """Yields (text delta, token ids, finish_reason or None, logprobs, prompt logprobs: asked
+        for, with the first item only); records metrics.
         The request counts as waiting until its first token, then as running.
         The dispatcher runs in a task of its own, so that a drain can end the request (cancel
         that task: the dispatcher aborts it on the workers) and still answer its client.
@@ -336,6 +340,7 @@ class Server:
         t0 = last = time.monotonic()
         ttft = 0.0
         n_out = 0
+        first_given = False
         m = self.metrics
         prompt_tokens = 0 if shares_prompt else len(req.prompt_token_ids)
         m.observe_arrival(prompt_tokens)
@@ -369,7 +374,9 @@ class Server:
                         self.admission.progress(ticket, n_out, ttft)
                     m.generation_tokens.inc(len(ev.token_ids))
                 text = detok.push(ev.token_ids, ev.finished)
-                yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs
+                plp = None if first_given else ev.prompt_logprobs      # a resume may send them again
+                first_given = True
+                yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs, plp
                 if ev.finished:
                     e2e = time.monotonic() - t0
                     m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
@@ -505,7 +512,7 @@ def _as_batch(req: GenerationRequest | list[GenerationRequest]) -> list[Generati
 
 async def _merged(server: Server, reqs: list[GenerationRequest]):
     """Yields (prompt index, sample index, text delta, token ids, finish_reason or None,
-    logprobs) of each of the batch's prompts and each prompt's samples, as they come. Each
+    logprobs, prompt logprobs) of each of the batch's prompts and each prompt's samples, as they come. Each
     sample goes through `Server.run` in a task of its own (a prompt's samples from one shared
     start, where they fit); the first error ends them all, and so does closing or cancelling
     this generator (each run's cleanup aborts its request on the workers). The hand-over queue
@@ -560,14 +567,16 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
     req = reqs[0]
 
     async def collect():
-        got: dict[tuple[int, int], tuple[list, list, list, list]] = {}     # (prompt, sample) -> parts
+        got: dict[tuple[int, int], tuple[list, list, list, list, list]] = {}   # (prompt, sample) -> parts
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for p, j, delta, tok, fin, lp in events:
-                texts, ids, reason, lps = got.setdefault((p, j), ([], [], [None], []))
+            async for p, j, delta, tok, fin, lp, plp in events:
+                texts, ids, reason, lps, plps = got.setdefault((p, j), ([], [], [None], [], []))
                 texts.append(delta)
                 ids += tok
                 if lp:
                     lps += lp
+                if plp:
+                    plps += plp
                 reason[0] = fin or reason[0]
         return got
 
@@ -580,7 +589,7 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
             return Response(status_code=499)
     got = task.result()
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    completion_tokens = sum(len(ids) for _, ids, _, _ in got.values())
+    completion_tokens = sum(len(parts[1]) for parts in got.values())
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     want_logprobs = req.params.logprobs is not None
@@ -589,16 +598,18 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
         samples = [got[p, j] for j in range(r.best_of)]
         if r.best_of > r.n:                               # the n likeliest, likeliest first
             samples.sort(key=lambda a: -sum(lp["logprob"] for lp in a[3]))
-        answers += [("".join(texts), ids, reason[0], lps) for texts, ids, reason, lps in samples[:r.n]]
+        echo = (server.tokenizer.decode(r.prompt_token_ids), r.prompt_token_ids) if r.echo else ("", None)
+        answers += [(echo[0] + "".join(texts), ids, reason[0], lps, None if echo[1] is None else (echo[1], plps))
+                    for texts, ids, reason, lps, plps in samples[:r.n]]
     if req.kind == "completion":
         choices = [{"index": i, "text": text, "finish_reason": reason, "token_ids": ids,
-                    "logprobs": _completion_logprobs(server, ids, lps) if want_logprobs else None}
-                   for i, (text, ids, reason, lps) in enumerate(answers)]
+                    "logprobs": _completion_logprobs(server, ids, lps, prompt=prompt)[0] if want_logprobs else None}
+                   for i, (text, ids, reason, lps, prompt) in enumerate(answers)]
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage}
     choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                 "logprobs": _chat_logprobs(server, ids, lps) if want_logprobs else None}
-               for i, (text, ids, reason, lps) in enumerate(answers)]
+               for i, (text, ids, reason, lps, _) in enumerate(answers)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": choices, "usage": usage}
 
@@ -617,10 +628,17 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": req.model,
                             "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
+        offsets: dict[int, int] = {}                       # choice -> text offset of its next token
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for p, j, delta, tok, fin, lp in events:
+            async for p, j, delta, tok, fin, lp, plp in events:
                 i = p * req.n + j
                 n_out += len(tok)
+                echo = None
+                if i not in offsets:                      # its first chunk: the prompt first (echo)
+                    offsets[i] = 0
+                    if reqs[p].echo:
+                        echo = (reqs[p].prompt_token_ids, plp or [])
+                        delta = server.tokenizer.decode(reqs[p].prompt_token_ids) + delta
                 # A token whose text is held back (a possible stop string, an incomplete UTF-8
                 # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
                 # empty delta is sent only with the finish_reason. Completion chunks carry the ids.
@@ -629,7 +647,7 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                 if req.kind == "completion":
                     choice = {"index": i, "text": delta, "finish_reason": fin, "token_ids": tok}
                     if req.params.logprobs is not None:
-                        choice["logprobs"] = _completion_logprobs(server, tok, lp or [])
+                        choice["logprobs"], offsets[i] = _completion_logprobs(server, tok, lp or [], offsets[i], echo)
                 else:
                     choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
                 yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
@@ -688,12 +706,33 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _completion_logprobs(server, ids: list[int], lps: list[dict]) -> dict:
-    dec = server.tokenizer.decode
-    return {"tokens": [dec([t], skip_special_tokens=False) for t in ids],
-            "token_logprobs": [lp["logprob"] for lp in lps],
-            "top_logprobs": [{dec([int(k)], skip_special_tokens=False): v for k, v in lp["top"].items()}
-                             for lp in lps]}
+def _completion_logprobs(server, ids: list[int], lps: list[dict], offset: int = 0,
+                         prompt: tuple[list[int], list[dict]] | None = None) -> tuple[dict, int]:
+    """OpenAI's completion logprobs of the tokens `ids` (theirs: `lps`), their text offsets
+    counted from `offset`; with `prompt` (echo: its ids, and the logprobs of its tokens from the
+    second), the prompt's tokens first, the first one with none (nothing predicts it). Returns
+    them and the offset after them. A token that is no text on its own (part of a UTF-8
+    character) is named "token_id:N", as vLLM does, so top_logprobs keys never collide."""
+    def text(t: int) -> str:
+        s = server.tokenizer.decode([t], skip_special_tokens=False)
+        return f"token_id:{t}" if "\ufffd" in s else s
+
+    def top(lp: dict) -> dict:
+        return {text(int(k)): v for k, v in lp["top"].items()}
+    tokens, token_lps, tops = [], [], []
+    if prompt is not None:
+        prompt_ids, prompt_lps = prompt
+        tokens += [text(t) for t in prompt_ids]
+        token_lps += [None] + [lp["logprob"] for lp in prompt_lps]
+        tops += [None] + [top(lp) for lp in prompt_lps]
+    tokens += [text(t) for t in ids]
+    token_lps += [lp["logprob"] for lp in lps]
+    tops += [top(lp) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 def _chat_logprobs(server, ids: list[int], lps: list[dict]) -> dict:

@@ -52,6 +52,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None   # asked for: with the first event (a resume may send them again)
 
 
 class RequestFailed(Exception):
@@ -314,7 +315,7 @@ class Dispatcher:
                 return
             if ev.tokens or ev.finished:
                 outputs += ev.tokens
-                yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+                yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
             if ev.held:
@@ -333,7 +334,7 @@ class Dispatcher:
             # Tokens from the decode worker: the KV has left the prefill worker, whose loss no
             # longer concerns this request.
             w.assigned.discard(rid)
-            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
 
@@ -384,7 +385,7 @@ class _SharedStart:
             if (resume := _resume_for(ev)) is not None:
                 yield resume
                 return
-            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs)
+            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
 

@@ -7,7 +7,7 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids) and token ids within the vocabulary;
-  - fields asking for behaviour this server does not implement (echo, logit_bias, penalties,
+  - fields asking for behaviour this server does not implement (logit_bias, penalties,
     tools, ...) are refused rather than silently ignored; their neutral values pass;
   - samples: `n` and `best_of` within MAX_SAMPLES, and at most MAX_TOTAL_SAMPLES per request.
 Unknown fields are ignored (OpenAI's clients send new ones); the body limit bounds their size.
@@ -62,6 +62,7 @@ class GenerationRequest:
     include_usage: bool = False
     priority: int = 0
     predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
+    echo: bool = False                         # completions: the answer starts with the prompt
     n: int = 1                                 # samples answered
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered
 
@@ -141,7 +142,6 @@ def _number(x) -> float | None:
 # Fields that ask for behaviour this server does not implement: (field, accepted neutral values,
 # what to say). Absent or null always passes.
 UNSUPPORTED = (
-    ("echo", (False,), "echo (returning the prompt) is not supported; send false or leave it out"),
     ("suffix", ("",), "suffix (insertion) is not supported"),
     ("logit_bias", ({},), "logit_bias is not supported; send {} or leave it out"),
     ("presence_penalty", (0,), "presence_penalty is not supported; send 0 or leave it out"),
@@ -239,6 +239,24 @@ def request_options(body: dict) -> tuple[bool, bool, int]:
     if priority is not None and not (_is_int(priority) and lo <= priority <= hi):
         raise bad_request(f"'priority' must be an integer in [{lo}, {hi}], got {show(priority)}", "priority")
     return bool(stream), bool(usage), priority or 0
+
+
+def echo_of(body: dict, kind: str, params: SamplingParams) -> bool:
+    """`echo` (completions): the answer starts with the prompt, and with `logprobs` k the
+    prompt's tokens carry their logprobs too (the first one none: nothing predicts it), which
+    is what evaluation harnesses' log-likelihood requests ask (`max_tokens` 0: the prompt only).
+    Sets `params.prompt_logprobs`. max_tokens 0 is refused without echo: it would answer nothing."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"'echo' must be true or false, got {show(echo)}", "echo")
+    if echo and kind != "completion":
+        raise bad_request("echo is a completions field; chat completions do not echo", "echo")
+    if params.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens 0 generates nothing: it is accepted only with echo (the prompt's "
+                          "logprobs); send at least 1", "max_tokens")
+    if echo and params.logprobs is not None:
+        params.prompt_logprobs = params.logprobs
+    return bool(echo)
 
 
 def sample_counts(body: dict, stream: bool, num_prompts: int = 1) -> tuple[int, int]:

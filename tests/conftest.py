@@ -70,8 +70,17 @@ def ray_session():
 
 
 @pytest.fixture(scope="module")
+def cluster(ray_session):
+    """The API tests' cluster (common.api_cluster: 1 prefill + 1 decode, `tiny`), one per test
+    module; a module that needs another defines its own `cluster`."""
+    from common import api_cluster
+    with api_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def client(cluster):
-    """An HTTP client on the test module's own `cluster` fixture (a ServingCluster)."""
+    """An HTTP client on the test module's `cluster` (a ServingCluster)."""
     import httpx
     with httpx.Client(base_url=cluster.base_url, timeout=120) as c:
         yield c

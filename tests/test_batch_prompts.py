@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from common import VOCAB, api_cluster, nothing_left_running, sse_events, wait_for
+from common import VOCAB, nothing_left_running, sse_events, wait_for
 from router.app import Server, build_app
 from router.dispatch import RequestFailed, TokenEvent
 from router.metrics import Metrics
@@ -32,12 +32,6 @@ MAX_TOKENS = 8
 TEXTS = ["Hello", "The quick brown fox", "a", "Once upon a time, in a land far away,"]
 TOKEN_IDS = [[5, 6, 7], list(range(40, 90)), [200] * 17, [1]]
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_session):
-    with api_cluster() as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,9 @@ class LLMEngine(EngineCore):
 
     def _execute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int], list | None]:
         seqs, sampled = self.runner.execute(out, [self.kv.block_ids(s) for s, _ in out.scheduled])
+        for seq, start, lps in self.runner.last_prompt_logprobs:
+            have = seq.prompt_logprobs              # a recomputed prompt (a preemption) adds nothing new
+            have += lps[len(have) - start:] if start <= len(have) else []
         return seqs, sampled.token_ids, sampled.logprobs
 
     def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:

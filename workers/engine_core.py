@@ -37,6 +37,7 @@ class RequestOutput(NamedTuple):
     finish_reason: str | None = None
     new_logprobs: list[dict] | None = None
     held: bool = False              # prefill-only: its KV is held for a decode worker to pull
+    prompt_logprobs: list[dict] | None = None   # asked for: with the first output (see Sequence)
 
 
 class StepStats(NamedTuple):
@@ -154,6 +155,7 @@ class EngineCore:
         for f in carrier.forks:
             del self._forking[f.rid]
             child = Sequence(f.rid, carrier.prompt_token_ids, f.params, carrier.priority, carrier.arrival_time)
+            child.prompt_logprobs = None               # its prompt was the carrier's to compute
             self._seqs[f.rid] = child
             copy = False
             if len(sched.running) < sched.cfg.max_num_seqs:
@@ -224,6 +226,7 @@ class EngineCore:
             return None
         self.kv.allocate(seq, num_kv, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
+        seq.prompt_logprobs = None                     # the prefill side computed and sent them
         self._carry(seq, forks)
         return list(self.kv.block_ids(seq))
 
@@ -334,8 +337,15 @@ class EngineCore:
             if seq.forks is not None:                  # a carrier: its prompt is computed
                 outputs.append(self._fork(seq))
                 continue
-            if seq.first_token_time is None:
+            plp = None
+            if seq.first_token_time is None:           # its prompt is computed (here)
                 seq.first_token_time = now
+                plp, seq.prompt_logprobs = seq.prompt_logprobs, None
+                if seq.params.max_tokens == 0:         # the prompt only: no token
+                    self.scheduler.finish(seq, "length")
+                    self._seqs.pop(seq.seq_id, None)
+                    outputs.append(RequestOutput(seq.seq_id, [], 0, True, "length", prompt_logprobs=plp))
+                    continue
             seq.token_ids.append(token_id)
             if seq.output_logprobs is not None:
                 seq.output_logprobs.append(lps)
@@ -347,7 +357,7 @@ class EngineCore:
                 self.scheduler.hold(seq)
             outputs.append(RequestOutput(
                 seq.seq_id, [token_id], seq.num_output_tokens, reason is not None, reason,
-                None if lps is None else [lps], reason is None and seq.prefill_only))
+                None if lps is None else [lps], reason is None and seq.prefill_only, plp))
         return outputs
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:

@@ -63,8 +63,9 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks, leaving at least the last token to compute
-        (its logits are needed). Returns the blocks and how many tokens they cover."""
-        if not self.pool.enable_caching:
+        (its logits are needed). Returns the blocks and how many tokens they cover. A sequence
+        that wants its prompt's logprobs gets none: they need every prompt position's logits."""
+        if not self.pool.enable_caching or seq.prompt_logprobs is not None:
             return [], 0
         self._extend_hashes(seq, seq.num_tokens)
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -103,6 +103,7 @@ class TokenEvent:
     reason: str | None = None         # "stop" | "length" when finished ("forked": a carrier's forks started)
     logprobs: list | None = None
     held: bool = False
+    prompt_logprobs: list | None = None   # asked for: each prompt token's from the second, with the first output
 
 
 @message

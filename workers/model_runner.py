@@ -91,6 +91,8 @@ class ModelRunner:
                             for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
         self.last_times = StepTimes()
         self._block_tables = BlockTableBuffer()
+        # The last step's prompt logprobs: (sequence, first prompt position, [{"logprob", "top"}]).
+        self.last_prompt_logprobs: list[tuple[Sequence, int, list[dict]]] = []
 
     # -- swapping ------------------------------------------------------------------------------
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -129,6 +131,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
+        self.last_prompt_logprobs = self._prompt_logprobs(out, hidden) if _wants_prompt_logprobs(out) else []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
@@ -136,6 +139,41 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.last_times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
         return sample_seqs, sampled
+
+    PROMPT_LOGITS_ROWS = 256        # rows of prompt logits at a time (rows x vocabulary floats)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[tuple[Sequence, int, list[dict]]]:
+        """For each scheduled sequence that asked for its prompt's logprobs, those of the prompt
+        tokens this step's rows predict: the row at position p gives token p + 1's logprob (and
+        the top ones). Rows follow `_prepare`'s layout: decoding rows first, then the chunks on
+        cached context, then fresh ones."""
+        rows: list[tuple[Sequence, int, int, int]] = []           # (seq, row, first position, count)
+        decodes, on_context, fresh = [], [], []
+        for s, n in out.scheduled:
+            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n))
+        row = 0
+        for s, n in decodes + on_context + fresh:
+            count = min(s.num_computed_tokens + n, s.num_prompt_tokens - 1) - s.num_computed_tokens
+            if s.prompt_logprobs is not None and count > 0:
+                rows.append((s, row, s.num_computed_tokens, count))
+            row += n
+        result = []
+        for s, row0, start, count in rows:
+            k = s.params.prompt_logprobs
+            targets = torch.tensor(s.token_ids[start + 1:start + 1 + count], device=hidden.device)
+            got: list[dict] = []
+            for a in range(0, count, self.PROMPT_LOGITS_ROWS):
+                b = min(count, a + self.PROMPT_LOGITS_ROWS)
+                lps = torch.log_softmax(self.model.compute_logits(hidden[row0 + a:row0 + b]), dim=-1)
+                own = lps.gather(1, targets[a:b, None])[:, 0].tolist()
+                if k:
+                    vals, idx = lps.topk(k, dim=-1)
+                    tops = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+                else:
+                    tops = [{} for _ in own]
+                got += [{"logprob": lp, "top": top} for lp, top in zip(own, tops)]
+            result.append((s, start, got))
+        return result
 
     def _prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
         """Flatten the step into rows: decodes, then chunks on cached context (together the
@@ -213,3 +251,10 @@ class ModelRunner:
                 "seqused_k": torch.tensor(k_lens, dtype=torch.int32, device=dev),
                 "max_seqlen_k": max(k_lens),
                 "block_table": torch.tensor(bt, dtype=torch.int32, device=dev)}
+
+
+def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
+    for s, _ in out.scheduled:
+        if s.prompt_logprobs is not None:
+            return True
+    return False

@@ -18,14 +18,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None         # also return this many top logprobs per token
+    prompt_logprobs: int | None = None  # also return each prompt token's logprob, and this many top ones
 
     def __post_init__(self):
         # Bounds keep every value within what the wire (msgpack: 64-bit ints, UTF-8 strings)
         # and the sampler take; a request is refused here, never failed on a worker.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
-               f"max_tokens must be an integer in [1, {MAX_INT32}], got {show(self.max_tokens)}")
+        # max_tokens=0 computes the prompt only (its logprobs: a log-likelihood request).
+        _check(_is_int(self.max_tokens) and 0 <= self.max_tokens <= MAX_INT32,
+               f"max_tokens must be an integer in [0, {MAX_INT32}], got {show(self.max_tokens)}")
         _check(_is_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {show(self.temperature)}")
         # Below 1e-5 the logits / temperature overflow to inf (NaN probabilities): that is greedy.
@@ -48,6 +50,8 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {show(self.ignore_eos)}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer between 0 and 20, got {show(self.logprobs)}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be an integer between 0 and 20, got {show(self.prompt_logprobs)}")
 
     @property
     def greedy(self) -> bool:
@@ -125,7 +129,7 @@ class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival_time",
                  "status", "num_computed_tokens", "finish_reason", "stop_reason", "output_logprobs",
                  "num_cached_tokens", "num_preemptions", "text", "first_token_time", "generator",
-                 "block_hashes", "prefill_only", "forks")
+                 "block_hashes", "prefill_only", "forks", "prompt_logprobs")
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None):
@@ -147,6 +151,9 @@ class Sequence:
         self.generator = None                  # per-request torch.Generator when seeded
         self.block_hashes: list[bytes] = []    # chained hashes of its full blocks, as known
         self.prefill_only = False              # stop after the first token and hold the KV
+        # Asked for (params.prompt_logprobs): per prompt position from 1, {"logprob", "top"} of
+        # its token given those before, as computed; None once sent (or not asked for).
+        self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.forks: list | None = None         # a carrier: the samples (workers/messages.py Fork) that
         #                                        fork from its prompt's KV, then it ends (n > 1)
 

@@ -247,7 +247,7 @@ class Worker:
             if o.held:
                 self.handoffs.hold(o.request_id)
             events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
-                                     o.new_logprobs, o.held))
+                                     o.new_logprobs, o.held, o.prompt_logprobs))
         with self._cv:
             if shape.num_seqs:
                 self._samples["step_s"].append(step_s)
