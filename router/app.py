@@ -40,7 +40,8 @@ from starlette.requests import ClientDisconnect
 
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
-from router.protocol import (APIError, GenerationRequest, bad_request, chat_messages, check_token_ids,
+from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
+                             check_token_ids,
                              completion_prompts, echo_of, parse_json, request_options, sample_counts,
                              sampling_params, too_large)
 from workers.names import ROLES, roles_of
@@ -461,17 +462,22 @@ def build_app(server: Server) -> FastAPI:
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(COMPLETION_BODY))
     async def completions(request: Request):
         req = await _validated(server, request, server.completion_request)
         return await _respond(server, request, req)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(CHAT_BODY))
     async def chat(request: Request):
         req = await _validated(server, request, server.chat_request)
         return await _respond(server, request, req)
 
     return app
+
+
+def _body(schema: dict) -> dict:
+    """An endpoint's request body for /openapi.json (the handler reads and checks it itself)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from workers.sequence import SAMPLING_FIELDS, SamplingParams, show
+from workers.sequence import MAX_INT32, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams, show
 
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
@@ -201,8 +201,11 @@ def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None 
         kw["max_tokens"] = body["max_completion_tokens"]
     kw.setdefault("max_tokens", default_max_tokens)
     logprobs = kw.pop("logprobs", None)
-    if body.get("top_logprobs") is not None:       # chat: logprobs=true, top_logprobs=N
-        logprobs = body["top_logprobs"] if logprobs else None
+    top = body.get("top_logprobs")
+    if top is not None:                            # chat: logprobs=true, top_logprobs=N
+        if not (_is_int(top) and 0 <= top <= 20):
+            raise bad_request(f"top_logprobs must be an integer between 0 and 20, got {show(top)}", "top_logprobs")
+        logprobs = top if logprobs else None
     elif logprobs is True:
         logprobs = 0
     elif logprobs is False:
@@ -328,3 +331,59 @@ def chat_messages(body: dict) -> list[dict]:
                               "messages")
         flat.append({"role": m["role"], "content": c})
     return flat
+
+
+# -- the request bodies as OpenAPI documents them (/openapi.json) ------------------------------
+def _int(lo: int, hi: int, about: str) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, "description": about}
+
+
+_INT64 = (-2**63, 2**63 - 1)
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_SHARED = {
+    "model": {"type": "string", "description": "the served model's name (GET /v1/models)"},
+    "max_tokens": _int(0, MAX_INT32, "tokens to generate (0: only with echo, the prompt's logprobs)"),
+    "max_completion_tokens": _int(1, MAX_INT32, "max_tokens' newer name"),
+    "temperature": {"type": "number", "minimum": 0, "description": "0 (or under 1e-5): greedy"},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": _int(-1, MAX_INT32, "-1 or 0: off"),
+    "seed": _int(*_INT64, "the sampling stream: the same seed gives the same output"),
+    "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+                       {"type": "array", "maxItems": MAX_STOP,
+                        "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]},
+    "stop_token_ids": {**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS},
+    "ignore_eos": {"type": "boolean"},
+    "n": _int(1, MAX_SAMPLES, "samples answered per prompt"),
+    "best_of": _int(1, MAX_SAMPLES, "samples generated per prompt (>= n); the n likeliest are answered; "
+                                   "above n it cannot stream"),
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "priority": _int(*PRIORITY_RANGE, "lower is served first"),
+    "user": {"type": "string", "description": "informational"},
+}
+_REFUSED_NOTE = ("Fields asking for what this server does not do (" + ", ".join(name for name, _, _ in UNSUPPORTED)
+                 + ") are refused with 400 unless neutral; unknown fields are ignored.")
+COMPLETION_BODY = {
+    "type": "object", "required": ["model", "prompt"], "description": _REFUSED_NOTE,
+    "properties": {
+        "prompt": {"oneOf": [{"type": "string"}, _TOKEN_IDS,
+                             {"type": "array", "maxItems": MAX_PROMPTS, "items": {"type": "string"}},
+                             {"type": "array", "maxItems": MAX_PROMPTS, "items": _TOKEN_IDS}],
+                   "description": "a prompt (text or token ids), or a batch of them"},
+        **_SHARED,
+        "logprobs": _int(0, 20, "each token's logprob and this many top ones"),
+        "echo": {"type": "boolean", "description": "answer the prompt first (with logprobs: its tokens' too)"},
+    }}
+CHAT_BODY = {
+    "type": "object", "required": ["model", "messages"], "description": _REFUSED_NOTE,
+    "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"type": "string"}, "content": {"oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                    "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
+        **_SHARED,
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _int(0, 20, "with logprobs: this many top ones per token"),
+    }}

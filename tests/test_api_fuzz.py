@@ -311,3 +311,33 @@ def test_after_the_fuzzing_the_server_serves_greedy_tokens(client):
         assert r.status_code == 200, r.text[:300]
         got.append(r.json()["choices"][0]["token_ids"])
     assert got == want
+
+
+# -- /openapi.json describes the bodies the server checks -----------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_openapi_documents_the_request_bodies_and_each_bound_is_the_one_enforced(cluster, client, endpoint):
+    # Every bound the schema states is the server's: one past it is a 400 naming the field.
+    doc = httpx.get(cluster.base_url.removesuffix("/v1") + "/openapi.json", timeout=30).json()
+    body = doc["paths"][f"/v1/{endpoint}"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    required = {"completions": {"model", "prompt"}, "chat/completions": {"model", "messages"}}[endpoint]
+    assert set(body["required"]) == required and required <= set(body["properties"])
+    checked = 0
+    for name, prop in body["properties"].items():
+        past = []
+        if prop.get("type") == "integer":
+            past = [prop["maximum"] + 1, prop["minimum"] - 1]
+        elif prop.get("type") == "array" and "maxItems" in prop:
+            past = [[1] * (prop["maxItems"] + 1)]
+        for value in past:
+            sent = body_for(endpoint, **{name: value, **({"logprobs": True} if name == "top_logprobs" else {})})
+            if name == "max_completion_tokens":
+                del sent["max_tokens"]                  # which would win
+            r = client.post(endpoint, json=sent)
+            # max_completion_tokens is max_tokens' other name: its errors name max_tokens.
+            want = "max_tokens" if name == "max_completion_tokens" else name
+            assert r.status_code == 400 and r.json()["error"]["param"] == want, (name, value, r.text[:200])
+            checked += 1
+    assert checked >= 15
+    for name in required:                       # and a required field left out
+        r = client.post(endpoint, json={k: v for k, v in body_for(endpoint).items() if k != name})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text[:200])

@@ -22,6 +22,7 @@ from cluster.serve import ServingCluster, free_port
 from common import wait_for, wait_pools_clean
 from router.config import RouterConfig
 from router.pools import ACTIVE
+from workers.sequence import sample_seed
 
 NUM_STREAMS, MAX_TOKENS = 40, 80
 WORDS = "the a KV cache block prefill decode token stream worker router lease pool".split()
@@ -62,28 +63,30 @@ def metric(c: ServingCluster, name: str, **labels) -> float:
     return promtext.total(promtext.scrape(f"http://{c.host}:{c.port}/metrics"), name, **labels)
 
 
-async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], faults: list) -> list[list[int]]:
-    """Stream every prompt at once (each with its sampling parameters); `faults` are (after this
-    many chunks received in all, a callable), run from the event loop as the traffic passes."""
+async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], faults: list,
+                     n: int = 1) -> list[list[int]]:
+    """Stream every prompt at once (each with its sampling parameters, `n` samples each: the
+    outputs prompt by prompt, sample by sample); `faults` are (after this many chunks received in
+    all, a callable), run from the event loop as the traffic passes."""
     client = openai.AsyncOpenAI(base_url=c.base_url, api_key="x", max_retries=0, timeout=300)
     received = 0
     pending = sorted(faults, key=lambda f: f[0])
 
-    async def one(prompt: str, p: dict) -> list[int]:
+    async def one(prompt: str, p: dict) -> list[list[int]]:
         nonlocal received
-        ids: list[int] = []
+        ids: list[list[int]] = [[] for _ in range(n)]
         stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
-                                                 extra_body={"ignore_eos": True}, **p)
+                                                 n=n, extra_body={"ignore_eos": True}, **p)
         async for chunk in stream:
             if chunk.choices:
-                ids += chunk.choices[0].token_ids or []
+                ids[chunk.choices[0].index] += chunk.choices[0].token_ids or []
             received += 1
             while pending and received >= pending[0][0]:
                 pending.pop(0)[1]()
         return ids
 
     try:
-        return list(await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params))))
+        return [ids for each in await asyncio.gather(*(one(p, q) for p, q in zip(prompts, params))) for ids in each]
     finally:
         await client.close()
 
@@ -135,6 +138,25 @@ def test_killed_workers_change_no_stream(chaos, seeded):
     assert metric(chaos, "pdcluster:requests_resumed_total") > resumed0      # the kills hit live requests
     recovered(chaos)
     assert metric(chaos, "pdcluster:workers_lost_total", cause="died") == died0 + 2
+
+
+def test_samples_on_a_killed_decode_worker_resume_unchanged(chaos):
+    """8 prompts x 3 seeded samples (n=3: each prompt's samples share one prefill and one
+    handoff); a decode worker is killed when a quarter of the tokens have arrived: every sample
+    on it resumes alone and equals sample j run alone with its own seed (`sample_seed`)."""
+    recovered(chaos)
+    rng = random.Random(5)
+    prompts = word_prompts(8, seed=5)
+    params = [{"temperature": 1.0, "seed": 500 + i} for i in range(len(prompts))]
+    want = offline([p for p in prompts for _ in range(3)],
+                   [{**q, "seed": sample_seed(q["seed"], j)} for q in params for j in range(3)])
+    resumed0 = metric(chaos, "pdcluster:requests_resumed_total", cause="worker_died")
+    killed: list[str] = []
+    got = asyncio.run(stream_all(chaos, prompts, params,
+                                 [(len(want) * MAX_TOKENS // 4, kill(chaos, rng, signal.SIGKILL, killed, "decode"))], n=3))
+    assert killed and got == want
+    assert metric(chaos, "pdcluster:requests_resumed_total", cause="worker_died") > resumed0
+    recovered(chaos)
 
 
 def test_a_hung_worker_is_restarted_and_its_requests_resume(chaos):
