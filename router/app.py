@@ -505,7 +505,8 @@ async def _respond(server: Server, request: Request, req: GenerationRequest | li
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     created = int(time.time())
     if req.stream:
-        return ClientStream(_stream(server, reqs, rid, created), server)
+        slots = _Slots(server, sum(r.best_of for r in reqs))
+        return ClientStream(_stream(server, reqs, rid, created, slots), server, slots)
     try:
         return await _whole(server, request, reqs, rid, created)
     finally:
@@ -620,7 +621,21 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
             "choices": choices, "usage": usage}
 
 
-async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid: str, created: int):
+class _Slots:
+    """A response's admitted sequences (`Server.pending`), given back once, by whichever cleanup
+    comes first: a stream's generator, or its response when the generator never started (the
+    client was gone before the response's head went out)."""
+
+    def __init__(self, server: Server, n: int):
+        self.server, self.n = server, n
+
+    def release(self) -> None:
+        if self.n:
+            self.server._done(self.n)
+            self.n = 0
+
+
+async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid: str, created: int, slots: _Slots):
     """SSE chunks; cancellation (client gone) propagates into the dispatcher, which aborts.
     A batch's (and n's) chunks carry their choice's `index` (prompt x n + sample) and
     interleave as they come; its usage sums. (best_of > n does not stream.)"""
@@ -667,7 +682,7 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
         yield _sse(e.body())
         yield "data: [DONE]\n\n"
     finally:
-        server._done(sum(r.best_of for r in reqs))
+        slots.release()
 
 
 class ClientStalled(Exception):
@@ -684,9 +699,9 @@ class ClientStream(StreamingResponse):
     reading) ends the stream, which aborts the request, so such a client holds no request slot,
     KV or memory for long. uvicorn then closes the connection."""
 
-    def __init__(self, content, server: Server):
+    def __init__(self, content, server: Server, slots: _Slots | None = None):
         super().__init__(content, media_type="text/event-stream")
-        self.server = server
+        self.server, self.slots = server, slots
 
     async def stream_response(self, send) -> None:
         timeout = self.server.client_stall_timeout_s
@@ -706,6 +721,13 @@ class ClientStream(StreamingResponse):
             self.server.metrics.errors.labels("slow_client").inc()
             log.warning("a stream's client took no data for %gs: the stream is ended and its request aborted",
                         self.server.client_stall_timeout_s)
+        finally:
+            # However the response ended (the client gone before its head, or mid-stream), the
+            # generator's cleanup runs now, not whenever it is collected; a generator that never
+            # started has none, so the slot is given back here.
+            await self.body_iterator.aclose()
+            if self.slots is not None:
+                self.slots.release()
 
 
 def _sse(obj: dict) -> str:

@@ -10,6 +10,7 @@ whose dispatcher is a stand-in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -286,3 +287,31 @@ def test_a_batch_is_admitted_whole_and_counts_as_its_prompts():
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "prompt", too_big.text
     assert fits.status_code == 200 and [c["index"] for c in fits.json()["choices"]] == [0, 1], fits.text
     assert server.pending == 2
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_stream_whose_client_is_gone_before_its_head_gives_its_slots_back(spec):
+    # The client is gone before the response's head goes out (its send fails at once): the
+    # stream's generator never starts, and its admitted prompts still leave `pending` (ASGI
+    # 2.3 servers also say so through receive(); 2.4 ones only through a failing send).
+    body = json.dumps({"model": MODEL, "prompt": [[1], [2]], "max_tokens": 5, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    scope = {"type": "http", "asgi": {"spec_version": spec, "version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("router", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def go():
+        server, dispatcher = stand_in_server()
+        with contextlib.suppress(Exception):            # the failed send, as the server sees it
+            await build_app(server)(scope, receive, send)
+        return server, dispatcher
+    server, dispatcher = asyncio.run(go())
+    assert server.pending == 0 and dispatcher.live == 0
