@@ -390,12 +390,13 @@ class _SharedStart:
                 return
 
     def _involve(self, w: Member, tokens: int) -> None:
-        """The samples run on `w` from here: a loss of it fails them, their cleanup aborts there."""
+        """The samples run on `w` from here: a loss of it fails them, their cleanup aborts there,
+        and its load counts them until its next report (the prompt's `tokens` once)."""
         self.involved.append(w)
         w.sent(self.rid, tokens)
         for f in self.first:
             f.involved.append(w)
-            w.assigned.add(f.rid)
+            w.sent(f.rid, 0)
 
     async def _start(self) -> None:
         d, req, q = self.d, self.req, self.queue
