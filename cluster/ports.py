@@ -2,6 +2,7 @@
 heavy import, so a port in use fails at once)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 
@@ -21,6 +22,14 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all bound at once, so the kernel never hands one out twice (free
+    ports taken one after another may repeat, and two services then collide)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from cluster import promtext
+from cluster.ports import free_ports
 from cluster.serve import free_port
 from common import descendants, kill_all, still_running, wait_for
 
@@ -81,10 +82,11 @@ def _stop(procs: list[subprocess.Popen], extra: dict) -> None:
 class TwoNodeCluster:
     def __init__(self, root: Path):
         self.root = root
-        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        # Every port this cluster's processes listen on, distinct (see free_ports).
+        self.ports = iter(free_ports(8))
+        self.gcs_port, self.dashboard_port, self.router_port = next(self.ports), next(self.ports), next(self.ports)
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        self.router_port = free_port()
         self.router = f"http://127.0.0.1:{self.router_port}"
         # RAY_AUTH_MODE: Ray 2.60 turns on token auth for new clusters otherwise.
         self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
@@ -103,7 +105,7 @@ class TwoNodeCluster:
             # Its own session: Ray's reaper signals its process group, which must not be ours.
             proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", "--disable-usage-stats",
                                      "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
-                                     "--dashboard-agent-listen-port", str(free_port()), *args],
+                                     "--dashboard-agent-listen-port", str(next(self.ports)), *args],
                                     stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
                                     preexec_fn=_die_with_us(new_session=True))
         self.nodes.append(proc)
@@ -118,7 +120,7 @@ class TwoNodeCluster:
         self._start_node("head", ["--head", "--port", str(self.gcs_port), "--resources", '{"node_a": 1}',
                                   "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                                   "--dashboard-port", str(self.dashboard_port),
-                                  "--ray-client-server-port", str(free_port()),
+                                  "--ray-client-server-port", str(next(self.ports)),
                                   "--temp-dir", str(self.root / "ray")])
         self._start_node("node-b", ["--address", self.address, "--resources", '{"node_b": 1}'])
         from ray.util.state import list_nodes
@@ -277,7 +279,8 @@ class DefaultHead:
     machine that ever ran a local `ray.init` does): Ray then turns token authentication on."""
 
     def __init__(self, root: Path):
-        self.root, self.port = root, free_port()
+        self.root = root
+        self.port, self.client_port, self.agent_port = free_ports(3)
         self.address = f"127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith("RAY_") or k == "RAY_USAGE_STATS_ENABLED"}
@@ -293,7 +296,7 @@ class DefaultHead:
             self.node = subprocess.Popen(
                 [str(BIN / "ray"), "start", "--block", "--head", "--port", str(self.port), "--num-cpus", "2",
                  "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
-                 "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                 "--ray-client-server-port", str(self.client_port), "--dashboard-agent-listen-port", str(self.agent_port),
                  "--temp-dir", str(self.root / "ray")],
                 stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
                 preexec_fn=_die_with_us(new_session=True))
