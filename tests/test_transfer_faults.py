@@ -577,3 +577,98 @@ def test_a_request_resumes_through_a_failed_handoff(pool, reference):
     assert after.count == before.count + 1
     assert_clean(P, D)
 
+
+
+def test_a_fault_that_never_clears_fails_the_request_after_its_retries(pool, reference):
+    """Every pull fails (a persistent fault): the real dispatcher resumes the request
+    `max_retries` times, each attempt delivering one more token (the prefill's; none twice, none
+    lost), then gives up with RequestFailed (a 503 at the HTTP layer: test_batch_prompts); no
+    block is left anywhere."""
+    import asyncio
+
+    from router.dispatch import Dispatcher, RequestFailed
+    from router.metrics import Metrics
+    from router.protocol import GenerationRequest
+    _, P, D, workers = pool
+    D.set_faults("recv:before_header:fail")
+    before = D.stats().kv_transfer
+    metrics = Metrics()
+    out: list[int] = []
+
+    async def run() -> None:
+        dispatcher = Dispatcher(workers, "disaggregated", metrics, max_retries=2)
+        dispatcher.start()
+        try:
+            async for ev in dispatcher.generate(GenerationRequest("completion", "tiny", PROMPT, params())):
+                out.extend(ev.token_ids)
+        finally:
+            await dispatcher.stop()
+    try:
+        with pytest.raises(RequestFailed, match="3 attempts in a row failed"):
+            asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        D.set_faults("")
+    assert out == reference[:3]
+    assert metrics.registry.get_sample_value("pdcluster:requests_resumed_total", {"cause": "handoff_failed"}) == 2
+    after = D.stats().kv_transfer
+    assert after.failures_by_point.get("before_header", 0) == before.failures_by_point.get("before_header", 0) + 3
+    assert_clean(P, D)
+
+
+@pytest.fixture
+def fails_first_pull(monkeypatch, ray_session):
+    """A served cluster whose decode worker fails its first KV pull halfway (a fault drill)."""
+    from common import api_cluster
+    monkeypatch.setenv(ENV_VAR, "recv:mid_payload:fail*1")
+    with api_cluster() as c:
+        yield c
+
+
+def test_a_resumed_stream_keeps_its_logprobs_stop_string_and_usage(fails_first_pull):
+    """The same streamed request twice: the first through a failed handoff (it resumes after its
+    first token), the second clean. Everything the client sees is the same: text, token ids,
+    logprobs, a stop string that spans the resume point, the finish reason, the usage chunk."""
+    import httpx
+
+    from common import sse_events
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.sequence import SamplingParams
+    c = fails_first_pull
+    decode = c.server.tokenizer.decode
+    engine = LLMEngine(EngineConfig(model="tiny"))
+    # Seeded sampling (a resume continues the same: draws depend on the position), with a seed
+    # whose tokens 2-4 are whole characters that first appear there: the stop string spans the
+    # resume point, which comes after token 1.
+    for seed in range(100):
+        want = engine.generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True))[0].token_ids
+        stop = decode(want[1:4])
+        if "\ufffd" not in decode(want[:4]) and decode(want[:4]).find(stop) == len(decode(want[:1])):
+            break
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": seed,
+            "ignore_eos": True, "logprobs": 2, "stop": [stop], "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def seen() -> dict:
+        with httpx.Client(base_url=c.base_url, timeout=120) as client:
+            events = sse_events(client.post("completions", json=body).text)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events[-3:]
+        chunks = [e["choices"][0] for e in events[:-2]]
+        return {"text": "".join(ch["text"] for ch in chunks), "ids": [t for ch in chunks for t in ch["token_ids"]],
+                "logprobs": [x for ch in chunks for x in ch["logprobs"]["token_logprobs"]],
+                "tops": [x for ch in chunks for x in ch["logprobs"]["top_logprobs"]],
+                "finish": [ch["finish_reason"] for ch in chunks if ch["finish_reason"]],
+                "usage": events[-2]["usage"]}
+    registry = c.server.metrics.registry
+    resumed = seen()
+    assert registry.get_sample_value("pdcluster:requests_resumed_total", {"cause": "handoff_failed"}) == 1
+    clean = seen()
+    assert registry.get_sample_value("pdcluster:requests_resumed_total", {"cause": "handoff_failed"}) == 1
+    assert resumed["ids"] == clean["ids"] == want[:4]
+    assert resumed["text"] == clean["text"] == decode(want[:1])
+    assert resumed["finish"] == clean["finish"] == ["stop"]
+    assert resumed["usage"] == clean["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4,
+                                                   "total_tokens": len(PROMPT) + 4}
+    assert resumed["logprobs"] == pytest.approx(clean["logprobs"], abs=1e-4)
+    assert [set(t) for t in resumed["tops"]] == [set(t) for t in clean["tops"]]
