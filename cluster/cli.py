@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from typing import NamedTuple
 
@@ -218,6 +219,9 @@ def cmd_serve(a) -> int:
     router = router_config_from_args(a)
     # What can fail in a second fails before the seconds of imports, Ray and model loading.
     check_port_free(router.host, router.port)
+    if spec.engine.device.startswith("cuda") and not (spec.address or os.environ.get("RAY_ADDRESS")):
+        from workers.engine import resolve_device      # a local Ray's workers run on this machine
+        resolve_device(spec.engine.device)
     from cluster.launcher import check_fits, connect
     if connect(spec):
         check_fits(spec)

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 import time
 
 import ray
@@ -34,6 +35,7 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
         return False
     address = spec.address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_reachable(address)
         _use_auth_token_if_any()
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
@@ -48,6 +50,22 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
              log_to_driver=True)
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A host:port address whose head does not answer fails here, in seconds, naming the fix
+    (Ray itself retries an unreachable GCS for a minute or more, printing its own warnings).
+    "auto", "local" and ray:// client addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "nothing listens there" if isinstance(e, ConnectionRefusedError) else (e.strerror or type(e).__name__)
+        raise RuntimeError(f"cannot reach the Ray cluster at {address} ({why}): start its head with "
+                           "`.venv/bin/ray start --head`, and give the address it prints (--address or RAY_ADDRESS)"
+                           ) from None
 
 
 def _use_auth_token_if_any() -> None:

@@ -86,6 +86,21 @@ def test_flags_that_do_not_apply_are_refused_before_anything_starts(argv, needle
     assert rc == 2 and needle in err and "Traceback" not in err, err
 
 
+def test_serve_with_device_cuda_without_cuda_fails_before_starting_ray(capsys, monkeypatch):
+    # A local Ray's workers run on this machine: its torch is checked before Ray starts.
+    import ray
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    was_connected = ray.is_initialized()
+    rc = cli.main(["serve", "--device", "cuda", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--device cuda:" in err and "use --device auto or cpu" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert ray.is_initialized() == was_connected
+
+
 def test_device_cuda_without_cuda_names_the_fix(tmp_path, capsys):
     import torch
     if torch.cuda.is_available():

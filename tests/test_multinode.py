@@ -400,6 +400,12 @@ def test_a_port_in_use_fails_at_once_naming_the_fix(default_head):
         _fails_fast(default_head, ["--port", str(port)], f"127.0.0.1:{port} is in use", "--port")
 
 
+def test_an_address_nothing_answers_on_fails_at_once_naming_the_fix(default_head):
+    closed = free_port()                                # bound and released: nothing listens there
+    _fails_fast(default_head, ["--address", f"127.0.0.1:{closed}", "--port", str(free_port())],
+                f"cannot reach the Ray cluster at 127.0.0.1:{closed}", "ray start --head")
+
+
 def test_workers_that_do_not_fit_fail_at_once_naming_the_fix(default_head):
     _fails_fast(default_head, ["--address", default_head.address, "--port", str(free_port()), "--prefill", "4"],
                 "need 2.5 CPU", "has 2 of 2 free", "--cpus-per-worker")
