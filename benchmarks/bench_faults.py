@@ -66,7 +66,6 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -121,14 +120,7 @@ def trace_attempts(dispatcher) -> tuple[list[tuple[float, str, tuple, int]], dic
 
 def live_pids(c: ServingCluster) -> dict[str, tuple[str, int]]:
     """worker id -> (role, pid) of each worker that answers now (one being restarted does not)."""
-    out = {}
-    for w in c.workers:
-        try:
-            info = ray.get(w.handle.ready.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            continue
-        out[info["worker_id"]] = (info["role"], info["pid"])
-    return out
+    return {w: (info["role"], info["pid"]) for w, info in c.answering().items()}
 
 
 @dataclass

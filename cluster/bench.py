@@ -29,13 +29,13 @@ from pathlib import Path
 import httpx
 
 from cluster import loadgen, promtext
+from router.slo import ATTAINMENT
 from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
                                 TraceRow, alternate, load_custom, load_trace, phase_rows, sample_prefix_repetition,
                                 sample_random, sample_sharegpt, sample_trace, save_trace)
 from workers.names import DISAGGREGATED, MODES
 
 LAUNCH_SKIPS = ("--model", "--seed")      # engine flags whose names bench already uses
-ATTAINMENT = 0.9
 KEEP_PACE = 0.5        # a sweep point must complete at least this fraction of its offered rate
 DATASETS = ("random", "sharegpt", "prefix-repetition", "custom", "trace")
 TIMED = ("trace", "phases")      # datasets whose rows carry their own send times (`trace_rows`)

@@ -18,6 +18,8 @@ import time
 from cluster import loadgen
 from cluster.bench_data import _lens
 from cluster.simulate import SimCluster, SimRequest, Simulator, utilization
+from cluster.spec import ClusterSpec
+from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.cost_model import HARDWARE, LINKS, MODELS, CostModel, roofline
 from workers.names import COLOCATED, DISAGGREGATED
@@ -50,7 +52,6 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
     from cluster.cli import CLUSTER_FLAGS, ROUTER_FLAGS, add_flags
-    from cluster.spec import ClusterSpec
     from router.config import RouterConfig
     add_flags(p.add_argument_group("cluster"), tuple(f for f in CLUSTER_FLAGS if f.flag in
                                                       ("--mode", "--prefill", "--decode", "--workers")), ClusterSpec)
@@ -61,32 +62,41 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
               EngineConfig)
 
 
+CONTROLLER_FLAGS = ("--controller", "--controller-interval-s", "--controller-window-s", "--controller-cooldown-s",
+                    "--max-workers")
+CONTROLLER_SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
+
+
+def _controller_flags():
+    from cluster.cli import CLUSTER_FLAGS, SLO_FLAGS
+    return (tuple(f for f in CLUSTER_FLAGS if f.flag in CONTROLLER_FLAGS),
+            tuple(f for f in SLO_FLAGS if f.flag in CONTROLLER_SLO_FLAGS))
+
+
 def add_controller_args(p: argparse.ArgumentParser) -> None:
+    """`serve`'s controller and SLO flags (the same fields, defaults and checks)."""
+    from cluster.cli import add_flags
+    cluster_flags, slo_flags = _controller_flags()
     c = p.add_argument_group("pool-ratio controller (disaggregated)")
-    c.add_argument("--controller", action="store_true", help="move workers between the pools as the load "
-                   "shifts (cluster/controller.py)")
-    c.add_argument("--controller-interval-s", type=float, default=10.0, help="seconds between decisions")
-    c.add_argument("--controller-window-s", type=float, default=30.0, help="seconds of signals a decision sees")
-    c.add_argument("--controller-cooldown-s", type=float, default=30.0, help="no change within this long of the last")
-    c.add_argument("--max-workers", type=int, default=None, help="worker budget (default: the pools' sizes)")
-    c.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the TTFT target the controller keeps")
-    c.add_argument("--slo-tpot-ms", type=float, default=100.0, help="the TPOT target the controller keeps")
+    add_flags(c, cluster_flags, ClusterSpec)
+    add_flags(c, slo_flags, SLOTargets)
 
 
 def control_from_args(a: argparse.Namespace, cluster: SimCluster):
-    """The controller's settings, or None without --controller."""
-    if not a.controller:
-        return None
+    """The controller's settings, or None without --controller: read and checked as `serve`
+    reads them (a ClusterSpec of the simulated pools' shape, SLOTargets)."""
+    from cluster.cli import given
     from cluster.controller import ControllerConfig
     from cluster.sim_control import SimControl
-    for name in ("controller_interval_s", "controller_window_s", "slo_ttft_ms", "slo_tpot_ms"):
-        if not getattr(a, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if a.controller_cooldown_s < 0:
-        raise ValueError("--controller-cooldown-s must be >= 0")
-    budget = a.max_workers or cluster.num_prefill + cluster.num_decode
-    return SimControl(ControllerConfig(budget, a.controller_cooldown_s), a.controller_interval_s,
-                      a.controller_window_s, a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000)
+    cluster_flags, slo_flags = _controller_flags()
+    fields = given(a, cluster_flags)
+    if not fields.get("controller"):
+        return None
+    spec = ClusterSpec(mode=cluster.mode, num_prefill=cluster.num_prefill, num_decode=cluster.num_decode,
+                       num_colocated=cluster.num_colocated, **fields)
+    slo = SLOTargets(**given(a, slo_flags))
+    return SimControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
+                      spec.controller_window_s, slo.ttft_s, slo.tpot_s)
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:

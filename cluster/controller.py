@@ -49,13 +49,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from workers.names import DECODE, PREFILL
+
 # Actions: move workers between the pools (they drain, flip, rejoin), or grow or shrink a pool.
 NONE, TO_PREFILL, TO_DECODE, ADD_PREFILL, ADD_DECODE, REMOVE_PREFILL, REMOVE_DECODE = (
     "none", "to_prefill", "to_decode", "add_prefill", "add_decode", "remove_prefill", "remove_decode")
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "slo_not_capacity", "balanced")
-POOLS = ("prefill", "decode")
+POOLS = (PREFILL, DECODE)
+COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 BACKLOG_S = 30.0
 MIN_JUDGED = 20         # finished requests an attainment needs to count
 
@@ -63,7 +66,7 @@ MIN_JUDGED = 20         # finished requests an attainment needs to count
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     max_workers: int                      # the budget: prefill + decode workers, never above
-    cooldown_s: float = 30.0              # no change within this long of the last one
+    cooldown_s: float = COOLDOWN_S        # no change within this long of the last one
     grow_at: float = 1.0                  # a pool is short when its demand exceeds this share of its capacity
     shrink_below: float = 0.8             # workers leave a pool only if the rest stay under this share
     prefill_target_load: float = 0.65     # a short pool is sized to its target, and a donor gives
@@ -85,7 +88,7 @@ class ControllerConfig:
                                  f"got {t}, {self.shrink_below}, {self.grow_at}")
 
     def target(self, pool: str) -> float:
-        return self.prefill_target_load if pool == "prefill" else self.decode_target_load
+        return self.prefill_target_load if pool == PREFILL else self.decode_target_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +240,11 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
     backlog = dict(zip(POOLS, backlog_needs(s, cfg.backlog_s)))
     steady = {k: need[k] - backlog[k] for k in POOLS}      # what the arrivals alone need
     load = {k: need[k] / max(1, n[k]) for k in POOLS}
-    slo = {"prefill": ("TTFT", s.ttft_attainment), "decode": ("TPOT", s.tpot_attainment)}
+    slo = {PREFILL: ("TTFT", s.ttft_attainment), DECODE: ("TPOT", s.tpot_attainment)}
     loads_txt = f"loads {load['prefill']:.2f} / {load['decode']:.2f}"
 
     def done(action: str, code: str, reason: str, count: int = 0) -> Decision:
-        return Decision(action, reason, load["prefill"], load["decode"], count, code)
+        return Decision(action, reason, load[PREFILL], load[DECODE], count, code)
     if s.draining:
         return done(NONE, "changing_roles", f"{s.draining} worker(s) changing roles")
     if s.now - last_change_at < cfg.cooldown_s:
@@ -265,19 +268,19 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
         pool = max(POOLS, key=lambda k: (free[k], -load[k]))
         if not free[pool]:
             return done(NONE, "over_budget", f"over the budget by {over}, nothing to spare ({loads_txt})")
-        return done(REMOVE_PREFILL if pool == "prefill" else REMOVE_DECODE, "over_budget",
+        return done(REMOVE_PREFILL if pool == PREFILL else REMOVE_DECODE, "over_budget",
                     f"over the budget by {over}: {free[pool]} from {pool} ({loads_txt})", free[pool])
 
-    if short["prefill"] and short["decode"]:
+    if short[PREFILL] and short[DECODE]:
         if total < cfg.max_workers:
             pool = max(POOLS, key=lambda k: load[k] / cfg.target(k))
             k = min(wanted(need[pool], n[pool], cfg.target(pool)) - n[pool], cfg.max_workers - total)
-            return done(ADD_PREFILL if pool == "prefill" else ADD_DECODE, "both_short",
+            return done(ADD_PREFILL if pool == PREFILL else ADD_DECODE, "both_short",
                         f"both pools short ({loads_txt}): {k} more {pool}", k)
         return done(NONE, "both_short", f"both pools short ({loads_txt}), at the budget")
 
-    for pool, other, add, move in (("prefill", "decode", ADD_PREFILL, TO_PREFILL),
-                                   ("decode", "prefill", ADD_DECODE, TO_DECODE)):
+    for pool, other, add, move in ((PREFILL, DECODE, ADD_PREFILL, TO_PREFILL),
+                                   (DECODE, PREFILL, ADD_DECODE, TO_DECODE)):
         if not short[pool]:
             continue
         code, why = short[pool]

@@ -21,6 +21,7 @@ from pathlib import Path
 from cluster.capacity import (Costs, add_cost_args, cluster_from_args, costs_from_args, engine_from_args, simulate,
                               sim_workload)
 from cluster.simulate import SimRequest
+from router.slo import ATTAINMENT
 from workers.cost_model import DISTSERVE_OPT13B_A100_TP, VLLM2023_OPT13B_A100_TP1, CostModel, Link, model_shape
 from workers.names import COLOCATED, DISAGGREGATED
 
@@ -83,8 +84,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, required=True)
     s.add_argument("--slo-tpot-ms", type=float, required=True)
-    s.add_argument("--slo-attainment", type=float, default=0.9, help="share of requests that must meet both "
-                   "(default 0.9)")
+    s.add_argument("--slo-attainment", type=float, default=ATTAINMENT, help="share of requests that must meet "
+                   f"both (default {ATTAINMENT})")
     r = p.add_argument_group("search")
     r.add_argument("--max-rate-per-gpu", type=float, default=None, help="where the rate search starts looking "
                    "(default: found by doubling from 1 req/s per GPU)")

@@ -36,9 +36,10 @@ log = logging.getLogger("pdcluster.controller")
 
 @dataclass(frozen=True, slots=True)
 class LiveControl:
+    """The controller's settings in the serving process (from ClusterSpec's controller fields)."""
     config: ControllerConfig
-    interval_s: float = 10.0
-    window_s: float = 30.0
+    interval_s: float
+    window_s: float
 
 
 class PoolController:

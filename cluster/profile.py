@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
+from workers.names import DECODE, PREFILL
 from workers.step_profile import profile_steps
 
 log = logging.getLogger("pdcluster.profile")
@@ -163,7 +164,7 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
         return step.step_s(BatchShape(num_decode=1, decode_context=context))
     # The workers' own step times against the fit's: a served worker shares its process with the
     # actor's threads, and the machine with the router, so its steps run slower than alone.
-    (p_sum, p_count), (d_sum, _) = served_s("prefill"), served_s("decode")
+    (p_sum, p_count), (d_sum, _) = served_s(PREFILL), served_s(DECODE)
     p_factor = p_sum / sum(prefill_s(r.prompt_len) for r in results) if p_count == len(results) else 1.0
     d_factor = d_sum / sum(decode_s(r.prompt_len + 1 + i) for r in results for i in range(r.output_len - 1))
     # What a token pays on its way to the client beyond its decode step (polls, streaming).

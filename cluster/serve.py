@@ -147,6 +147,18 @@ class ServingCluster:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
+    def answering(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        """worker id -> its `ready()` answer (role, pid, node, ...), for each worker that answers
+        now (one being restarted does not): fault drills and their tests find processes here."""
+        out = {}
+        for w in self.workers:
+            try:
+                info = ray.get(w.handle.ready.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+            out[info["worker_id"]] = info
+        return out
+
     def build(self, announce=None) -> DrainingServer:
         tokenizer = load_tokenizer(self.spec.model)
         if tokenizer is None:

@@ -24,11 +24,12 @@ from workers.names import DECODE, DISAGGREGATED, PREFILL
 
 @dataclass(frozen=True, slots=True)
 class SimControl:
+    """The controller's settings in the simulator (from `simulate`'s flags, which are `serve`'s)."""
     config: ControllerConfig
-    interval_s: float = 10.0
-    window_s: float = 30.0
-    slo_ttft_s: float = 1.0
-    slo_tpot_s: float = 0.1
+    interval_s: float
+    window_s: float
+    slo_ttft_s: float
+    slo_tpot_s: float
 
 
 class ControlledSimulator(Simulator):

@@ -29,12 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.loadgen import RequestResult
+from cluster.spec import check_pools
 from router.picker import Picker, decode_load, prefill_load
 from workers import messages as msg
 from workers.config import EngineConfig
 from workers.cost_model import CostModel
 from workers.engine_core import EngineCore, KVCacheLayout
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, P2C, PREFILL
 from workers.scheduler import SchedulerOutput
 from workers.sequence import SamplingParams, Sequence
 
@@ -88,7 +89,7 @@ class SimCluster:
     prefill_cost: CostModel | None = None
     decode_cost: CostModel | None = None        # colocated workers use prefill_cost
     engine: EngineConfig = field(default_factory=EngineConfig)
-    policy: str = "p2c"
+    policy: str = P2C
     max_pending: int = 512
     seed: int = 0
     request_overhead_s: float = 0.0             # router + HTTP time before a request reaches a worker,
@@ -99,12 +100,7 @@ class SimCluster:
     router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
-        if self.mode == COLOCATED and self.num_colocated < 1:
-            raise ValueError("colocated mode needs at least one worker")
+        check_pools(self.mode, self.num_prefill, self.num_decode, self.num_colocated)
         if self.prefill_cost is None or (self.mode == DISAGGREGATED and self.decode_cost is None):
             raise ValueError("a cost model for every pool is needed")
 

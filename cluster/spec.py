@@ -5,6 +5,7 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
+from cluster.controller import COOLDOWN_S
 from workers.config import EngineConfig
 from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS
 
@@ -32,23 +33,18 @@ class ClusterSpec:
     controller: bool = False
     controller_interval_s: float = 10.0
     controller_window_s: float = 30.0
-    controller_cooldown_s: float = 30.0
+    controller_cooldown_s: float = COOLDOWN_S
     max_workers: int | None = None            # the worker budget (default: the pools' sizes at launch)
 
     def __post_init__(self):
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine)
         self.engine = dataclasses.replace(self.engine, model=self.model)
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        check_pools(self.mode, self.num_prefill, self.num_decode, self.num_colocated)
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"--kv-transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.mode == DISAGGREGATED and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
-        if self.mode == COLOCATED and self.num_colocated < 1:
-            raise ValueError("colocated mode needs at least one worker")
         if self.controller and self.mode != DISAGGREGATED:
             raise ValueError("--controller moves workers between the prefill and decode pools: it needs "
                              "--mode disaggregated")
@@ -71,3 +67,13 @@ class ClusterSpec:
             return [(f"{COLOCATED}-{i}", COLOCATED) for i in range(self.num_colocated)]
         return ([(f"{PREFILL}-{i}", PREFILL) for i in range(self.num_prefill)] +
                 [(f"{DECODE}-{i}", DECODE) for i in range(self.num_decode)])
+
+
+def check_pools(mode: str, num_prefill: int, num_decode: int, num_colocated: int) -> None:
+    """A cluster's shape, served or simulated: a known mode, and its pools not empty."""
+    if mode not in MODES:
+        raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
+    if mode == DISAGGREGATED and (num_prefill < 1 or num_decode < 1):
+        raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+    if mode == COLOCATED and num_colocated < 1:
+        raise ValueError("colocated mode needs at least one worker")

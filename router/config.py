@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from router.admission import ADMISSION_POLICIES
 from router.slo import SLOTargets
-from workers.names import PICKING_POLICIES
+from workers.names import P2C, PICKING_POLICIES
 
 
 @dataclass(slots=True)
@@ -14,7 +14,7 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None                # require 'Authorization: Bearer KEY'
     served_model_name: str | None = None      # the model name clients send (default: the model)
-    policy: str = "p2c"                       # one of PICKING_POLICIES
+    policy: str = P2C                         # one of PICKING_POLICIES
     max_pending: int = 512                    # requests in flight before 429
     admission: str = "slo"                    # one of ADMISSION_POLICIES (router/admission.py)
     max_body_bytes: int = 8 * 2**20           # larger request bodies get 413, unread

@@ -39,7 +39,7 @@ from router.picker import Picker, decode_load
 from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.names import COLOCATED, DECODE, MODES, first_role
+from workers.names import COLOCATED, DECODE, MODES, P2C, first_role
 from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
@@ -67,7 +67,7 @@ class _Resume:
 
 
 class Dispatcher:
-    def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics, policy: str = "p2c",
+    def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics, policy: str = P2C,
                  max_retries: int = 2, seed: int | None = None, hang_timeout_s: float = 10.0,
                  restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
                  retire: Callable[[object], None] | None = None):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.messages import LoadReport
+from workers.names import P2C, RANDOM, ROUND_ROBIN
 from workers.names import PICKING_POLICIES as POLICIES
 
 
@@ -25,7 +26,7 @@ class WorkerLoad:
 
 
 class Picker:
-    def __init__(self, policy: str = "p2c", seed: int | None = None):
+    def __init__(self, policy: str = P2C, seed: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"picking policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -43,9 +44,9 @@ class Picker:
             raise LookupError("no worker to pick from")
         if len(worker_ids) == 1:
             return worker_ids[0]
-        if self.policy == "random":
+        if self.policy == RANDOM:
             return self._rng.choice(worker_ids)
-        if self.policy == "round-robin":
+        if self.policy == ROUND_ROBIN:
             return worker_ids[next(self._rr) % len(worker_ids)]
         n = len(worker_ids)                      # two distinct, uniformly (random.sample, cheaper)
         i = self._rng.randrange(n)

@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+ATTAINMENT = 0.9       # the share of requests within both SLOs that a rate must keep (bench --sweep, plan)
+
 
 @dataclass(frozen=True, slots=True)
 class SLOTargets:

@@ -111,3 +111,28 @@ def test_device_cuda_without_cuda_names_the_fix(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--device cuda:" in err and "use --device auto or cpu" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_simulate_reads_the_controller_flags_as_serve_does():
+    # `pdcluster simulate --controller` takes serve's flags: the same defaults, values and checks.
+    import argparse
+    import types
+
+    from cluster.capacity import add_controller_args, control_from_args
+    from cluster.spec import ClusterSpec
+    from router.slo import SLOTargets
+    p = argparse.ArgumentParser()
+    add_controller_args(p)
+    pools = types.SimpleNamespace(mode="disaggregated", num_prefill=2, num_decode=3, num_colocated=2)
+    assert control_from_args(p.parse_args([]), pools) is None
+    spec, slo = ClusterSpec(num_prefill=2, num_decode=3), SLOTargets()
+    c = control_from_args(p.parse_args(["--controller"]), pools)
+    assert (c.interval_s, c.window_s, c.config.cooldown_s, c.config.max_workers, c.slo_ttft_s, c.slo_tpot_s) == (
+        spec.controller_interval_s, spec.controller_window_s, spec.controller_cooldown_s, 5, slo.ttft_s, slo.tpot_s)
+    c = control_from_args(p.parse_args(["--controller", "--controller-interval-s", "2", "--max-workers", "8",
+                                        "--slo-tpot-ms", "40"]), pools)
+    assert (c.interval_s, c.config.max_workers, c.slo_tpot_s) == (2.0, 8, 0.04)
+    with pytest.raises(ValueError, match="controller_interval_s"):
+        control_from_args(p.parse_args(["--controller", "--controller-interval-s", "0"]), pools)
+    with pytest.raises(ValueError, match="tpot_s"):
+        control_from_args(p.parse_args(["--controller", "--slo-tpot-ms", "-1"]), pools)

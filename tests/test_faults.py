@@ -13,7 +13,6 @@ import signal
 import httpx
 import openai
 import pytest
-import ray
 
 from cluster import promtext
 from cluster.launcher import ClusterSpec
@@ -45,14 +44,7 @@ def chaos(ray_session):
 
 def worker_pids(c: ServingCluster) -> dict[str, int]:
     """The process of each worker that answers now (one being restarted does not)."""
-    out = {}
-    for w in c.workers:
-        try:
-            info = ray.get(w.handle.ready.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            continue
-        out[info["worker_id"]] = info["pid"]
-    return out
+    return {w: info["pid"] for w, info in c.answering(timeout_s=30).items()}
 
 
 def pools(c: ServingCluster) -> dict:

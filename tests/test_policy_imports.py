@@ -9,7 +9,8 @@ import sys
 POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.block_pool", "workers.handoff",
                   "workers.faults", "workers.engine_core", "cluster.simulate", "workers.cost_model", "cluster.controller",
                   "workers.messages", "workers.config", "workers.names", "router.picker", "router.slo",
-                  "router.config", "cluster.spec", "router.pools", "cluster.pool_control")
+                  "router.config", "cluster.spec", "router.pools", "cluster.pool_control", "router.admission",
+                  "cluster.sim_control")
 
 
 def test_policy_modules_load_neither_torch_nor_ray():

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from workers.faults import FaultPlan
 from workers.messages import TransferHeader
-from workers.names import TRANSPORTS
+from workers.names import AUTO, GLOO, NCCL, TRANSPORTS
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]      # per layer (k, v): [blocks, slot, head, dim]
 Group = Any                                             # a c10d backend: ProcessGroupGloo / ProcessGroupNCCL
@@ -509,7 +509,7 @@ def _check_block_ids(kv_caches: KVCaches, block_ids: list[int], unique: bool) ->
 
 
 class GlooTransport(KVTransport):
-    backend = "gloo"
+    backend = GLOO
     device_type = "cpu"
 
     def _new_group(self, store: dist.Store, rank: int, timeout: timedelta) -> Group:
@@ -522,7 +522,7 @@ class GlooTransport(KVTransport):
 
 
 class NcclTransport(KVTransport):
-    backend = "nccl"
+    backend = NCCL
     device_type = "cuda"
 
     def __init__(self, worker_id: str, device: torch.device | str | None = None, host: str | None = None):
@@ -548,12 +548,12 @@ class NcclTransport(KVTransport):
 def transport_backend(kind: str, device: torch.device | str) -> str:
     """The backend for `--kv-transport kind` with the KV cache on `device`."""
     device = torch.device(device)
-    if kind == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if kind == "nccl" and device.type != "cuda":
+    if kind == AUTO:
+        return NCCL if device.type == "cuda" else GLOO
+    if kind == NCCL and device.type != "cuda":
         raise ValueError(f"--kv-transport nccl moves CUDA tensors but the KV cache is on {device}: "
                          "use gloo or auto")
-    if kind == "gloo" and device.type != "cpu":
+    if kind == GLOO and device.type != "cpu":
         raise ValueError(f"--kv-transport gloo moves CPU tensors but the KV cache is on {device}: "
                          "use nccl or auto")
     if kind not in TRANSPORTS:
@@ -562,5 +562,5 @@ def transport_backend(kind: str, device: torch.device | str) -> str:
 
 
 def make_transport(kind: str, device: torch.device | str, worker_id: str, host: str | None = None) -> KVTransport:
-    cls = {"gloo": GlooTransport, "nccl": NcclTransport}[transport_backend(kind, device)]
+    cls = {GLOO: GlooTransport, NCCL: NcclTransport}[transport_backend(kind, device)]
     return cls(worker_id, device, host)
