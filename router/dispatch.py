@@ -83,6 +83,7 @@ class Dispatcher:
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._pumps: dict[str, asyncio.Task] = {}
+        self._stopping = False
         self.sample_listeners: list[Callable[[str, str, dict], None]] = []   # (worker, role, samples)
         self.pools.listen(self._pool_changed)
         metrics.count_pools(self.pools)
@@ -102,15 +103,22 @@ class Dispatcher:
         self._pumps[m.worker_id] = asyncio.get_running_loop().create_task(self._pump(m))
 
     async def stop(self) -> None:
-        for t in self._pumps.values():
+        """Stop polling. Each pump ends after the poll it has in flight (a poll the worker has
+        begun answering takes its events with it: cut short, they would be lost to whoever
+        polls that worker next), or is cancelled past the hang timeout."""
+        self._stopping = True
+        pumps = list(self._pumps.values())
+        if pumps:
+            await asyncio.wait(pumps, timeout=self.hang_timeout_s)
+        for t in pumps:
             t.cancel()
-        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        await asyncio.gather(*pumps, return_exceptions=True)
 
     # -- the pumps -----------------------------------------------------------------------------
     async def _pump(self, w: Member) -> None:
         if w.state != ACTIVE and not await self._await_ready(w, self.restart_timeout_s):
             return
-        while w.state != STOPPED:
+        while w.state != STOPPED and not self._stopping:
             polled_at = time.monotonic()
             try:
                 raw = await asyncio.wait_for(_awaitable(w.handle.poll.remote(0.5)), self.hang_timeout_s)
@@ -184,7 +192,7 @@ class Dispatcher:
         so its flip, or its exit, completes at once)."""
         t0 = time.monotonic()
         restarting = w.state == DEAD
-        while time.monotonic() - t0 < timeout_s and w.state != STOPPED:
+        while time.monotonic() - t0 < timeout_s and w.state != STOPPED and not self._stopping:
             try:
                 await asyncio.wait_for(_awaitable(w.handle.ready.remote()), timeout_s)
                 if restarting:
@@ -205,7 +213,7 @@ class Dispatcher:
                 return True
             break
         else:
-            if w.state == STOPPED:
+            if w.state == STOPPED or self._stopping:     # (stopping: the dispatcher, not the worker)
                 return False
             log.error("worker %s did not %s within %.0fs; the %s pool stays smaller", w.worker_id,
                       "come back" if restarting else "start", timeout_s, w.role)
