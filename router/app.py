@@ -41,9 +41,8 @@ from starlette.requests import ClientDisconnect
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
-                             check_token_ids,
-                             completion_prompts, echo_of, parse_json, request_options, sample_counts,
-                             sampling_params, too_large)
+                             check_token_ids, completion_prompts, echo_of, parse_json, request_options,
+                             sample_counts, sampling_params, too_large)
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
