@@ -127,11 +127,11 @@ class ModelRunner:
         if out.copies:               # first: a swap may reuse a copy's source block this step
             self.copy_blocks(out.copies)
         self.swap(out.swap_out, out.swap_in)
-        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(out, block_tables)
+        input_ids, positions, meta, sample_rows, sample_seqs, prompt_rows = self._prepare(out, block_tables)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
-        self.last_prompt_logprobs = self._prompt_logprobs(out, hidden) if _wants_prompt_logprobs(out) else []
+        self.last_prompt_logprobs = self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
@@ -142,21 +142,11 @@ class ModelRunner:
 
     PROMPT_LOGITS_ROWS = 256        # rows of prompt logits at a time (rows x vocabulary floats)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[tuple[Sequence, int, list[dict]]]:
-        """For each scheduled sequence that asked for its prompt's logprobs, those of the prompt
-        tokens this step's rows predict: the row at position p gives token p + 1's logprob (and
-        the top ones). Rows follow `_prepare`'s layout: decoding rows first, then the chunks on
-        cached context, then fresh ones."""
-        rows: list[tuple[Sequence, int, int, int]] = []           # (seq, row, first position, count)
-        decodes, on_context, fresh = [], [], []
-        for s, n in out.scheduled:
-            (decodes if n == 1 else on_context if s.num_computed_tokens else fresh).append((s, n))
-        row = 0
-        for s, n in decodes + on_context + fresh:
-            count = min(s.num_computed_tokens + n, s.num_prompt_tokens - 1) - s.num_computed_tokens
-            if s.prompt_logprobs is not None and count > 0:
-                rows.append((s, row, s.num_computed_tokens, count))
-            row += n
+    def _prompt_logprobs(self, rows: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
+                         ) -> list[tuple[Sequence, int, list[dict]]]:
+        """For each sequence that asked for its prompt's logprobs, those of the prompt tokens this
+        step's rows predict (`rows`, found by `_prepare`: sequence, first row, its position,
+        count): the row at position p gives token p + 1's logprob (and the top ones)."""
         result = []
         for s, row0, start, count in rows:
             k = s.params.prompt_logprobs
@@ -181,8 +171,11 @@ class ModelRunner:
         bs = self.block_size
         seqs, paged_tables = [], []                  # decoding rows, and their tables
         on_context, fresh = [], []                   # (seq, n, table) of multi-token chunks
+        prompt_rows = []                             # (seq, row, first position, count): see _prompt_logprobs
         for (s, n), table in zip(out.scheduled, block_tables):
             if n == 1:
+                if s.prompt_logprobs is not None and s.num_computed_tokens + 1 < s.num_prompt_tokens:
+                    prompt_rows.append((s, len(seqs), s.num_computed_tokens, 1))
                 seqs.append(s)
                 paged_tables.append(table)
             else:
@@ -203,6 +196,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             chunks.append((row0, n, start, len(paged_tables) if start else -1))
+            if s.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
+                prompt_rows.append((s, row0, start, min(start + n, s.num_prompt_tokens - 1) - start))
             if start:
                 paged_tables.append(table)
                 context_lens.append(start + n)
@@ -226,7 +221,7 @@ class ModelRunner:
                       for r, n, c, i in chunks])
         if self.backend.name == "flash":
             meta.flash = self._flash_args([(s, 1, t) for s, t in zip(seqs, paged_tables)] + on_context + fresh)
-        return input_ids, positions, meta, sample_rows, sample_seqs
+        return input_ids, positions, meta, sample_rows, sample_seqs, prompt_rows
 
     def _int64_tensors(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """The lists as int64 tensors on the device, through one host array and one copy:
@@ -251,10 +246,3 @@ class ModelRunner:
                 "seqused_k": torch.tensor(k_lens, dtype=torch.int32, device=dev),
                 "max_seqlen_k": max(k_lens),
                 "block_table": torch.tensor(bt, dtype=torch.int32, device=dev)}
-
-
-def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
-    for s, _ in out.scheduled:
-        if s.prompt_logprobs is not None:
-            return True
-    return False
