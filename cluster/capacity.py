@@ -26,7 +26,8 @@ from workers.names import COLOCATED, DISAGGREGATED
 
 # The engine flags a simulated worker takes (the rest, like dtype or device, have no meaning there).
 SIM_ENGINE_FLAGS = ("--block-size", "--num-kv-blocks", "--no-prefix-caching", "--max-num-batched-tokens",
-                    "--max-num-seqs", "--watermark", "--scheduling-policy", "--max-model-len", "--no-chunked-prefill")
+                    "--max-num-seqs", "--watermark", "--scheduling-policy", "--no-priority-inheritance",
+                    "--prefill-us-per-token", "--max-model-len", "--no-chunked-prefill")
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
         if name in shape and mode != needs:
             raise ValueError(f"{flag} applies to --mode {needs}; this cluster is {mode}")
     router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in ("--policy", "--max-pending")))
+    slo = SLOTargets(**given(a, _controller_flags()[1]))      # the requests' default targets, as serve's
     overhead, per_token = costs.request_overhead_s, costs.request_overhead_per_token_s
     if a.request_overhead_ms is not None:
         overhead, per_token = a.request_overhead_ms / 1000, 0.0
@@ -259,7 +261,7 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
                       num_colocated=shape.get("num_colocated", 2), prefill_cost=with_capacity(costs.prefill, engine),
                       decode_cost=with_capacity(costs.decode, engine), engine=engine, seed=a.seed,
                       request_overhead_s=overhead, request_overhead_per_token_s=per_token, shared_cores=costs.shared_cores,
-                      router_cpu_per_token_s=costs.router_cpu_per_token_s, **router)
+                      router_cpu_per_token_s=costs.router_cpu_per_token_s, slo=slo, **router)
 
 
 def _tokenizer(a: argparse.Namespace):

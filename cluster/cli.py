@@ -14,11 +14,24 @@ from router.admission import ADMISSION_POLICIES
 from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
-from workers.names import (ATTENTION_BACKENDS, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
+from workers.names import (ATTENTION_BACKENDS, AUTO, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, TRANSPORTS)
 
 PROG = "pdcluster"
 MiB = 2**20
+
+
+def local_prefill_tokens(text: str) -> int | str:
+    """--local-prefill-max-tokens: a count of tokens >= 0, or "auto"."""
+    if text == AUTO:
+        return AUTO
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}")
+    return n
 
 
 class Flag(NamedTuple):
@@ -49,7 +62,16 @@ ENGINE_FLAGS = (
     Flag("--watermark", "scheduler.watermark", "fraction of KV blocks kept free when admitting", float),
     Flag("--preemption-mode", "scheduler.preemption_mode", "how a preempted sequence gives up its blocks", str,
          PREEMPTION_MODES),
-    Flag("--scheduling-policy", "scheduler.policy", "queue order", str, SCHEDULING_POLICIES),
+    Flag("--scheduling-policy", "scheduler.policy", "queue order: fcfs (arrival); priority (the request's "
+         "`priority`, lower first; see --no-priority-inheritance); deadline (prefill work by least slack to each "
+         "request's TTFT deadline, `ttft_slo_ms` or --slo-ttft-ms, those that can still meet it first)", str,
+         SCHEDULING_POLICIES),
+    Flag("--no-priority-inheritance", "scheduler.priority_inheritance", "priority: keep running prompts' chunks "
+         "ahead of waiting prompts whatever their priority, and let a waiting prompt recompute a prefix a "
+         "lower-priority one is computing (without: it waits for those blocks and lends that one its priority)",
+         bool, negate=True),
+    Flag("--prefill-us-per-token", "scheduler.prefill_s_per_token", "deadline: the first estimate of a prompt "
+         "token's cost, then measured from full steps", float, unit=1e-6),
     Flag("--no-chunked-prefill", "scheduler.chunked_prefill", "admit prompts whole, in steps of their own "
          "(decoding pauses for them; vLLM's v0 default)", bool, negate=True),
 )
@@ -84,7 +106,13 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--port", "port", "port of the HTTP server"),
     Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY'", str),
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
-    Flag("--policy", "policy", "how the router picks workers", str, PICKING_POLICIES),
+    Flag("--policy", "policy", "how the router picks workers (prefix: prefill workers by the prompt blocks "
+         "their prefix caches hold, against their queues)", str, PICKING_POLICIES),
+    Flag("--local-prefill-max-tokens", "local_prefill_max_tokens", "disaggregated: a request with at most this "
+         "many prompt tokens to compute (beyond its decode worker's prefix cache) is prefilled on that decode "
+         "worker, with no KV handoff; 0: always hand off; auto: when the cost model says the handoff and the "
+         "prefill queue would cost the request more than the prefill delays the decode worker's batch",
+         local_prefill_tokens),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
     Flag("--admission", "admission", "slo: also refuse (429 at once) a request predicted to miss its TTFT or TPOT "
          "target; queue: only the --max-pending bound", str, ADMISSION_POLICIES),
@@ -101,9 +129,10 @@ ROUTER_FLAGS = (        # RouterConfig fields
 )
 
 SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line
-    Flag("--slo-ttft-ms", "ttft_s", "TTFT target: requests are judged against it in the SLO metrics", float,
-         unit=1e-3),
-    Flag("--slo-tpot-ms", "tpot_s", "TPOT (time per output token) target", float, unit=1e-3),
+    Flag("--slo-ttft-ms", "ttft_s", "TTFT target: requests are judged against it in the SLO metrics, and it is "
+         "the deadline of a request without its own ttft_slo_ms", float, unit=1e-3),
+    Flag("--slo-tpot-ms", "tpot_s", "TPOT (time per output token) target (a request's tpot_slo_ms overrides it)",
+         float, unit=1e-3),
     Flag("--slo-window-s", "window_s", "window of the router's pdcluster:slo_attainment gauge", float),
 )
 

@@ -24,7 +24,7 @@ from router.dispatch import Dispatcher
 from router.pools import STARTING, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import RouterConfig
-from workers.names import PREFILL, ROLES
+from workers.names import AUTO, COLOCATED, PREFILL, ROLES
 from workers.checkpoint import load_tokenizer
 
 __all__ = ["ServingCluster", "banner", "free_port", "serve_forever"]   # free_port: for tests and tools
@@ -173,16 +173,21 @@ class ServingCluster:
         metrics = Metrics(cfg.slo)
         dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
                                 hang_timeout_s=cfg.worker_hang_timeout_s,
-                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire)
+                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
+                                block_size=infos[0]["block_size"],
+                                local_prefill_max_tokens=cfg.local_prefill_max_tokens)
         sched = self.spec.engine.scheduler
-        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO else None
+        local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
+        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
+        if local_auto:
+            dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
                                   sched.max_num_seqs) if cfg.admission == SLO else None)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
-                        client_stall_timeout_s=cfg.client_stall_timeout_s,
+                        client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server

@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from cluster.loadgen import RequestResult
 from cluster.spec import check_pools
 from router.picker import Picker, decode_load, prefill_load
+from router.prefix_index import PrefixIndex
+from router.slo import SLOTargets
 from workers import messages as msg
 from workers.config import EngineConfig
-from workers.cost_model import CostModel
+from workers.cost_model import BatchShape, CostModel
 from workers.engine_core import EngineCore, KVCacheLayout
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, P2C, PREFILL
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, P2C, PREFILL, PREFIX
 from workers.scheduler import SchedulerOutput
 from workers.sequence import SamplingParams, Sequence
 
@@ -54,6 +56,8 @@ class SimRequest:
     prompt_len: int = 0              # synthetic: tokens in all
     uid: int = 0                     # synthetic: makes its own ids
     prefix: list[int] | None = None  # synthetic: shared leading ids (one list for all who share it)
+    ttft_slo_s: float | None = None  # its own targets, as a request's ttft_slo_ms / tpot_slo_ms (None:
+    tpot_slo_s: float | None = None  # the cluster's `slo`)
 
     def __post_init__(self):
         if self.prompt_token_ids is not None:
@@ -98,6 +102,7 @@ class SimCluster:
     # slow down when more is runnable than there are cores. None: every worker has its device.
     shared_cores: float | None = None
     router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
+    slo: SLOTargets = field(default_factory=SLOTargets)   # the requests' default TTFT and TPOT targets
 
     def __post_init__(self):
         check_pools(self.mode, self.num_prefill, self.num_decode, self.num_colocated)
@@ -126,6 +131,8 @@ class SimEngine(EngineCore):
         layout = KVCacheLayout(cost.kv_bytes_per_token, block, max(1, cost.kv_capacity_tokens // block), 0)
         super().__init__(engine.scheduler, layout, min(max_model_len, layout.max_resident_tokens), vocab_size,
                          engine.cache.enable_prefix_caching, clock=clock)
+        budget = engine.scheduler.max_num_batched_tokens     # the deadline policy's first estimate
+        self.scheduler.prefill_s_per_token = cost.step_s(BatchShape(1, budget, budget * budget)) / budget
 
     def _check_ids(self, ids, name: str) -> None:
         """The simulator makes its own token ids; checking each would cost a pass per prompt."""
@@ -276,6 +283,14 @@ class Simulator:
         self.pool_ids = {role: [w.worker_id for w in pool] for role, pool in self.pools.items()}
         self.prefill_picker = Picker(cluster.policy, cluster.seed)
         self.decode_picker = Picker(cluster.policy, cluster.seed + 1)
+        # Prefix-aware picking: the router's index of the prefill workers' caches, kept as the
+        # router keeps it (its own choices, the workers' cache events after each step).
+        self.prefix_index = PrefixIndex(cluster.engine.cache.block_size) if cluster.policy == PREFIX else None
+        if self.prefix_index is not None:
+            for w in self.workers.values():
+                if w.role != DECODE:
+                    w.engine.kv.pool.record_events()
+                    self.prefix_index.set_capacity(w.worker_id, w.engine.kv.pool.num_blocks)
         self._tracked: dict[str, _Tracked] = {}
         self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
@@ -338,15 +353,33 @@ class Simulator:
             params = self._params[r.output_len] = SamplingParams(max_tokens=r.output_len, temperature=0.0,
                                                                  ignore_eos=True)
         colocated = self.c.mode == COLOCATED
-        w = self._pick(COLOCATED if colocated else PREFILL)
+        ids = r.ids()
+        w, uncached = self._pick_first(COLOCATED if colocated else PREFILL, ids)
+
+        slo = self.c.slo
 
         def submit(engine=w.engine):
             try:
-                engine.add_request(prompt_token_ids=r.ids(), params=params, request_id=rid,
-                                   arrival_time=self._tracked[rid].sent_s, prefill_only=not colocated)
+                engine.add_request(prompt_token_ids=ids, params=params, request_id=rid,
+                                   arrival_time=self._tracked[rid].sent_s, prefill_only=not colocated,
+                                   ttft_left_s=r.ttft_slo_s or slo.ttft_s, tpot_s=r.tpot_slo_s or slo.tpot_s)
             except ValueError as e:                  # too long for this model: a 400 in the real server
                 self._fail(rid, f"HTTP 400: {e}")
-        self._submit(w, submit, r.prompt_len)
+        self._submit(w, submit, uncached)
+
+    def _pick_first(self, role: str, ids: list[int]) -> tuple[SimWorker, int]:
+        """The worker a prompt starts on, and the tokens it will compute there (router/dispatch.py
+        `_pick_start`, without local prefill)."""
+        index = self.prefix_index
+        if index is None:
+            return self._pick(role), len(ids)
+        ws, bs = self.workers, index.block_size
+        hashes = index.hashes(ids)
+        matched = index.matches(hashes)
+        wid = self.prefill_picker.choose_prefix(self.pool_ids[role], lambda i: prefill_load(
+            ws[i].report(), ws[i].inbox_tokens), matched, len(ids), bs)
+        index.add(wid, hashes)
+        return ws[wid], len(ids) - min(matched.get(wid, 0) * bs, len(ids) - 1)
 
     def _pick(self, role: str) -> SimWorker:
         ids, ws = self.pool_ids[role], self.workers
@@ -396,6 +429,10 @@ class Simulator:
 
     # -- workers ---------------------------------------------------------------------------------
     def _start_step(self, w: SimWorker) -> None:
+        if self.prefix_index is not None and w.role != DECODE:
+            stored, evicted = w.engine.kv.pool.take_events()
+            self.prefix_index.remove(w.worker_id, evicted)
+            self.prefix_index.add(w.worker_id, stored)
         inbox, w.inbox, w.inbox_tokens = w.inbox, [], 0
         for fn in inbox:
             fn()
@@ -496,7 +533,7 @@ class Simulator:
         while d.waiting_room:
             rid, seq, prefill = d.waiting_room[0]
             blocks = d.engine.reserve(rid, seq.prompt_token_ids, seq.output_token_ids, seq.params,
-                                      arrival_time=seq.arrival_time, num_receiving=d.receiving)
+                                      arrival_time=seq.arrival_time, num_receiving=d.receiving, tpot_s=seq.tpot_s)
             if blocks is None:
                 return
             d.waiting_room.popleft()

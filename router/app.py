@@ -42,7 +42,8 @@ from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
-                             sample_counts, sampling_params, too_large)
+                             sample_counts, sampling_params, slo_targets, too_large)
+from router.slo import SLOTargets
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
@@ -91,8 +92,10 @@ class Server:
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None = None, max_pending: int = 512, default_max_tokens: int = 16,
                  cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
-                 admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0):
+                 admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
+                 slo: SLOTargets | None = None):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.slo = slo                         # the requests' default TTFT and TPOT targets (None: none)
         self.admission = admission             # SLO admission (router/admission.py); None: the queue bound only
         self.client_stall_timeout_s = client_stall_timeout_s
         self.max_body_bytes = max_body_bytes   # larger bodies get 413, unread (RouterConfig.max_body_bytes)
@@ -204,8 +207,10 @@ class Server:
         stream, include_usage, priority = request_options(body)
         n, best_of = sample_counts(body, stream, len(prompts))
         echo = echo_of(body, kind, params)
+        ttft_s, tpot_s = slo_targets(body, *((self.slo.ttft_s, self.slo.tpot_s) if self.slo else (None, None)))
+        due = None if ttft_s is None else time.monotonic() + ttft_s
         return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority,
-                                  echo=echo, n=n, best_of=best_of) for ids in prompts]
+                                  echo=echo, n=n, best_of=best_of, ttft_due=due, tpot_s=tpot_s) for ids in prompts]
 
     def samples(self, req: GenerationRequest) -> list[GenerationRequest]:
         """The request's samples (best_of of them): sample j seeded with `sample_seed(seed, j)`;

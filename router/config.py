@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.admission import ADMISSION_POLICIES
+from router.picker import check_local_prefill
 from router.slo import SLOTargets
 from workers.names import P2C, PICKING_POLICIES
 
@@ -15,6 +16,7 @@ class RouterConfig:
     api_key: str | None = None                # require 'Authorization: Bearer KEY'
     served_model_name: str | None = None      # the model name clients send (default: the model)
     policy: str = P2C                         # one of PICKING_POLICIES
+    local_prefill_max_tokens: int | str = 0   # disaggregated: prefill on the decode worker up to this many tokens ("auto")
     max_pending: int = 512                    # requests in flight before 429
     admission: str = "slo"                    # one of ADMISSION_POLICIES (router/admission.py)
     max_body_bytes: int = 8 * 2**20           # larger request bodies get 413, unread
@@ -27,6 +29,7 @@ class RouterConfig:
     def __post_init__(self):
         if self.policy not in PICKING_POLICIES:
             raise ValueError(f"--policy must be one of {PICKING_POLICIES}, got {self.policy!r}")
+        check_local_prefill(self.local_prefill_max_tokens)
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.admission not in ADMISSION_POLICIES:

@@ -35,11 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.metrics import Metrics
-from router.picker import Picker, decode_load
+from router.picker import Picker, check_local_prefill, decode_load
 from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
+from router.prefix_index import PrefixIndex
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.names import COLOCATED, DECODE, MODES, P2C, first_role
+from workers.cost_model import StepFit, local_prefill_limit
+from workers.names import AUTO, COLOCATED, DECODE, MODES, P2C, PREFILL, PREFIX, first_role
 from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
@@ -70,9 +72,11 @@ class Dispatcher:
     def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics, policy: str = P2C,
                  max_retries: int = 2, seed: int | None = None, hang_timeout_s: float = 10.0,
                  restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
-                 retire: Callable[[object], None] | None = None):
+                 retire: Callable[[object], None] | None = None, block_size: int = 16,
+                 local_prefill_max_tokens: int | str = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_local_prefill(local_prefill_max_tokens)
         self.pools = pools if isinstance(pools, PoolRegistry) else PoolRegistry.of(pools)
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
@@ -80,6 +84,16 @@ class Dispatcher:
         self._retire = retire                # ends a drained worker that leaves the cluster (blocking)
         self.prefill_picker = Picker(policy, seed)
         self.decode_picker = Picker(policy, None if seed is None else seed + 1)
+        # Disaggregated: a request with at most this many prompt tokens to compute (beyond what
+        # its decode worker's prefix cache holds) is prefilled there, with no handoff; "auto":
+        # as the cost model says, request by request (`price_local_prefill`).
+        self.local_prefill_max_tokens = local_prefill_max_tokens if mode != COLOCATED else 0
+        self._local_cost: tuple[StepFit, int] | None = None      # auto: the fit, the largest chunk
+        self.handoff_s: float | None = None      # a handoff as the router sees it (held -> first decode token), smoothed
+        # The workers' prefix caches as the router sees them (`block_size`: the workers'), kept
+        # when picking uses them: prefix-aware picking, or local prefills counting cached tokens.
+        self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
+                             else None)
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._pumps: dict[str, asyncio.Task] = {}
@@ -90,6 +104,8 @@ class Dispatcher:
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
         self.metrics.count_pools(self.pools)
+        if self.prefix_index is not None and m.state in (DEAD, STOPPED):   # its cache is gone with it
+            self.prefix_index.forget(m.worker_id)
         if old_role != m.role:
             self.metrics.role_changes.labels(old_role, m.role).inc()
 
@@ -138,6 +154,10 @@ class Dispatcher:
                     return
                 continue
             w.reported(reply.load, polled_at)
+            if self.prefix_index is not None:
+                self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
+                self.prefix_index.remove(w.worker_id, reply.cache_evicted)
+                self.prefix_index.add(w.worker_id, reply.cache_stored)
             self.metrics.observe_load(reply.load)
             self.metrics.observe_samples(w.worker_id, reply.load.role, reply.samples)
             for fn in self.sample_listeners:
@@ -228,7 +248,7 @@ class Dispatcher:
             q.put_nowait(ev)
 
     # -- one request ---------------------------------------------------------------------------
-    def _pick(self, role: str) -> Member:
+    def _pick(self, role: str, start: _Start | None = None) -> Member:
         pool = self.pools.active(role)
         if not pool:
             raise RequestFailed(f"no live {role} worker")
@@ -236,15 +256,62 @@ class Dispatcher:
         ids = list(ws)
         if role == DECODE:
             return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report, len(ws[i].unreported)))]
-        return ws[self.prefill_picker.choose(ids, lambda i: ws[i].queued_prefill_tokens())]
+        load = lambda i: ws[i].queued_prefill_tokens()      # noqa: E731
+        if start is not None and self.prefill_picker.policy == PREFIX:
+            return ws[self.prefill_picker.choose_prefix(ids, load, start.matched, start.num_tokens,
+                                                        self.prefix_index.block_size)]
+        return ws[self.prefill_picker.choose(ids, load)]
 
-    async def _pick_live(self, role: str) -> Member:
+    async def _pick_live(self, role: str, start: _Start | None = None) -> Member:
         """Pick from the pool; when none of its workers is active now but one will be (a one-worker
         pool whose worker is restarting, or one on its way in), wait for it rather than fail."""
         deadline = time.monotonic() + self.restart_timeout_s
         while not self.pools.active(role) and self.pools.coming(role) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        return self._pick(role)
+        return self._pick(role, start)
+
+    def price_local_prefill(self, fit: StepFit, max_chunk: int) -> None:
+        """With --local-prefill-max-tokens auto: decide with the step cost model `fit` (prompt
+        chunks of at most `max_chunk` tokens, the scheduler's budget)."""
+        self._local_cost = (fit, max_chunk)
+
+    def _prefill_locally(self, d: Member, uncached: int) -> bool:
+        """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:
+        up to it. Auto (workers/cost_model.py `local_prefill_limit`): when what it delays the
+        sequences `d` decodes costs less than the prefill queue plus the handoff as measured
+        would cost the request; never beyond one chunk, and not before the model is fitted."""
+        limit = self.local_prefill_max_tokens
+        if limit != AUTO:
+            return uncached <= limit
+        cost = self._local_cost[0].current() if self._local_cost is not None else None
+        if cost is None or uncached > self._local_cost[1]:
+            return False
+        r, prefill = d.report, self.pools.active(PREFILL)
+        num_decode = (r.running if r else 0) + len(d.unreported)
+        context = r.kv_blocks_used * self.prefix_index.block_size if r else 0
+        queued = min((m.queued_prefill_tokens() for m in prefill), default=0)
+        remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
+        return local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
+
+    async def _pick_start(self, rid: str, token_ids: list[int]) -> tuple[Member, type]:
+        """Where a request (or a resumed one: prompt + delivered tokens) computes its prompt, and
+        the op that starts it there: a GenerateOp on a decode worker when it has few enough
+        tokens to compute there (local prefill), else the first role's op. The worker counts the
+        tokens it will compute until its next report, and holds their blocks in the index."""
+        start = _Start(self.prefix_index, token_ids)
+        role = first_role(self.mode)
+        w, op = None, msg.GenerateOp if role == COLOCATED else msg.PrefillOp
+        if self.local_prefill_max_tokens and role == PREFILL:
+            d = await self._pick_live(DECODE, start)
+            if self._prefill_locally(d, start.uncached_on(d)):
+                w, op = d, msg.GenerateOp
+                self.metrics.local_prefills.inc()
+        if w is None:
+            w = await self._pick_live(role, start)
+        w.sent(rid, start.uncached_on(w))
+        if self.prefix_index is not None:
+            self.prefix_index.add(w.worker_id, start.hashes)
+        return w, op
 
     def _new_base(self) -> str:
         return f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
@@ -310,12 +377,10 @@ class Dispatcher:
         """Yields TokenEvents; yields a _Resume once when the attempt failed retryably. Starts
         after the `delivered` output tokens (a resumed request)."""
         outputs = list(delivered)
-        role = first_role(self.mode)
-        w = await self._pick_live(role)
+        w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
         involved.append(w)
-        w.sent(rid, len(req.prompt_token_ids) + len(outputs))
-        op = msg.GenerateOp if role == COLOCATED else msg.PrefillOp
-        _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs))))
+        _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
+                                                   ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
         while True:
             ev = await q.get()
             if (resume := _resume_for(ev)) is not None:
@@ -328,12 +393,13 @@ class Dispatcher:
                 return
             if ev.held:
                 break
+        held_at = time.monotonic()
         # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
         d = await self._pick_live(DECODE)
         involved.append(d)
         d.sent(rid, 1)
         _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
-                                                             w.worker_id, req.priority))))
+                                                             w.worker_id, req.priority, tpot_s=req.tpot_s))))
         while True:
             ev = await q.get()
             if (resume := _resume_for(ev)) is not None:
@@ -341,10 +407,29 @@ class Dispatcher:
                 return
             # Tokens from the decode worker: the KV has left the prefill worker, whose loss no
             # longer concerns this request.
+            if held_at is not None:
+                took, held_at = time.monotonic() - held_at, None
+                self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
             w.assigned.discard(rid)
             yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
+
+
+class _Start:
+    """A prompt about to start: its length and block hashes, and which workers hold how many of
+    its leading blocks (none known without a prefix index)."""
+    __slots__ = ("num_tokens", "hashes", "matched", "block_size")
+
+    def __init__(self, index: PrefixIndex | None, token_ids: list[int]):
+        self.num_tokens = len(token_ids)
+        self.hashes = index.hashes(token_ids) if index is not None else []
+        self.matched = index.matches(self.hashes) if index is not None else {}
+        self.block_size = index.block_size if index is not None else 0
+
+    def uncached_on(self, w: Member) -> int:
+        """Tokens `w` would compute: all but its cached leading blocks (and always the last)."""
+        return self.num_tokens - min(self.matched.get(w.worker_id, 0) * self.block_size, self.num_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -397,11 +482,10 @@ class _SharedStart:
             if ev.finished:
                 return
 
-    def _involve(self, w: Member, tokens: int) -> None:
-        """The samples run on `w` from here: a loss of it fails them, their cleanup aborts there,
-        and its load counts them until its next report (the prompt's `tokens` once)."""
+    def _involve(self, w: Member) -> None:
+        """The samples run on `w` from here (the carrier is sent there): a loss of it fails them,
+        their cleanup aborts there, and its load counts them until its next report."""
         self.involved.append(w)
-        w.sent(self.rid, tokens)
         for f in self.first:
             f.involved.append(w)
             w.sent(f.rid, 0)
@@ -409,24 +493,27 @@ class _SharedStart:
     async def _start(self) -> None:
         d, req, q = self.d, self.req, self.queue
         try:
-            role = first_role(d.mode)
-            w = await d._pick_live(role)
             prompt = req.prompt_token_ids
-            if role == COLOCATED:
-                self._involve(w, len(prompt))
+            w, op = await d._pick_start(self.rid, prompt)
+            if op is msg.GenerateOp:             # colocated, or prefilled on its decode worker
+                self._involve(w)
                 _fire(w.handle.submit.remote(msg.encode(msg.GenerateOp(
-                    self.rid, prompt, self.CARRIER, req.priority, forks=self.forks))))
+                    self.rid, prompt, self.CARRIER, req.priority, forks=self.forks,
+                    ttft_left_s=req.ttft_left_s(()), tpot_s=req.tpot_s))))
             else:
                 self.involved.append(w)
-                w.sent(self.rid, len(prompt))
-                _fire(w.handle.submit.remote(msg.encode(msg.PrefillOp(self.rid, prompt, self.CARRIER, req.priority))))
+                _fire(w.handle.submit.remote(msg.encode(msg.PrefillOp(self.rid, prompt, self.CARRIER, req.priority,
+                                                                      ttft_left_s=req.ttft_left_s(()),
+                                                                      tpot_s=req.tpot_s))))
                 ev = await q.get()
                 if isinstance(ev, msg.ErrorEvent) or not ev.held:
                     return self._failed(ev)
                 dw = await d._pick_live(DECODE)
-                self._involve(dw, 1)
+                dw.sent(self.rid, 1)
+                self._involve(dw)
                 _fire(dw.handle.submit.remote(msg.encode(msg.DecodeOp(
-                    self.rid, prompt, self.CARRIER, ev.tokens, w.worker_id, req.priority, forks=self.forks))))
+                    self.rid, prompt, self.CARRIER, ev.tokens, w.worker_id, req.priority, forks=self.forks,
+                    tpot_s=req.tpot_s))))
             ev = await q.get()
             if isinstance(ev, msg.TokenEvent) and ev.reason == "forked":
                 self.forked = True

@@ -121,6 +121,8 @@ class Metrics:
                 self.pool_members.labels(role, state)
         for a, b in ROLE_FLIPS:
             self.role_changes.labels(a, b)
+        self.local_prefills = Counter(P + "local_prefills", "Requests prefilled on their decode worker, with no "
+                                      "KV handoff (--local-prefill-max-tokens)", registry=r)
         # -- faults and recovery ---------------------------------------------------------------
         self.resumed = Counter(P + "requests_resumed", "Requests resumed on live workers after a fault "
                                "(prompt + delivered tokens prefilled again)", ["cause"], registry=r)

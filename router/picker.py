@@ -6,6 +6,15 @@ Power-of-two-choices: sample two distinct workers uniformly, send to the less lo
 balls into n bins the fullest bin holds ~log n / log log n balls under random placement, but
 only ~log log n / log 2 with two choices (Azar, Broder, Karlin, Upfal 1994); it needs no
 global view, so a stale or partial load report hurts it little.
+
+Prefix-aware (`prefix`, prefill only): a worker that holds the prompt's first blocks in its
+prefix cache computes only the rest. The candidates are the two sampled workers and the one
+holding the longest prefix (router/prefix_index.py); each costs its queued prefill tokens plus
+NEW_TOKEN_WEIGHT x the prompt tokens it would compute, and the cheapest wins. A token computed
+again costs twice: the request waits for it, and so does everything queued behind it on that
+worker (capacity spent twice on one prefix). So the match is followed while the queues differ
+by less than twice what it saves, and a hot prefix spills onto a second worker only once its
+first one's queue is that much longer (then both hold it).
 """
 from __future__ import annotations
 
@@ -15,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.messages import LoadReport
-from workers.names import P2C, RANDOM, ROUND_ROBIN
+from workers.names import AUTO, P2C, RANDOM, ROUND_ROBIN
 from workers.names import PICKING_POLICIES as POLICIES
+
+NEW_TOKEN_WEIGHT = 2.0      # prefix-aware picking: a prompt token to compute, against one queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +59,31 @@ class Picker:
             return self._rng.choice(worker_ids)
         if self.policy == ROUND_ROBIN:
             return worker_ids[next(self._rr) % len(worker_ids)]
+        a, b = self._two(worker_ids)
+        return a if load_of(a) <= load_of(b) else b
+
+    def choose_prefix(self, worker_ids: list[str], load_of: Callable[[str], float], matched: dict[str, int],
+                      num_tokens: int, block_size: int) -> str:
+        """Prefix-aware: of the two sampled workers and the best-matched one, the one with the
+        least queued plus weighted new prefill tokens (`matched`: leading blocks each worker
+        holds)."""
+        if not worker_ids:
+            raise LookupError("no worker to pick from")
+        candidates = set(self._two(worker_ids)) if len(worker_ids) > 1 else {worker_ids[0]}
+        live = [w for w in matched if w in set(worker_ids)]
+        if live:
+            candidates.add(max(live, key=lambda w: (matched[w], -load_of(w))))
+
+        def cost(w: str) -> tuple[float, int]:
+            cached = min(matched.get(w, 0) * block_size, num_tokens - 1)
+            return load_of(w) + NEW_TOKEN_WEIGHT * (num_tokens - cached), -cached
+        return min(sorted(candidates), key=cost)
+
+    def _two(self, worker_ids: list[str]) -> tuple[str, str]:
         n = len(worker_ids)                      # two distinct, uniformly (random.sample, cheaper)
         i = self._rng.randrange(n)
         j = self._rng.randrange(n - 1)
-        a, b = worker_ids[i], worker_ids[j + (j >= i)]
-        return a if load_of(a) <= load_of(b) else b
+        return worker_ids[i], worker_ids[j + (j >= i)]
 
 
 def prefill_load(report: LoadReport | None, inflight_tokens: int = 0) -> float:
@@ -68,3 +99,9 @@ def decode_load(report: LoadReport | None, inflight: int = 0) -> float:
         return inflight / 64
     running = report.running + report.pending + report.receiving + inflight
     return report.kv_blocks_used / max(1, report.kv_blocks_total) + running / 64
+
+
+def check_local_prefill(value: int | str) -> None:
+    """--local-prefill-max-tokens: a count of tokens (0: always hand off), or "auto"."""
+    if value != AUTO and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"--local-prefill-max-tokens must be an integer >= 0 or 'auto', got {value!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 
 from workers.sequence import MAX_INT32, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams, show
@@ -27,6 +28,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 256                      # prompts in one completions request (a batch)
 MAX_SAMPLES = 64                       # n or best_of: samples of one prompt
 MAX_TOTAL_SAMPLES = 256                # samples of one request, over its prompts
+SLO_MS_RANGE = (1, 3_600_000)          # a request's own TTFT / TPOT target, in ms (up to an hour)
 
 
 class APIError(Exception):
@@ -65,6 +67,15 @@ class GenerationRequest:
     echo: bool = False                         # completions: the answer starts with the prompt
     n: int = 1                                 # samples answered
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered
+    ttft_due: float | None = None              # time.monotonic() when its first token is due (None: no target)
+    tpot_s: float | None = None                # its TPOT target
+
+    def ttft_left_s(self, delivered) -> float | None:
+        """What an attempt's op carries: seconds until its next token is due (negative when
+        late); for an attempt that resumes after `delivered` tokens, one TPOT."""
+        if delivered:
+            return self.tpot_s
+        return None if self.ttft_due is None else self.ttft_due - time.monotonic()
 
 
 # -- the body as JSON -------------------------------------------------------------------------
@@ -244,6 +255,21 @@ def request_options(body: dict) -> tuple[bool, bool, int]:
     return bool(stream), bool(usage), priority or 0
 
 
+def slo_targets(body: dict, default_ttft_s: float | None, default_tpot_s: float | None
+                ) -> tuple[float | None, float | None]:
+    """(ttft_s, tpot_s): the request's own targets (`ttft_slo_ms`, `tpot_slo_ms`), else the
+    server's (--slo-ttft-ms, --slo-tpot-ms). `--scheduling-policy deadline` orders work by them."""
+    out = []
+    lo, hi = SLO_MS_RANGE
+    for name, default in (("ttft_slo_ms", default_ttft_s), ("tpot_slo_ms", default_tpot_s)):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and lo <= value <= hi):
+            raise bad_request(f"'{name}' must be an integer number of milliseconds in [{lo}, {hi}], "
+                              f"got {show(value)}", name)
+        out.append(default if value is None else value / 1000)
+    return out[0], out[1]
+
+
 def echo_of(body: dict, kind: str, params: SamplingParams) -> bool:
     """`echo` (completions): the answer starts with the prompt, and with `logprobs` k the
     prompt's tokens carry their logprobs too (the first one none: nothing predicts it), which
@@ -359,6 +385,9 @@ _SHARED = {
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "priority": _int(*PRIORITY_RANGE, "lower is served first"),
+    "ttft_slo_ms": _int(*SLO_MS_RANGE, "this request's TTFT target (default: the server's --slo-ttft-ms); "
+                        "--scheduling-policy deadline orders prefill work by it"),
+    "tpot_slo_ms": _int(*SLO_MS_RANGE, "this request's TPOT target (default: the server's --slo-tpot-ms)"),
     "user": {"type": "string", "description": "informational"},
 }
 _REFUSED_NOTE = ("Fields asking for what this server does not do (" + ", ".join(name for name, _, _ in UNSUPPORTED)

@@ -296,3 +296,14 @@ def nothing_left_running(cluster) -> None:
         wait_for(lambda: (admission.waiting, admission.waiting_tokens, admission.in_handoff),
                  lambda counts: counts == (0, 0, 0), deadline_s=30)
     wait_pools_clean(cluster)
+
+
+def metric_sum(cluster, name: str, **labels) -> float:
+    """The sum of a ServingCluster's router metric samples named `name` whose labels include
+    `labels`."""
+    total = 0.0
+    for family in cluster.server.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

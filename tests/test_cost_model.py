@@ -9,8 +9,8 @@ import pytest
 
 from workers.config import ModelConfig
 from workers.cost_model import (DISTSERVE_OPT13B_A100, HARDWARE, LINKS, MODELS, BatchShape, CostModel,
-                                LinearStepModel, ModelShape, RooflineStepModel, batch_shape, hardware,
-                                kv_capacity_tokens, link, model_shape, roofline)
+                                LinearStepModel, Link, ModelShape, RooflineStepModel, batch_shape, hardware,
+                                kv_capacity_tokens, link, local_prefill_limit, model_shape, roofline)
 from workers.sequence import SamplingParams, Sequence
 
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -235,3 +235,24 @@ def test_a_decode_run_costs_its_steps(model):
         run = model.decode_run_s(n, ctx, k)
         steps = [model.step_s(BatchShape(num_decode=n, decode_context=ctx + j * n)) for j in range(k)]
         assert run == pytest.approx(steps, rel=1e-12)
+
+
+@pytest.mark.parametrize("num_decode,context,remote_s", [(0, 0, 0.0), (1, 500, 0.001), (8, 4000, 0.02),
+                                                          (64, 64000, 0.05), (32, 10000, 0.0), (4, 800, 1.0)])
+def test_local_prefill_limit_is_the_largest_prompt_whose_delay_to_the_batch_costs_less_than_remote(
+        num_decode, context, remote_s):
+    """Oracle: every n checked one by one (the delay grows with n)."""
+    cost = CostModel(LinearStepModel(p0=0.004, p1=2e-5, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4), 4096, 65536,
+                     Link("m", 1e9, 0.01))
+    decode = BatchShape(num_decode=num_decode, decode_context=context)
+
+    def delay(n: int) -> float:
+        return num_decode * (cost.step_s(decode + BatchShape(1, n, n * n, 0)) - cost.step_s(decode))
+    most = 3000
+    want = max((n for n in range(most + 1) if delay(n) <= remote_s), default=0)
+    got = local_prefill_limit(cost, num_decode, context, remote_s, most)
+    assert got == want
+    if num_decode == 0:
+        assert got == most                               # nobody decoding: nobody waits for it
+    assert local_prefill_limit(cost, num_decode, context, remote_s * 2 + 0.01, most) >= got
+    assert local_prefill_limit(cost, num_decode + 8, context, remote_s, most) <= got

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from common import api_cluster, nothing_left_running, sse_events, wait_for
+from common import api_cluster, metric_sum, nothing_left_running, sse_events, wait_for
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.faults import ENV_VAR as FAULTS_ENV
@@ -30,16 +30,6 @@ SEEDED = {"max_tokens": 8, "temperature": 1.0, "seed": 77, "ignore_eos": True}
 def cluster(request, ray_session):
     with api_cluster(request.param) as c:
         yield c
-
-
-def metric_sum(cluster, name: str, **labels) -> float:
-    """The sum of a metric's samples whose labels include `labels`."""
-    total = 0.0
-    for family in cluster.server.metrics.registry.collect():
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def completion(client, **body) -> dict:

@@ -136,6 +136,29 @@ def test_prefix_sharing_hits_the_cache():
     assert_pools_clean(sim)
 
 
+@pytest.mark.parametrize("rate", [4.0, 1000.0])
+def test_prefix_aware_picking_reaches_what_one_cache_would_serve(rate):
+    """4 prefill workers, 4 prefixes of 800 tokens x 10 requests of 32 tokens of their own,
+    shuffled: with --policy prefix every prefix is computed about once (one cache that forgets
+    nothing would serve 36 x 800 tokens); power-of-two-choices spreads each over the pool."""
+    import random
+    rng = random.Random(0)
+    prefixes = [[p + 1] + [0] * 799 for p in range(4)]
+    order = [i % 4 for i in range(40)]
+    rng.shuffle(order)
+    requests = [S.SimRequest.synthetic(k / rate, 832, 4, uid=k, prefix=prefixes[p]) for k, p in enumerate(order)]
+    ideal = 36 * 800 / (40 * 832)
+
+    def hit_rate(policy: str) -> float:
+        sim, results, _ = run(requests, engine=engine(caching=True), num_prefill=4, policy=policy)
+        assert all(r.success for r in results)
+        assert_pools_clean(sim)
+        stats = [w.engine.scheduler.stats for w in sim.pools["prefill"]]
+        return sum(s.prefix_cache_hits for s in stats) / sum(s.prefix_cache_queries for s in stats)
+    prefix, p2c = hit_rate("prefix"), hit_rate("p2c")
+    assert prefix >= 0.9 * ideal and prefix > p2c + 0.15, (prefix, p2c, ideal)
+
+
 def test_admission_turns_away_past_max_pending():
     requests = [req(0.0, 100, 50, first=i + 1) for i in range(5)]
     sim, results, _ = run(requests, max_pending=3)

@@ -95,6 +95,25 @@ class BlockPool:
         self._stack: list[KVBlock] = []               # without: the top is taken first
         self.cached: dict[bytes, KVBlock] = {}
         self.num_free = num_blocks                      # kept, not counted: it is asked every step
+        self._stored: list[bytes] | None = None        # recording cache events: hashes indexed,
+        self._evicted: list[bytes] | None = None       # and hashes evicted, since the last take
+
+    def record_events(self) -> None:
+        """From now on, note each hash the cache indexes or evicts (`take_events`): the router's
+        prefix-aware picking follows the caches through them."""
+        if self._stored is None:
+            self._stored, self._evicted = [], []
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, evicted) since the last call, as they stand now: a hash stored then evicted
+        is only evicted, one evicted then stored again only stored. Empty unless recording."""
+        if not self._stored and not self._evicted:
+            return [], []
+        cached = self.cached
+        stored = [h for h in self._stored if h in cached]
+        evicted = [h for h in self._evicted if h not in cached]
+        self._stored, self._evicted = [], []
+        return stored, evicted
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -139,11 +158,13 @@ class BlockPool:
         taken = [KVBlock(i, 1) for i in range(len(made), len(made) + n - from_queue)]
         made.extend(taken)
         if from_queue:                    # FreeBlockQueue.popleft, inline: this runs per block
-            cached, head = self.cached, queue._head
+            cached, head, evicted = self.cached, queue._head, self._evicted
             b = head.next
             for _ in range(from_queue):
                 if b.block_hash is not None:
                     del cached[b.block_hash]
+                    if evicted is not None:
+                        evicted.append(b.block_hash)
                     b.block_hash = None
                 b.ref_cnt = 1
                 taken.append(b)
@@ -194,8 +215,12 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self._stored is not None:
+            self._stored.append(block_hash)
 
     def reset_prefix_cache(self) -> None:
         for b in self.cached.values():
             b.block_hash = None
+        if self._evicted is not None:
+            self._evicted.extend(self.cached)
         self.cached.clear()

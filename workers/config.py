@@ -130,6 +130,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"            # one of PREEMPTION_MODES
     policy: str = "fcfs"                     # one of SCHEDULING_POLICIES
     chunked_prefill: bool = True             # False: prompts whole, in steps of their own
+    priority_inheritance: bool = True        # priority: see workers/scheduler.py
+    prefill_s_per_token: float = 1e-4        # deadline: the first estimate, then measured
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1:
@@ -142,6 +144,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if not self.prefill_s_per_token > 0:
+            raise ValueError(f"prefill_s_per_token must be > 0, got {self.prefill_s_per_token}")
 
 
 @dataclass(slots=True)

@@ -458,6 +458,29 @@ class CostModel:
                    d.get("source", ""))
 
 
+def local_prefill_limit(cost: CostModel, num_decode: int, decode_context: int, remote_s: float,
+                        most: int) -> int:
+    """The most prompt tokens worth prefilling on a decode worker rather than handing off
+    (conditional disaggregation). Prefilling n tokens there lengthens one step of each of the
+    `num_decode` sequences it runs by d(n) = step(their decode + the n-token chunk) - step(their
+    decode); handing off costs the request itself `remote_s` (the prefill queue and the handoff).
+    The answer is the largest n, up to `most`, with num_decode x d(n) <= remote_s: an idle decode
+    worker prefills anything (nobody waits), a busy one only what delays its batch less than the
+    handoff would delay the request."""
+    decode = BatchShape(num_decode=num_decode, decode_context=decode_context)
+    base = cost.step_s(decode)
+
+    def worth(n: int) -> bool:
+        return num_decode * (cost.step_s(decode + BatchShape(1, n, n * n, 0)) - base) <= remote_s
+    if worth(most):
+        return most
+    lo, hi = 0, most                          # worth(lo) (or lo = 0), not worth(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if worth(mid) else (lo, mid)
+    return lo
+
+
 def roofline(model: str | ModelShape, gpu: str | Hardware, tp: int = 1, link: str | Link | None = None,
              dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9, **efficiencies) -> CostModel:
     """A worker's costs from first principles. The handoff link defaults to the GPU's NVLink

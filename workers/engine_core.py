@@ -99,13 +99,14 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.clock = clock
         self.kv = KVCacheManager(layout.num_blocks, layout.block_size, enable_prefix_caching, layout.num_host_blocks)
-        self.scheduler = Scheduler(scheduler_cfg, self.kv, preemption_cost)
+        self.scheduler = Scheduler(scheduler_cfg, self.kv, preemption_cost, clock)
         self._seqs: dict[str, Sequence] = {}
         self._forking: dict[str, Sequence] = {}        # a fork not started yet -> its carrier
         self._copies: list[tuple[int, int]] = []       # forks' block copies for the next step
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, ())
         self.last_shape = BatchShape()
+        self._step_start = 0.0
         self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -114,19 +115,25 @@ class EngineCore:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prefill_only: bool = False, output_token_ids: list[int] = (), forks=()) -> Sequence:
+                    prefill_only: bool = False, output_token_ids: list[int] = (), forks=(),
+                    ttft_left_s: float | None = None, tpot_s: float | None = None) -> Sequence:
         """Queue a request. With prefill_only, it stops after its next token and its blocks
         are held (see `held_block_ids` / `release`) for a decode worker to pull. With
         `output_token_ids` it resumes: those tokens were generated already (elsewhere); they are
         computed with the prompt, count against max_tokens and stop strings, and sampling
         continues after them. With `forks` (workers/messages.py Fork: an id and sampling
         parameters each) it is a carrier: once its prompt is computed, each fork starts from
-        its KV as a request of its own, and the carrier ends (`_fork`)."""
+        its KV as a request of its own, and the carrier ends (`_fork`). Its next token is due
+        `ttft_left_s` after `arrival_time` (now by default) and its TPOT target is `tpot_s`: the
+        deadline policy orders by them (workers/scheduler.py)."""
         if forks and (prefill_only or output_token_ids):
             raise ValueError("a carrier of forks computes a prompt and nothing else")
         self._check_forks(forks)
         seq = self._new_seq(prompt, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         seq.prefill_only = prefill_only
+        if ttft_left_s is not None:
+            seq.ttft_deadline = seq.arrival_time + ttft_left_s
+        seq.tpot_s = tpot_s
         self._carry(seq, forks)
         self.scheduler.add(seq)
         return seq
@@ -156,6 +163,7 @@ class EngineCore:
             del self._forking[f.rid]
             child = Sequence(f.rid, carrier.prompt_token_ids, f.params, carrier.priority, carrier.arrival_time)
             child.prompt_logprobs = None               # its prompt was the carrier's to compute
+            child.ttft_deadline, child.tpot_s = carrier.ttft_deadline, carrier.tpot_s
             self._seqs[f.rid] = child
             copy = False
             if len(sched.running) < sched.cfg.max_num_seqs:
@@ -206,13 +214,14 @@ class EngineCore:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
-                num_receiving: int = 0, forks=()) -> list[int] | None:
+                num_receiving: int = 0, forks=(), tpot_s: float | None = None) -> list[int] | None:
         """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
         output but the last (the last was sampled there and is computed here, by the first
         decode step). Returns the block ids to receive into, or None when there is no room now
         (backpressure: call again later); `num_receiving` counts the sequences already reserved
         (they will join the batch). With `forks`, a carrier (see `add_request`): room is kept
-        for the forks' seats and their copied blocks too."""
+        for the forks' seats and their copied blocks too. `tpot_s`: its TPOT target (see
+        `add_request`)."""
         self._check_forks(forks)
         seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         num_kv = seq.num_tokens - 1
@@ -227,6 +236,7 @@ class EngineCore:
         self.kv.allocate(seq, num_kv, [], 0, index=False)
         seq.status = SequenceStatus.RECEIVING
         seq.prompt_logprobs = None                     # the prefill side computed and sent them
+        seq.tpot_s = tpot_s
         self._carry(seq, forks)
         return list(self.kv.block_ids(seq))
 
@@ -317,7 +327,7 @@ class EngineCore:
             out.copies, self._copies = self._copies, []
         # A sequence's first chunk starts where the prefix cache left it, before any output
         # (later chunks, decode rows and received sequences all start further on).
-        t = self.clock()
+        t = self._step_start = self.clock()
         self.last_step = StepStats(len(out.scheduled), out.num_batched_tokens, tuple(
             t - s.arrival_time for s, _ in out.scheduled
             if s.num_computed_tokens == s.num_cached_tokens and not s.num_preemptions and not s.num_output_tokens))
@@ -333,6 +343,7 @@ class EngineCore:
         # since it is a good part of the step's Python time.
         outputs = []
         now = self.clock()
+        self.scheduler.observe_step(out.num_batched_tokens, now - self._step_start)
         for seq, token_id, lps in zip(seqs, token_ids, logprobs or [None] * len(seqs)):
             if seq.forks is not None:                  # a carrier: its prompt is computed
                 outputs.append(self._fork(seq))

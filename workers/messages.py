@@ -52,13 +52,18 @@ class GenerateOp:
     """Colocated: run the whole request. `output_token_ids`: tokens the client already has (a
     resumed request): they are recomputed with the prompt, and generation continues after them.
     With `forks`, this request is a carrier: once its prompt is computed the forks start from
-    its KV and it ends (a TokenEvent finished with reason "forked"); its own token is not sent."""
+    its KV and it ends (a TokenEvent finished with reason "forked"); its own token is not sent.
+    `ttft_left_s`: its next token is due this long after it arrives (the router's deadline less
+    the time already spent: router and worker clocks differ, so what is left travels);
+    `tpot_s`: its TPOT target. None: no deadline (see the scheduler's deadline policy)."""
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
+    ttft_left_s: float | None = None
+    tpot_s: float | None = None
 
 
 @message
@@ -80,6 +85,7 @@ class DecodeOp:
     prefill_id: str
     priority: int = 0
     forks: list[Fork] = field(default_factory=list)
+    tpot_s: float | None = None       # its TPOT target (its first token is out already)
 
 
 @message
@@ -165,6 +171,8 @@ class PollReply:
     events: list                      # TokenEvent | ErrorEvent, in order
     load: LoadReport
     samples: dict[str, list]          # SAMPLE_KINDS -> values since the last poll
+    cache_stored: list[bytes] = field(default_factory=list)    # block hashes the prefix cache indexed,
+    cache_evicted: list[bytes] = field(default_factory=list)   # and evicted, since the last poll, in order
 
 
 # -- the KV handoff ---------------------------------------------------------------------------

@@ -8,10 +8,10 @@ PREFILL, DECODE, COLOCATED = ROLES = ("prefill", "decode", "colocated")
 DISAGGREGATED = "disaggregated"
 MODES = (DISAGGREGATED, COLOCATED)                    # a cluster's shape
 AUTO, GLOO, NCCL = TRANSPORTS = ("auto", "gloo", "nccl")      # KV handoff; auto: nccl on GPUs, gloo on CPU
-P2C, RANDOM, ROUND_ROBIN = PICKING_POLICIES = ("p2c", "random", "round-robin")   # how the router picks
+P2C, RANDOM, ROUND_ROBIN, PREFIX = PICKING_POLICIES = ("p2c", "random", "round-robin", "prefix")   # how the router picks
 PREEMPTION_KINDS = ("recompute", "swap")                # what a preemption did
 PREEMPTION_MODES = ("auto",) + PREEMPTION_KINDS         # what the scheduler may choose
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
 
 

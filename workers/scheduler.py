@@ -15,11 +15,30 @@ Swap-outs therefore never meet swap-ins in one step, so their copies cannot over
 Without chunked prefill (vLLM's v0 default, DistServe's baseline), a step that can admit
 waiting prompts admits them whole and runs nothing else (decoding pauses for it); a prompt
 longer than the budget runs alone. Otherwise the step decodes.
+
+The policy orders the queues:
+  fcfs      arrival;
+  priority  (priority, arrival), lower first. With priority inheritance (the default), the
+            prefill work (running sequences' chunks and waiting prompts to admit) is ordered by
+            effective priority as one queue, so a waiting request is not held behind the chunks
+            of lower-priority prompts already running; and a waiting prompt whose next uncached
+            full blocks a running sequence is computing (the same block hashes) waits for them
+            instead of computing them twice, lending that sequence its priority until they are
+            computed (`_inherit`): the inversion is bounded by that shared prefill;
+  deadline  running sequences with output first (one token each per step; the tightest TPOT
+            first), then the prefill work as one queue by least slack = TTFT deadline - now -
+            remaining prompt tokens x seconds per token (measured: `observe_step`), those that
+            can still meet their deadline before those that cannot (negative slack).
+Victims of preemption are the last in the running order: the lowest (effective) priority, or the
+prefill work that can no longer meet its deadline, then the one with the most slack.
 """
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.config import SchedulerConfig
@@ -77,15 +96,25 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager,
-                 cost_model: PreemptionCostModel | None = None):
+                 cost_model: PreemptionCostModel | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.kv = kv
         self.cost_model = cost_model
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []        # ordered by (priority, arrival): victims at the end
+        self.running: list[Sequence] = []        # ordered by the policy's key: victims at the end
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self.watermark_blocks = int(cfg.watermark * kv.pool.num_blocks)
+        self.inherit = cfg.policy == "priority" and cfg.priority_inheritance
+        # Chunked: one queue of prefill work (running chunks and waiting prompts) in the policy's order.
+        self.merged = cfg.chunked_prefill and (cfg.policy == "deadline" or self.inherit)
+        self.prefill_s_per_token = cfg.prefill_s_per_token     # deadline: measured from full steps
+        self._now = 0.0                          # deadline: the clock at this step's start
+        self._order: dict[str, float] = {}       # deadline: each sequence's ordering slack, fixed
+        self._late: set[str] = set()             # deadline: sequences that can no longer meet theirs
+        self._boosts: dict[str, int] = {}        # inheritance: holder id -> the priority it inherits
+        self._computing: dict[bytes, Sequence] = {}   # inheritance: block hash -> running seq computing it
 
     # -- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -94,8 +123,41 @@ class Scheduler:
 
     def _key(self, seq: Sequence) -> tuple:
         if self.cfg.policy == "priority":
-            return (seq.priority, seq.arrival_time)
+            return (min(seq.priority, self._boosts.get(seq.seq_id, seq.priority)), seq.arrival_time)
+        if self.cfg.policy == "deadline":
+            return self._slack_key(seq)
         return (seq.arrival_time,)
+
+    def _slack_key(self, seq: Sequence) -> tuple:
+        """Sequences with output first (decoding, or back after a preemption: their TPOT is
+        running), tightest TPOT first; then first-token work by least slack, the hopeless
+        (negative slack now) last; no deadline: after those that have one and can meet it.
+
+        The order must not follow progress: preemption takes the last in order, so a key that
+        grew as a prefill advanced would let two prefills that do not fit together preempt each
+        other in turn for ever (each recompute undoing the other's progress). So the slack that
+        orders is taken once, at the first look (deadline - all the prompt's work: `now` is the
+        same for all), and hopelessness, judged on the work left, is final once reached: each
+        sequence changes class at most once, and within a class the order is fixed."""
+        if seq.num_output_tokens:
+            return (0, seq.tpot_s or math.inf, seq.arrival_time)
+        if seq.ttft_deadline is None:
+            return (1, False, math.inf, seq.arrival_time)
+        rid, per_token = seq.seq_id, self.prefill_s_per_token
+        order = self._order.get(rid)
+        if order is None:
+            order = self._order[rid] = seq.ttft_deadline - seq.num_tokens * per_token
+        late = rid in self._late
+        if not late and seq.ttft_deadline - self._now - (seq.num_tokens - seq.num_computed_tokens) * per_token < 0:
+            self._late.add(rid)
+            late = True
+        return (1, late, order, seq.arrival_time)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's measured time: steps of at least half the budget (where the per-token cost,
+        not the step's fixed cost, dominates) update the seconds-per-prefill-token estimate."""
+        if 2 * num_tokens >= self.cfg.max_num_batched_tokens and seconds > 0:
+            self.prefill_s_per_token += 0.2 * (seconds / num_tokens - self.prefill_s_per_token)
 
     def _insert(self, queue, seq: Sequence) -> None:
         """Keep a queue ordered by the policy's key; appending is the common, O(1) case."""
@@ -128,12 +190,21 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._order.pop(seq.seq_id, None)
+        self._late.discard(seq.seq_id)
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         whole = not self.cfg.chunked_prefill
+        if self.cfg.policy == "deadline":
+            self._now = self.clock()
+            self.running.sort(key=self._slack_key)
+            if len(self.waiting) > 1:
+                self.waiting = deque(sorted(self.waiting, key=self._slack_key))
+        elif self.inherit:
+            self._inherit()
         if whole and self.waiting and not self.swapped:
             self._schedule_waiting(out, budget, whole=True)
             if out.scheduled:
@@ -152,7 +223,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if self.merged and (n > 1 or not seq.num_output_tokens):   # prefill work: waiting
+                key = self._key(seq)                                    # prompts before it go first
+                while budget > 0 and (admitted := self._admit(out, budget, before=(key, i))):
+                    budget -= admitted
+                    i += 1
+                if budget == 0:
+                    break
+            n = min(n, budget)
             while not self.kv.append_slots(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -185,28 +264,82 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole: bool = False) -> int:
         """Admit waiting sequences; `whole`: each with all its uncomputed tokens, as many as the
         budget holds (the first one even when it alone exceeds it)."""
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            computed, num_cached = self.kv.get_computed_blocks(seq)
-            n = seq.num_tokens - num_cached
-            if whole and n > budget and out.scheduled:
-                break
-            n = n if whole else min(n, budget)
-            # With nothing running, admit regardless of the watermark: nothing else could free room.
-            watermark = self.watermark_blocks if self.running else 0
-            if not self.kv.can_allocate(seq, n, computed, num_cached, watermark):
-                break
-            self.waiting.popleft()
-            self.kv.allocate(seq, n, computed, num_cached)
-            if seq.num_preemptions == 0:
-                self.stats.prefix_cache_queries += seq.num_tokens
-                self.stats.prefix_cache_hits += num_cached
-                seq.num_cached_tokens = num_cached
-            seq.num_computed_tokens = num_cached
-            self.add_running(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
+        while budget > 0 and (admitted := self._admit(out, budget, whole)):
+            budget -= admitted
         return max(0, budget)
+
+    def _admit(self, out: SchedulerOutput, budget: int, whole: bool = False,
+               before: tuple[tuple, int] | None = None) -> int:
+        """Admit the first waiting sequence that may start (with inheritance: not one waiting for
+        a holder's blocks); the tokens it got, 0 when none can start now. `before` (key, index):
+        only one ordered before that running sequence's key, placed at that index."""
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return 0
+        if before is not None and (out.preempted or self.swapped):   # as after the running batch
+            return 0
+        for seq in self.waiting:
+            if before is not None and not self._key(seq) < before[0]:
+                return 0
+            computed, num_cached = self.kv.get_computed_blocks(seq)
+            if not self._computing or self._holder(seq, num_cached) is None:
+                break
+        else:
+            return 0
+        n = seq.num_tokens - num_cached
+        if whole and n > budget and out.scheduled:
+            return 0
+        n = n if whole else min(n, budget)
+        # With nothing running, admit regardless of the watermark: nothing else could free room.
+        watermark = self.watermark_blocks if self.running else 0
+        if not self.kv.can_allocate(seq, n, computed, num_cached, watermark):
+            return 0
+        self.waiting.remove(seq)
+        self.kv.allocate(seq, n, computed, num_cached)
+        if seq.num_preemptions == 0:
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += num_cached
+            seq.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_cached
+        if before is None:
+            self.add_running(seq)
+        else:                                    # ahead of the running sequence it outranks
+            seq.status = SequenceStatus.RUNNING
+            self.running.insert(before[1], seq)
+        out.scheduled.append((seq, n))
+        return n
+
+    # -- priority inheritance ------------------------------------------------------------------
+    def _inherit(self) -> None:
+        """Find, for each waiting prompt, the running sequence computing its next uncached full
+        block (`_holder`), lend each holder the best priority waiting on it, and order the running
+        batch by the priorities in effect. Rebuilt every step, so a boost ends when the shared
+        blocks are computed (they are cached, so nobody waits on them) and when its holder
+        finishes, is aborted or preempted (it computes nothing): its waiters then compute the
+        blocks themselves. A chain (a waiter whose prefix runs on past a holder's prompt, into
+        blocks another running sequence computes) resolves link by link: only running sequences
+        compute blocks, so each wait is on one."""
+        bs = self.kv.block_size
+        self._computing = {h: r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                           for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
+        boosts: dict[str, int] = {}
+        if self._computing:
+            for seq in self.waiting:
+                holder = self._holder(seq, self.kv.get_computed_blocks(seq)[1])
+                if holder is not None:
+                    boosts[holder.seq_id] = min(boosts.get(holder.seq_id, holder.priority), seq.priority)
+        if boosts or self._boosts:
+            self._boosts = boosts
+            self.running.sort(key=self._key)
+
+    def _holder(self, seq: Sequence, num_cached: int) -> Sequence | None:
+        """The running sequence computing `seq`'s next uncached full block (hashes chain, so the
+        same hash is the same prefix), if that block is one `seq` would take from the cache."""
+        m = num_cached // self.kv.block_size
+        if not self.kv.pool.enable_caching or m >= (seq.num_tokens - 1) // self.kv.block_size:
+            return None
+        if seq.prompt_logprobs is not None:      # computes its whole prompt itself
+            return None
+        return self._computing.get(seq.block_hashes[m])
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

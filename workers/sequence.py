@@ -129,7 +129,7 @@ class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival_time",
                  "status", "num_computed_tokens", "finish_reason", "stop_reason", "output_logprobs",
                  "num_cached_tokens", "num_preemptions", "text", "first_token_time", "generator",
-                 "block_hashes", "prefill_only", "forks", "prompt_logprobs")
+                 "block_hashes", "prefill_only", "forks", "prompt_logprobs", "ttft_deadline", "tpot_s")
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None):
@@ -156,6 +156,8 @@ class Sequence:
         self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.forks: list | None = None         # a carrier: the samples (workers/messages.py Fork) that
         #                                        fork from its prompt's KV, then it ends (n > 1)
+        self.ttft_deadline: float | None = None   # when its first token is due, on this worker's clock
+        self.tpot_s: float | None = None          # its time-per-output-token target
 
     @property
     def num_tokens(self) -> int:

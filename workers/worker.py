@@ -67,6 +67,8 @@ class Worker:
         self._transfer_ids = 0
         self._transfer_totals = TransferTotals()
         self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
+        self._cache_events: dict[bytes, bool] = {}   # prefix-cache hash -> held now (stored) or evicted
+        self.engine.kv.pool.record_events()
         self.steps = 0
         self._load, self._reported_at = self._report(), time.monotonic()
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -101,7 +103,9 @@ class Worker:
             for q in self._samples.values():
                 q.clear()
             load = self._load
-        return encode(PollReply(events, load, samples))
+            changes, self._cache_events = self._cache_events, {}
+        return encode(PollReply(events, load, samples, [h for h, held in changes.items() if held],
+                                [h for h, held in changes.items() if not held]))
 
     def stats(self) -> LoadReport:
         """A load report built now on the loop thread, so it counts everything the worker has
@@ -222,6 +226,11 @@ class Worker:
             self._admit_pending()
             if self.engine.has_unfinished():
                 self._step()
+            stored, evicted = self.engine.kv.pool.take_events()
+            if stored or evicted:
+                with self._cv:                           # the latest word on a hash wins
+                    self._cache_events.update(dict.fromkeys(evicted, False))
+                    self._cache_events.update(dict.fromkeys(stored, True))
             else:
                 with self._cv:
                     if not self._inbox and not self._stop:
@@ -282,7 +291,8 @@ class Worker:
             else:
                 self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
                                         priority=op.priority, prefill_only=isinstance(op, PrefillOp),
-                                        output_token_ids=op.output_token_ids, forks=op.forks)
+                                        output_token_ids=op.output_token_ids, forks=op.forks,
+                                        ttft_left_s=op.ttft_left_s, tpot_s=op.tpot_s)
         except ValueError as e:
             self._emit(ErrorEvent(op.rid, str(e)))
 
@@ -301,7 +311,7 @@ class Worker:
         """Reserve blocks for waiting decode requests, oldest first, while there is room."""
         def reserve(op: DecodeOp):
             return self.engine.reserve(op.rid, op.prompt_token_ids, op.output_token_ids, op.params, op.priority,
-                                       num_receiving=self.handoffs.num_receiving, forks=op.forks)
+                                       num_receiving=self.handoffs.num_receiving, forks=op.forks, tpot_s=op.tpot_s)
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
             threading.Thread(target=self._pull, args=(op, dst), daemon=True, name=f"pull-{op.rid}").start()
