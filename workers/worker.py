@@ -226,17 +226,17 @@ class Worker:
             self._admit_pending()
             if self.engine.has_unfinished():
                 self._step()
-            stored, evicted = self.engine.kv.pool.take_events()
-            if stored or evicted:
-                with self._cv:                           # the latest word on a hash wins
-                    self._cache_events.update(dict.fromkeys(evicted, False))
-                    self._cache_events.update(dict.fromkeys(stored, True))
             else:
                 with self._cv:
                     if not self._inbox and not self._stop:
                         # Idle: a command wakes us; the timeout only paces lease expiry and retries
                         # of pending reservations (room appears through commands: aborts, commits).
                         self._cv.wait(0.05)
+            stored, evicted = self.engine.kv.pool.take_events()
+            if stored or evicted:
+                with self._cv:                           # the latest word on a hash wins
+                    self._cache_events.update(dict.fromkeys(evicted, False))
+                    self._cache_events.update(dict.fromkeys(stored, True))
             # The report walks the waiting queue: build it at most every REPORT_EVERY_S, not
             # every step (polls come every 0.5 s; an idle loop turns every 0.05 s anyway).
             now = time.monotonic()
