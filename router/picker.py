@@ -70,7 +70,8 @@ class Picker:
         if not worker_ids:
             raise LookupError("no worker to pick from")
         candidates = set(self._two(worker_ids)) if len(worker_ids) > 1 else {worker_ids[0]}
-        live = [w for w in matched if w in set(worker_ids)]
+        pool = set(worker_ids)
+        live = [w for w in matched if w in pool]
         if live:
             candidates.add(max(live, key=lambda w: (matched[w], -load_of(w))))
 
