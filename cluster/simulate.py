@@ -538,10 +538,13 @@ class Simulator:
                 return
             d.waiting_room.popleft()
             d.receiving += 1
-            # The prefill worker hands over its block ids from its engine loop, between steps
-            # (workers/worker.py send_kv): a pull waits for the step it runs now.
-            start = max(self.now, d.link_free_at, prefill.step_end if prefill.busy else 0.0)
-            d.link_free_at = start + d.cost.handoff_s(seq.num_tokens - 1)
+            # The send starts beside the prefill worker's steps (workers/worker.py: the held
+            # block ids are known when it holds the request) and moves only the blocks the
+            # decode worker's prefix cache lacks (`blocks`).
+            num_kv, bs = seq.num_tokens - 1, d.engine.kv.block_size
+            missing = num_kv - (-(-num_kv // bs) - len(blocks)) * bs
+            start = max(self.now, d.link_free_at)
+            d.link_free_at = start + d.cost.handoff_s(missing)
             self._at(d.link_free_at, self._received, rid, prefill, d)
 
     def _received(self, rid: str, prefill: SimWorker, d: SimWorker) -> None:

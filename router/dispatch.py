@@ -392,6 +392,7 @@ class Dispatcher:
             if ev.finished:
                 return
             if ev.held:
+                held_kv = ev.kv
                 break
         held_at = time.monotonic()
         # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
@@ -399,7 +400,8 @@ class Dispatcher:
         involved.append(d)
         d.sent(rid, 1)
         _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
-                                                             w.worker_id, req.priority, tpot_s=req.tpot_s))))
+                                                             w.worker_id, req.priority, tpot_s=req.tpot_s,
+                                                             kv=held_kv))))
         while True:
             ev = await q.get()
             if (resume := _resume_for(ev)) is not None:
@@ -513,7 +515,7 @@ class _SharedStart:
                 self._involve(dw)
                 _fire(dw.handle.submit.remote(msg.encode(msg.DecodeOp(
                     self.rid, prompt, self.CARRIER, ev.tokens, w.worker_id, req.priority, forks=self.forks,
-                    tpot_s=req.tpot_s))))
+                    tpot_s=req.tpot_s, kv=ev.kv))))
             ev = await q.get()
             if isinstance(ev, msg.TokenEvent) and ev.reason == "forked":
                 self.forked = True

@@ -98,6 +98,8 @@ class Metrics:
                                      labels, registry=r, buckets=STEP_TOKEN_BUCKETS)
         # -- the KV handoff (reported by the decode worker that pulls) ---------------------------
         self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes received", labels, registry=r)
+        self.kv_blocks_reused = Counter(P + "kv_blocks_reused", "KV blocks not pulled: the decode worker's prefix "
+                                        "cache held them", labels, registry=r)
         self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Duration of one KV pull", labels,
                                              registry=r, buckets=TRANSFER_BUCKETS)
         self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls, by where they failed",
@@ -191,6 +193,7 @@ class Metrics:
         for mode in PREEMPTION_KINDS:
             self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), r.preemptions.get(mode, 0))
         self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), r.kv_transfer.bytes)
+        self._grow(self.kv_blocks_reused.labels(w, role), (w, "xr"), r.kv_transfer.blocks_reused)
         for point in FAILURE_POINTS:
             self._grow(self.kv_transfer_failures.labels(w, role, point), (w, "xf", point),
                        r.kv_transfer.failures_by_point.get(point, 0))

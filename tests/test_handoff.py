@@ -40,8 +40,9 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], par
         dst = decode.reserve(s.seq_id, s.prompt_token_ids, s.output_token_ids, params)
         assert dst is not None
         src = prefill.held_block_ids(s.seq_id)
-        assert len(src) == len(dst) == -(-(s.num_tokens - 1) // prefill.kv.block_size)
-        copy_blocks(prefill, src, decode, dst)
+        assert len(src) == -(-(s.num_tokens - 1) // prefill.kv.block_size) >= len(dst)
+        # The leading blocks decode's prefix cache holds are not received: only the rest.
+        copy_blocks(prefill, src[len(src) - len(dst):], decode, dst)
         decode.commit_received(s.seq_id)
         assert prefill.release(s.seq_id)
         outputs[s.seq_id] = list(s.output_token_ids)          # resumed from + the token prefill sampled
@@ -77,6 +78,34 @@ def test_reserve_applies_backpressure_and_abort_frees():
     assert decode.abort("a")                                    # e.g. the transfer failed
     assert decode.reserve("b", prompt, [5], GREEDY) is not None
     assert decode.abort("b")
+    assert_all_blocks_free(decode)
+
+
+def test_only_the_blocks_decode_lacks_are_received():
+    """A prompt whose leading full blocks decode's prefix cache holds (a handoff of the same
+    prefix arrived before) reserves, and so receives, only the rest; the output still equals
+    the single engine's (what decode computes on reads the reused blocks)."""
+    bs = 16
+    cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=bs, num_blocks=256))
+    shared = list(range(5, 5 + 4 * bs))
+    prompts = [shared + [7, 8, 9], shared + list(range(200, 240))]
+    single = LLMEngine(cfg).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    assert handoff(prefill, decode, prompts[:1]) == [single[0].token_ids]
+    s = prefill.add_request(prompt_token_ids=prompts[1], params=GREEDY, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    dst = decode.reserve(s.seq_id, s.prompt_token_ids, s.output_token_ids, GREEDY)
+    src = prefill.held_block_ids(s.seq_id)
+    assert len(src) - len(dst) == 4                           # the shared prefix: not received
+    copy_blocks(prefill, src[4:], decode, dst)
+    decode.commit_received(s.seq_id)
+    assert prefill.release(s.seq_id)
+    out = list(s.output_token_ids)
+    while decode.has_unfinished():
+        out += [t for o in decode.step() for t in o.new_token_ids]
+    assert out == single[1].token_ids
+    assert_all_blocks_free(prefill)
     assert_all_blocks_free(decode)
 
 

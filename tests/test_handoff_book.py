@@ -74,7 +74,37 @@ def test_pending_requests_reserve_oldest_first_and_stop_at_the_first_without_roo
     assert book.abort("c") is Outcome.FREE                            # reserved, not yet pulling
 
 
-@pytest.mark.parametrize("verb", ["start_send", "end_send", "start_transfer", "finish_transfer"])
+def test_a_send_or_loan_gets_the_blocks_held_or_nothing():
+    clock = Clock()
+    book = HandoffBook(lease_s=10, clock=clock)
+    assert book.start_send("a") is None and book.lend("a", 1.0) is None     # never held
+    book.hold("a", [7, 3, 9])
+    assert book.lend("a", 2.0) == ((7, 3, 9), clock.t + 2.0)
+    assert book.start_send("a") is None and book.lend("a", 2.0) is None     # already out
+    book.hold("b", [4])
+    assert book.abort("b") is Outcome.FREE
+    assert book.start_send("b") is None                                   # aborted: nothing to send
+
+
+def test_a_loan_ends_with_the_readers_release_or_at_its_deadline():
+    """The reader's release frees at once (it has stopped reading); an abort meanwhile waits for
+    it; a reader that never comes back loses the blocks at the deadline, not at the lease."""
+    clock = Clock()
+    book = HandoffBook(lease_s=100, clock=clock)
+    for rid in "abc":
+        book.hold(rid, [1])
+        book.lend(rid, 5.0)
+    assert book.release("a") is Outcome.FREE
+    assert book.abort("b") is Outcome.DEFERRED                          # the reader is still reading
+    assert book.release("b") is Outcome.FREE
+    clock.t += 4.9
+    assert book.expired() == []
+    clock.t += 0.2
+    assert book.expired() == ["c"] and book.phase("c") is None
+    assert book.release("c") is Outcome.NOTHING                         # late: already freed
+
+
+@pytest.mark.parametrize("verb", ["end_send", "start_transfer", "finish_transfer"])
 def test_verbs_out_of_order_are_errors(verb):
     book = HandoffBook()
     book.wait_for_room("p", "op")
@@ -95,6 +125,7 @@ class HandoffMachine(RuleBasedStateMachine):
         self.book = HandoffBook(lease_s=5, clock=self.clock)
         self.allocated: set[str] = set()     # rids whose blocks are allocated on this worker
         self.busy: set[str] = set()          # rids whose blocks a transfer is using
+        self.lent: set[str] = set()          # rids a receiver reads itself (it releases them)
         self.room = True
 
     def _carry_out(self, rid: str, outcome: Outcome) -> None:
@@ -119,13 +150,29 @@ class HandoffMachine(RuleBasedStateMachine):
 
     @rule(rid=st.sampled_from(RIDS))
     def send_ends(self, rid):
-        if self.book.phase(rid) is Phase.SENDING:
+        if self.book.phase(rid) is Phase.SENDING and rid not in self.lent:
             self.busy.discard(rid)
             self._carry_out(rid, self.book.end_send(rid))
 
     @rule(rid=st.sampled_from(RIDS))
+    def lend(self, rid):
+        if self.book.phase(rid) is Phase.HELD:
+            assert self.book.lend(rid, 3.0) is not None
+            self.busy.add(rid)
+            self.lent.add(rid)
+
+    @rule(rid=st.sampled_from(RIDS))
+    def reader_done(self, rid):
+        """The receiver stops reading a loan and releases it (what it read kept or not)."""
+        if rid in self.lent:
+            self.busy.discard(rid)
+            self.lent.discard(rid)
+            self._carry_out(rid, self.book.release(rid))
+
+    @rule(rid=st.sampled_from(RIDS))
     def release(self, rid):
-        self._carry_out(rid, self.book.release(rid))
+        if rid not in self.lent:            # a loan is released by its reader only
+            self._carry_out(rid, self.book.release(rid))
 
     @rule(rid=st.sampled_from(RIDS))
     def wait(self, rid):
@@ -157,6 +204,9 @@ class HandoffMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.clock.t += dt
         for rid in self.book.expired():
+            if rid in self.lent:            # past its deadline the reader drops what it read
+                self.busy.discard(rid)
+                self.lent.discard(rid)
             self._carry_out(rid, Outcome.FREE)
 
     @invariant()
@@ -172,7 +222,8 @@ class HandoffMachine(RuleBasedStateMachine):
             phase = self.book.phase(rid)
             if phase is Phase.SENDING:
                 self.busy.discard(rid)
-                self._carry_out(rid, self.book.end_send(rid))
+                self._carry_out(rid, self.book.release(rid) if rid in self.lent else self.book.end_send(rid))
+                self.lent.discard(rid)
             elif phase is Phase.TRANSFERRING:
                 self.busy.discard(rid)
                 self._carry_out(rid, self.book.finish_transfer(rid, ok=False))

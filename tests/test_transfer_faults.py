@@ -329,6 +329,7 @@ class Side:
 
     def __init__(self, worker, local: bool = False):
         self.w, self.local, self.events = worker, local, []
+        self.held = {}                      # rid -> its held event's HeldKV (the router forwards it)
 
     def _call(self, method: str, *args):
         import ray
@@ -375,6 +376,7 @@ def prefill(P: Side, rid: str) -> int:
     P.submit(msg.PrefillOp(rid, PROMPT, params()))
     ev = P.wait_event(lambda e: e.rid == rid)
     assert isinstance(ev, msg.TokenEvent) and ev.held and len(ev.tokens) == 1, ev
+    P.held[rid] = ev.kv
     return ev.tokens[0]
 
 
@@ -382,7 +384,7 @@ def handoff(P: Side, D: Side, rid: str):
     """Prefill on P, then the DecodeOp on D; the request's last event on D (an error or the end)."""
     from workers import messages as msg
     first = prefill(P, rid)
-    D.submit(msg.DecodeOp(rid, PROMPT, params(), output_token_ids=[first], prefill_id=P_ID))
+    D.submit(msg.DecodeOp(rid, PROMPT, params(), output_token_ids=[first], prefill_id=P_ID, kv=P.held[rid]))
     return first, D.wait_event(lambda e: e.rid == rid and (isinstance(e, msg.ErrorEvent) or e.finished))
 
 
@@ -405,12 +407,11 @@ def reference():
     return LLMEngine(EngineConfig(model="tiny")).generate([{"prompt_token_ids": PROMPT}], params())[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def pool(ray_session):
+def _launch(kv_transport: str):
     """One prefill and one decode worker actor, launched as `pdcluster serve` does."""
     from cluster.launcher import ClusterSpec, launch, shutdown
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, engine={"cache": {"num_blocks": 64}},
-                       num_cpus_per_worker=0.5, lease_s=60, transfer_timeout_s=5)
+                       num_cpus_per_worker=0.5, lease_s=60, transfer_timeout_s=5, kv_transport=kv_transport)
     workers, _ = launch(spec)
     try:
         yield spec, Side(workers[0].handle), Side(workers[1].handle), workers
@@ -418,19 +419,40 @@ def pool(ray_session):
         shutdown(workers)
 
 
-WORKER_FAULTS = ("send:before_header", "send:mid_payload", "send:after_payload",
-                 "recv:before_header", "recv:mid_payload", "recv:after_payload", "recv:before_commit")
+@pytest.fixture(scope="module")
+def gloo_pool(ray_session):
+    yield from _launch("gloo")
 
 
-@pytest.mark.parametrize("where", WORKER_FAULTS)
-def test_a_fault_fails_the_pull_cleanly_and_the_request_completes_when_run_again(pool, reference, where):
+@pytest.fixture(scope="module")
+def shm_pool(ray_session):
+    """The same on one node through shared memory (the decode worker copies out of the prefill
+    worker's cache)."""
+    yield from _launch("shm")
+
+
+@pytest.fixture(scope="module", params=["gloo", "shm"])
+def pool(request):
+    return request.getfixturevalue(f"{request.param}_pool")
+
+
+# Where each transport can fail: through shared memory the sender takes no part in the copy,
+# and there is no header (its loans, the path without a HeldKV, are tested below).
+WORKER_FAULTS = {"gloo": ("send:before_header", "send:mid_payload", "send:after_payload", "recv:before_header",
+                          "recv:mid_payload", "recv:after_payload", "recv:before_commit"),
+                 "shm": ("recv:mid_payload", "recv:after_payload", "recv:before_commit")}
+
+
+@pytest.mark.parametrize("transport,where", [(t, w) for t, ws in WORKER_FAULTS.items() for w in ws])
+def test_a_fault_fails_the_pull_cleanly_and_the_request_completes_when_run_again(request, reference, transport,
+                                                                                  where):
     """The decode worker reports a retryable error and decodes nothing; both workers get every
     block back; the failure is counted under its point (the decode side's view: a sender that
     breaks before the payload leaves the receiver waiting for the header or the payload). Run
     again, as the router does, the request completes with the single engine's tokens, over the
     same pair of workers."""
     from workers import messages as msg
-    _, P, D, _ = pool
+    _, P, D, _ = request.getfixturevalue(f"{transport}_pool")
     side, point = where.split(":")
     (P if side == "send" else D).set_faults(f"{where}:fail*1")
     before = D.stats().kv_transfer
@@ -469,7 +491,7 @@ def test_partly_received_blocks_are_never_computed_on(pool, reference):
     from workers.worker import Worker
     spec, P, _, _ = pool
     w = Worker("decode-local", "decode", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)),
-               transfer_timeout_s=5, cluster_id=spec.cluster_id)
+               spec.kv_transport, transfer_timeout_s=5, cluster_id=spec.cluster_id)
     try:
         D = Side(w, local=True)
         w.faults = FaultPlan.parse("recv:mid_payload:fail*1")
@@ -514,6 +536,19 @@ def test_partly_received_blocks_are_never_computed_on(pool, reference):
         w.shutdown()
 
 
+def test_a_loan_whose_reader_vanishes_is_freed_at_its_deadline(shm_pool):
+    """A decode worker borrowed a held request's blocks (shared memory) and died before giving
+    them back: the prefill worker frees them once the loan's deadline (the transfer timeout)
+    passes, not at the end of the 60 s lease; the blocks named are the request's."""
+    spec, P, _, _ = shm_pool
+    first = prefill(P, "vanished.0")
+    lent = P._call("lend_kv", "vanished.0", 0)      # this process reads nothing and never releases
+    assert lent is not None and len(lent[0]) == -(-(len(PROMPT) + 1 - 1) // 16) and first is not None
+    assert P.stats().held == 1
+    wait_for(P.stats, lambda s: s.held == 0 and s.kv_blocks_used == 0, spec.transfer_timeout_s + 10)
+    assert P._call("lend_kv", "vanished.0", 0) is None                 # nothing left to lend
+
+
 def test_a_pull_of_kv_no_longer_held_is_refused_at_once(pool, reference):
     """The prefill side dropped the KV (its request was aborted, or its lease ran out) before the
     decode side pulled: the sender says so in its header, so the receiver fails at once instead
@@ -539,6 +574,45 @@ def test_a_pull_of_kv_no_longer_held_is_refused_at_once(pool, reference):
     first, ev = handoff(P, D, "refused.1")                            # the same pair, next request
     assert isinstance(ev, msg.TokenEvent) and ev.finished, ev
     assert [first] + D.tokens("refused.1") == reference
+
+
+def test_shared_kv_whose_blocks_were_reused_is_refused_by_their_counts(shm_pool, reference):
+    """Through shared memory the decode worker copies with no word from the prefill worker: the
+    held event's allocation counts guard it. Aborted, the request's blocks keep their bytes, and
+    a copy of them is still that request's KV (it decodes the single engine's tokens); once a
+    later prompt took some of those blocks, the counts differ and the copy is refused at once."""
+    import random
+
+    from workers import messages as msg
+    spec, P, D, _ = shm_pool
+
+    def decode(rid: str, first: int):
+        D.submit(msg.DecodeOp(rid, PROMPT, params(), output_token_ids=[first], prefill_id=P_ID, kv=P.held[rid]))
+        return D.wait_event(lambda e: e.rid == rid and (isinstance(e, msg.ErrorEvent) or e.finished))
+    first = prefill(P, "intact.0")
+    P.submit(msg.AbortOp("intact.0"))
+    wait_for(P.stats, lambda s: s.held == 0)
+    ev = decode("intact.0", first)
+    assert isinstance(ev, msg.TokenEvent) and ev.finished, ev
+    assert [first] + D.tokens("intact.0") == reference
+
+    first = prefill(P, "reused.0")
+    kv = P.held["reused.0"]
+    assert kv is not None and len(kv.block_ids) == 3
+    P.submit(msg.AbortOp("reused.0"))
+    wait_for(P.stats, lambda s: s.held == 0)
+    filler = [random.Random(1).randrange(3, 250) for _ in range(1000)]     # 63 of the 64 blocks
+    P.submit(msg.PrefillOp("filler", filler, params()))
+    held = P.wait_event(lambda e: e.rid == "filler")
+    assert held.held and set(held.kv.block_ids) & set(kv.block_ids)      # it took some of them
+    before = D.stats().kv_transfer
+    ev = decode("reused.0", first)
+    assert isinstance(ev, msg.ErrorEvent) and ev.retryable and "reused" in ev.error, ev
+    assert not D.tokens("reused.0")
+    after = D.stats().kv_transfer
+    assert after.failures_by_point.get("refused", 0) == before.failures_by_point.get("refused", 0) + 1
+    P.submit(msg.AbortOp("filler"))
+    assert_clean(P, D)
 
 
 def test_a_request_resumes_through_a_failed_handoff(pool, reference):
@@ -590,7 +664,7 @@ def test_a_fault_that_never_clears_fails_the_request_after_its_retries(pool, ref
     from router.metrics import Metrics
     from router.protocol import GenerationRequest
     _, P, D, workers = pool
-    D.set_faults("recv:before_header:fail")
+    D.set_faults("recv:after_payload:fail")        # a point both transports pass
     before = D.stats().kv_transfer
     metrics = Metrics()
     out: list[int] = []
@@ -611,7 +685,7 @@ def test_a_fault_that_never_clears_fails_the_request_after_its_retries(pool, ref
     assert out == reference[:3]
     assert metrics.registry.get_sample_value("pdcluster:requests_resumed_total", {"cause": "handoff_failed"}) == 2
     after = D.stats().kv_transfer
-    assert after.failures_by_point.get("before_header", 0) == before.failures_by_point.get("before_header", 0) + 3
+    assert after.failures_by_point.get("after_payload", 0) == before.failures_by_point.get("after_payload", 0) + 3
     assert_clean(P, D)
 
 

@@ -10,6 +10,7 @@ the oldest first. Free blocks form an intrusive doubly linked list:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from array import array
 
 
@@ -97,6 +98,9 @@ class BlockPool:
         self.num_free = num_blocks                      # kept, not counted: it is asked every step
         self._stored: list[bytes] | None = None        # recording cache events: hashes indexed,
         self._evicted: list[bytes] | None = None       # and hashes evicted, since the last take
+        # Told of every block allocate hands out, before anything writes it (the shared-memory
+        # cache counts allocations per block: workers/kv_shm.py).
+        self.on_allocate: Callable[[list[KVBlock]], None] | None = None
 
     def record_events(self) -> None:
         """From now on, note each hash the cache indexes or evicts (`take_events`): the router's
@@ -152,6 +156,8 @@ class BlockPool:
             if k < n:
                 taken += [KVBlock(i, 1) for i in range(len(made), len(made) + n - k)]
                 made.extend(taken[k:])
+            if self.on_allocate is not None:
+                self.on_allocate(taken)
             return taken
         queue = self.free_queue
         from_queue = max(0, n - (self.num_blocks - len(made)))
@@ -171,6 +177,8 @@ class BlockPool:
                 b = b.next
             head.next, b.prev = b, head
             queue.num_free -= from_queue
+        if self.on_allocate is not None:
+            self.on_allocate(taken)
         return taken
 
     def touch(self, blocks: list[KVBlock]) -> None:

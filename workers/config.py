@@ -114,6 +114,7 @@ class CacheConfig:
     num_blocks: int | None = None            # overrides the memory budget when set
     swap_space_bytes: int = 256 * 2**20      # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
+    shared_memory: bool = False              # CPU: the cache in a memfd, so same-node peers copy out of it
 
     def __post_init__(self):
         if self.block_size < 1:

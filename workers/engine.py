@@ -67,7 +67,9 @@ class LLMEngine(EngineCore):
         super().__init__(cfg.scheduler, layout, max_model_len, mcfg.vocab_size, cc.enable_prefix_caching,
                          mcfg.eos_token_ids, tokenizer, cost)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, num_host, self.device, self.dtype,
-                                  cfg.attention_backend)
+                                  cfg.attention_backend, cc.shared_memory)
+        if self.runner.shared_kv is not None:       # same-node peers check blocks by allocation count
+            self.kv.pool.on_allocate = self.runner.shared_kv.bump
         log.info("model %s: %.1fM params, %s on %s, attention backend %s", cfg.model,
                  mcfg.num_params() / 1e6, str(self.dtype).removeprefix("torch."), self.device,
                  self.runner.backend.name)

@@ -217,28 +217,31 @@ class EngineCore:
                 num_receiving: int = 0, forks=(), tpot_s: float | None = None) -> list[int] | None:
         """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
         output but the last (the last was sampled there and is computed here, by the first
-        decode step). Returns the block ids to receive into, or None when there is no room now
-        (backpressure: call again later); `num_receiving` counts the sequences already reserved
-        (they will join the batch). With `forks`, a carrier (see `add_request`): room is kept
-        for the forks' seats and their copied blocks too. `tpot_s`: its TPOT target (see
+        decode step). The leading full blocks this worker's prefix cache already holds are taken
+        from it, not received. Returns the block ids to receive into (the blocks after those:
+        the sender skips as many of its own), or None when there is no room now (backpressure:
+        call again later); `num_receiving` counts the sequences already reserved (they will
+        join the batch). With `forks`, a carrier (see `add_request`): room is kept for the
+        forks' seats and their copied blocks too. `tpot_s`: its TPOT target (see
         `add_request`)."""
         self._check_forks(forks)
         seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
+        seq.prompt_logprobs = None                     # the prefill side computed and sent them
         num_kv = seq.num_tokens - 1
+        computed, num_cached = self.kv.get_computed_blocks(seq)
         sched = self.scheduler
         extra = max(0, len(forks) - 1)
         fits = (num_receiving + extra + len(sched.running) < sched.cfg.max_num_seqs and
-                self.kv.can_allocate(seq, num_kv + extra * self.kv.block_size, [], 0,
+                self.kv.can_allocate(seq, num_kv - num_cached + extra * self.kv.block_size, computed, num_cached,
                                      sched.watermark_blocks if sched.running else 0))
         if not fits:
             del self._seqs[request_id]
             return None
-        self.kv.allocate(seq, num_kv, [], 0, index=False)
+        self.kv.allocate(seq, num_kv - num_cached, computed, num_cached, index=False)
         seq.status = SequenceStatus.RECEIVING
-        seq.prompt_logprobs = None                     # the prefill side computed and sent them
         seq.tpot_s = tpot_s
         self._carry(seq, forks)
-        return list(self.kv.block_ids(seq))
+        return self.kv.block_ids(seq)[len(computed):]
 
     def commit_received(self, request_id: str) -> RequestOutput | None:
         """The reserved blocks now hold the prompt's KV: the sequence joins the running batch,

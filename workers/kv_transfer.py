@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from workers.faults import FaultPlan
 from workers.messages import TransferHeader
-from workers.names import AUTO, GLOO, NCCL, TRANSPORTS
+from workers.names import AUTO, GLOO, NCCL, SHM, TRANSPORTS
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]      # per layer (k, v): [blocks, slot, head, dim]
 Group = Any                                             # a c10d backend: ProcessGroupGloo / ProcessGroupNCCL
@@ -548,8 +548,11 @@ class NcclTransport(KVTransport):
 def transport_backend(kind: str, device: torch.device | str) -> str:
     """The backend for `--kv-transport kind` with the KV cache on `device`."""
     device = torch.device(device)
-    if kind == AUTO:
+    if kind == AUTO:                        # on CPU, for peers on other nodes (same-node ones: kv_shm)
         return NCCL if device.type == "cuda" else GLOO
+    if kind == SHM:
+        raise ValueError("--kv-transport shm copies through shared memory between workers of one node; "
+                         "it has no transport across nodes: use auto to fall back to gloo there")
     if kind == NCCL and device.type != "cuda":
         raise ValueError(f"--kv-transport nccl moves CUDA tensors but the KV cache is on {device}: "
                          "use gloo or auto")

@@ -38,6 +38,17 @@ message(SamplingParams)             # the sampling parameters travel as they are
 # -- router -> worker: operations -----------------------------------------------------------
 @message
 @dataclass(slots=True)
+class HeldKV:
+    """Where a held prompt's KV lies in its prefill worker's shared-memory cache: its blocks in
+    token order and each block's allocation count then (workers/kv_shm.py). A decode worker on
+    the same node copies them itself; the counts, unchanged after its copy, prove that no block
+    was given to other KV meanwhile."""
+    block_ids: list[int]
+    generations: list[int]
+
+
+@message
+@dataclass(slots=True)
 class Fork:
     """One of a request's samples (`n` > 1): a sequence of its own, with its own id and seed,
     that starts from the prompt's KV its carrier computed or received (the full blocks shared,
@@ -86,6 +97,7 @@ class DecodeOp:
     priority: int = 0
     forks: list[Fork] = field(default_factory=list)
     tpot_s: float | None = None       # its TPOT target (its first token is out already)
+    kv: HeldKV | None = None          # the held event's: copied straight out of a same-node prefill worker
 
 
 @message
@@ -110,6 +122,7 @@ class TokenEvent:
     logprobs: list | None = None
     held: bool = False
     prompt_logprobs: list | None = None   # asked for: each prompt token's from the second, with the first output
+    kv: HeldKV | None = None          # held, by a worker whose cache is in shared memory: where its KV is
 
 
 @message
@@ -135,6 +148,7 @@ class TransferTotals:
     seconds: float = 0.0
     failures: int = 0
     failures_by_point: dict[str, int] = field(default_factory=dict)    # workers/faults.py's FAILURE_POINTS
+    blocks_reused: int = 0            # blocks not pulled: the receiver's prefix cache held them
 
 
 @message
@@ -184,6 +198,7 @@ class KVSendRequest:
     peer_id: str                      # the receiving worker
     store_addr: str                   # "host:port" of its rendezvous store
     transfer_id: int                  # both sides check it: a reordering fails, never swaps KV
+    skip: int = 0                     # leading blocks the receiver's prefix cache holds: not sent
 
 
 @dataclass(frozen=True, slots=True)

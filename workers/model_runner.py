@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from workers.attention import AttentionMetadata, PrefillChunk, select_backend
+from workers.kv_shm import SharedKVCache
 from workers.model import LlamaForCausalLM
 from workers.sampler import SampledTokens, sample
 from workers.scheduler import SchedulerOutput
@@ -72,7 +73,8 @@ class BlockTableBuffer:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto"):
+                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
+                 shared_memory: bool = False):
         cfg = model.config
         self.model, self.device, self.dtype = model, device, dtype
         self.block_size = block_size
@@ -80,10 +82,13 @@ class ModelRunner:
                                       cfg.num_key_value_heads, cfg.head_dim)
         model.set_attention_backend(self.backend)
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # Allocated once; the hot path only indexes into these.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_hidden_layers)]
+        # Allocated once; the hot path only indexes into these. In shared memory when asked (CPU):
+        # a same-node peer then copies handed-off blocks straight out of it (workers/kv_shm.py).
+        self.shared_kv = SharedKVCache(cfg.num_hidden_layers, shape, dtype) \
+            if shared_memory and device.type == "cpu" else None
+        self.kv_caches = self.shared_kv.kv_caches if self.shared_kv else [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)]
         host_shape = (num_host_blocks, *shape[1:])
         pin = device.type == "cuda"
         self.host_caches = [(torch.zeros(host_shape, dtype=dtype, pin_memory=pin),

@@ -7,7 +7,8 @@ from __future__ import annotations
 PREFILL, DECODE, COLOCATED = ROLES = ("prefill", "decode", "colocated")
 DISAGGREGATED = "disaggregated"
 MODES = (DISAGGREGATED, COLOCATED)                    # a cluster's shape
-AUTO, GLOO, NCCL = TRANSPORTS = ("auto", "gloo", "nccl")      # KV handoff; auto: nccl on GPUs, gloo on CPU
+# KV handoff. auto: nccl on GPUs; on CPU shared memory between workers of one node, else gloo.
+AUTO, SHM, GLOO, NCCL = TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 P2C, RANDOM, ROUND_ROBIN, PREFIX = PICKING_POLICIES = ("p2c", "random", "round-robin", "prefix")   # how the router picks
 PREEMPTION_KINDS = ("recompute", "swap")                # what a preemption did
 PREEMPTION_MODES = ("auto",) + PREEMPTION_KINDS         # what the scheduler may choose

@@ -3,6 +3,7 @@
     router ──submit(Op)──▶ inbox ──▶ engine loop thread ──▶ events ──poll() → PollReply──▶ router
                                         │  (steps while there is work; builds the LoadReport)
     decode worker ──send_kv(KVSendRequest)──▶ this thread reads held blocks ──▶ transport ──▶ peer
+    decode worker on this node ──lend_kv──▶ block ids; it copies them out of this worker's cache
 
 The messages are workers/messages.py's dataclasses; the handoff's phases and leases live in
 workers/handoff.py (the loop thread owns that book; this module carries out its decisions).
@@ -14,6 +15,11 @@ buffer until the next poll drains them, and the router turns them into Prometheu
 Roles: `prefill` runs requests to their first token and holds the KV under a lease;
 `decode` reserves blocks (only when it has room), pulls the KV from the prefill worker,
 then decodes; `colocated` runs whole requests (chunked prefill mixes into decode steps).
+
+A pull never waits for the prefill worker's engine loop: the held block ids are in the handoff
+book from the moment the request is held, and the send (or the loan, through shared memory on
+one node: workers/kv_shm.py) starts on a Ray thread beside the engine's steps. Only the blocks
+the decode worker's prefix cache lacks are moved.
 
 The engine is touched only by the loop thread; other threads hand it closures through the
 inbox. Ray stays out of this module's logic: the launcher wraps `Worker` with ray.remote, and
@@ -33,12 +39,14 @@ from concurrent.futures import Future
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, resolve_device
 from workers.faults import FaultPlan
-from workers.handoff import HandoffBook, HandoffError, Outcome, Phase
-from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, KVSendRequest,
+from workers.handoff import HandoffBook, HandoffError, Outcome
+from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_blocks
+from workers.kv_cache_manager import cdiv
+from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVSendRequest,
                               LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
-from workers.names import ROLES
+from workers.names import AUTO, ROLES, SHM
 
 log = logging.getLogger("pdcluster.worker")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
@@ -54,6 +62,11 @@ class Worker:
         torch.set_num_threads(num_threads)
         self.worker_id, self.role, self.cluster_id = worker_id, role, cluster_id
         self.faults = FaultPlan.from_env()            # PDCLUSTER_KV_FAULTS (workers/faults.py); off when unset
+        on_cpu = resolve_device(engine_cfg.device).type == "cpu"
+        if transport == SHM and not on_cpu:
+            raise ValueError("--kv-transport shm shares CPU memory; this worker's KV cache is on a GPU: use auto or nccl")
+        if transport in (AUTO, SHM) and on_cpu:       # same-node peers copy out of this cache
+            engine_cfg = dataclasses.replace(engine_cfg, cache=dataclasses.replace(engine_cfg.cache, shared_memory=True))
         self.engine = LLMEngine(engine_cfg)
         self.transfer_timeout_s = transfer_timeout_s
         self.handoffs = HandoffBook(lease_s)          # touched by the loop thread only
@@ -64,6 +77,9 @@ class Worker:
         self._cv = threading.Condition()
         self._stop = False
         self._peer_locks: dict[str, threading.Lock] = {}
+        self._peer_caches = PeerCaches()              # same-node prefill peers' caches, mapped
+        self._shared_peers: dict[str, object] = {}    # peer id -> its mapped caches, or None: not shared
+        self._shm_lock = threading.Lock()
         self._transfer_ids = 0
         self._transfer_totals = TransferTotals()
         self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
@@ -157,6 +173,8 @@ class Worker:
         self._loop.join(timeout=5)
         if transport is not None:
             transport.shutdown()
+        with self._shm_lock:
+            self._peer_caches.close_all()
 
     # -- KV handoff: the prefill side ---------------------------------------------------------
     def send_kv(self, payload: bytes) -> int:
@@ -164,30 +182,45 @@ class Worker:
         KVSendRequest; the receiver waits in recv with the same transfer id). Returns bytes."""
         from workers.kv_transfer import KVPeer
         req = decode(payload, KVSendRequest)
-
-        def start():
-            if self.handoffs.phase(req.rid) is not Phase.HELD:
-                return None                             # released, aborted, expired: say so at once
-            self.handoffs.start_send(req.rid)
-            return self.engine.held_block_ids(req.rid)
-        block_ids = self._in_loop(start)
+        block_ids = self.handoffs.start_send(req.rid)      # None: released, aborted, expired
         peer = KVPeer(req.peer_id, req.store_addr)
         if block_ids is None:
             self._get_transport().refuse(peer, self.engine.runner.kv_caches, self.transfer_timeout_s, req.transfer_id)
             raise HandoffError(f"request {req.rid}: no KV held here (released, aborted or its lease expired)")
         try:
-            return self._get_transport().send_blocks(peer, self.engine.runner.kv_caches, block_ids,
+            return self._get_transport().send_blocks(peer, self.engine.runner.kv_caches, list(block_ids[req.skip:]),
                                                      self.transfer_timeout_s, req.transfer_id, self.faults)
         finally:
             self._call_in_loop(lambda: self._apply(req.rid, self.handoffs.end_send(req.rid)))
 
+    def kv_segment(self) -> dict | None:
+        """Where this worker's KV cache lives, for a decode worker on the same node that wants
+        to copy out of it (workers/kv_shm.py); None when it is not in shared memory."""
+        shared = self.engine.runner.shared_kv
+        return None if shared is None else shared.segment(node_id()).to_dict()
+
+    def lend_kv(self, rid: str, skip: int = 0) -> tuple[list[int], float, int] | None:
+        """A same-node decode worker copies a held request's KV itself: (the block ids after the
+        first `skip`, the loan's deadline on this node's monotonic clock, this process's id), or
+        None when nothing is held. Its release_kv ends the loan; past the deadline the blocks
+        are freed and its copy must be dropped."""
+        self.faults.hit("send", "before_header")
+        lent = self.handoffs.lend(rid, self.transfer_timeout_s)
+        if lent is None:
+            return None
+        block_ids, deadline = lent
+        return list(block_ids[skip:]), deadline, os.getpid()
+
     def forget_peer(self, peer_id: str) -> None:
-        """A peer died or was restarted: drop the transport's pairs with its old process (the
-        next transfer builds new ones)."""
+        """A peer died or was restarted: drop the transport's pairs with its old process and its
+        old cache's mapping (the next transfer builds new ones)."""
         with self._cv:
             transport = self._transport
         if transport is not None:
             transport.close(peer_id)
+        with self._shm_lock:
+            self._shared_peers.pop(peer_id, None)
+            self._peer_caches.close(peer_id)
 
     def release_kv(self, request_id: str) -> None:
         """The decode worker has the KV (or gave up): free our copy (full blocks stay cached)."""
@@ -252,11 +285,16 @@ class Worker:
         self.steps += 1
         shape = self.engine.last_step
         events = []
+        shared = self.engine.runner.shared_kv if ORDERED else None
         for o in outputs:
+            kv = None
             if o.held:
-                self.handoffs.hold(o.request_id)
+                ids = self.engine.held_block_ids(o.request_id)
+                self.handoffs.hold(o.request_id, ids)
+                if shared is not None:
+                    kv = HeldKV(list(ids), shared.generations[ids].tolist())
             events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
-                                     o.new_logprobs, o.held, o.prompt_logprobs))
+                                     o.new_logprobs, o.held, o.prompt_logprobs, kv))
         with self._cv:
             if shape.num_seqs:
                 self._samples["step_s"].append(step_s)
@@ -312,37 +350,36 @@ class Worker:
         def reserve(op: DecodeOp):
             return self.engine.reserve(op.rid, op.prompt_token_ids, op.output_token_ids, op.params, op.priority,
                                        num_receiving=self.handoffs.num_receiving, forks=op.forks, tpot_s=op.tpot_s)
+        bs = self.engine.kv.block_size
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
-            threading.Thread(target=self._pull, args=(op, dst), daemon=True, name=f"pull-{op.rid}").start()
+            skip = cdiv(len(op.prompt_token_ids) + len(op.output_token_ids) - 1, bs) - len(dst)
+            threading.Thread(target=self._pull, args=(op, dst, skip), daemon=True, name=f"pull-{op.rid}").start()
 
-    def _pull(self, op: DecodeOp, dst: list[int]) -> None:
-        """Transfer thread: ask the prefill worker to send, receive into the reserved blocks."""
+    def _pull(self, op: DecodeOp, dst: list[int], skip: int) -> None:
+        """Transfer thread: take the KV from the prefill worker into the reserved blocks (`dst`,
+        after the `skip` leading blocks this worker's prefix cache holds): out of its cache
+        through shared memory when it is on this node, else sent over the transport."""
         rid, prefill_id = op.rid, op.prefill_id
-        point = "request"                   # where the pull is (workers/faults.py's FAILURE_POINTS)
+        point = ["request"]                 # where the pull is (workers/faults.py's FAILURE_POINTS)
         try:
             prefill = _peer(self.cluster_id, prefill_id)
-            transport = self._get_transport()
-            # One pull at a time per prefill peer, and a shared id: both sides run the pair's
-            # transfers in the same order, and a mix-up fails loudly instead of swapping KV.
-            with self._peer_lock(prefill_id):
-                self._transfer_ids += 1
-                tid = self._transfer_ids
-                t0 = time.monotonic()
-                sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid)))
-                nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
-                                               self.transfer_timeout_s, tid, self.faults)
-                point = "after_payload"     # every byte is here; the sender must confirm it sent them all
-                _wait_ref(sent, self.transfer_timeout_s)
-                seconds = time.monotonic() - t0
-            point = "before_commit"
+            t0 = time.monotonic()
+            if not dst:                     # every block is in this worker's prefix cache
+                nbytes = 0
+            elif (shared := self._shared_caches(prefill_id, prefill)) is not None:
+                nbytes = self._copy_shared(op, prefill, shared, dst, skip, point)
+            else:
+                nbytes = self._recv_sent(rid, prefill_id, prefill, dst, skip, point)
+            seconds = time.monotonic() - t0
+            point[0] = "before_commit"
             self.faults.hit("recv", "before_commit")
-            self._record_transfer(nbytes, seconds)
+            self._record_transfer(nbytes, seconds, skip)
         except Exception as e:
             # The transport's errors say where it was; the blocks may hold part of the payload,
             # so the failure path below frees them and the sequence never joins the batch.
-            if point == "request":
-                point = getattr(e, "point", None) or point
+            said = getattr(e, "point", None)
+            point = said if said == "refused" or point[0] == "request" and said else point[0]
             log.warning("worker %s: KV pull of %s failed at %s: %s", self.worker_id, rid, point, e)
             with self._cv:
                 t = self._transfer_totals
@@ -361,16 +398,94 @@ class Worker:
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
         self._call_in_loop(lambda: self._apply(rid, self.handoffs.finish_transfer(rid, ok=True), abort=True))
 
+    def _recv_sent(self, rid: str, prefill_id: str, prefill, dst: list[int], skip: int, point: list[str]) -> int:
+        """Ask the prefill worker to send over the transport; receive into `dst`. Returns bytes."""
+        transport = self._get_transport()
+        # One pull at a time per prefill peer, and a shared id: both sides run the pair's
+        # transfers in the same order, and a mix-up fails loudly instead of swapping KV.
+        with self._peer_lock(prefill_id):
+            self._transfer_ids += 1
+            tid = self._transfer_ids
+            sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid, skip)))
+            nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
+                                           self.transfer_timeout_s, tid, self.faults)
+            point[0] = "after_payload"      # every byte is here; the sender must confirm it sent them all
+            _wait_ref(sent, self.transfer_timeout_s)
+        return nbytes
+
+    def _copy_shared(self, op: DecodeOp, prefill, shared, dst: list[int], skip: int, point: list[str]) -> int:
+        """Copy the held blocks out of a same-node prefill worker's cache (workers/kv_shm.py):
+        where the held event said they are, checked by their allocation counts after the copy;
+        without that (another CPU family), borrowed for the copy. Returns bytes."""
+        from workers.kv_transfer import KVTransferTimeout
+        rid, prefill_id = op.rid, op.prefill_id
+        segment, (caches, generations) = shared
+        if op.kv is not None:
+            src, expected, deadline = op.kv.block_ids[skip:], op.kv.generations[skip:], None
+        else:
+            lent = _wait_ref(prefill.lend_kv.remote(rid, skip), self.transfer_timeout_s)
+            if lent is None:
+                raise _refused(f"{prefill_id} no longer holds the KV of {rid} (released, aborted or its lease expired)")
+            src, deadline, pid = lent
+            expected = None
+            if pid != segment.pid:          # restarted since we mapped it: map the new process's cache
+                shared = self._shared_caches(prefill_id, prefill, refresh=True)
+                if shared is None or shared[0].pid != pid:
+                    raise _refused(f"{prefill_id} restarted and its new KV cache cannot be mapped")
+                segment, (caches, generations) = shared
+
+        def reused() -> bool:               # a block was handed to other KV since the hold
+            return expected is not None and generations[src].tolist() != expected
+        if reused():
+            raise _refused(f"{prefill_id} no longer holds the KV of {rid}: its blocks were reused")
+
+        def midway():
+            point[0] = "mid_payload"
+            self.faults.hit("recv", "mid_payload")
+        nbytes = copy_blocks(caches, src, self.engine.runner.kv_caches, dst, midway)
+        point[0] = "after_payload"
+        self.faults.hit("recv", "after_payload")
+        if reused():
+            raise _refused(f"{prefill_id} reused the blocks of {rid} during the copy")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise KVTransferTimeout(f"the loan of {rid}'s KV from {prefill_id} ended before its copy did")
+        return nbytes
+
+    def _shared_caches(self, peer_id: str, peer, refresh: bool = False) -> tuple[KVSegment, list] | None:
+        """(segment, mapped caches) of a prefill peer on this node whose cache is in shared
+        memory; None when the KV must travel over the transport (asked once per peer)."""
+        with self._shm_lock:
+            if not refresh and peer_id in self._shared_peers:
+                return self._shared_peers[peer_id]
+        found = None
+        if self.engine.runner.shared_kv is not None:
+            seg = _wait_ref(peer.kv_segment.remote(), self.transfer_timeout_s)
+            segment = None if seg is None else KVSegment(**seg)
+            if segment is not None and segment.node == node_id():
+                with self._shm_lock:
+                    try:
+                        found = segment, self._peer_caches.open(peer_id, segment, self.engine.runner.kv_caches)
+                    except OSError as e:
+                        log.warning("worker %s: cannot map %s's KV cache (%s): pulls from it go over %s",
+                                    self.worker_id, peer_id, e, self._transport_kind)
+        if found is None and self._transport_kind == SHM:
+            raise ValueError(f"--kv-transport shm: {peer_id} is not on this node or its KV cache cannot be "
+                             "mapped here; use --kv-transport auto to fall back to gloo")
+        with self._shm_lock:
+            self._shared_peers[peer_id] = found
+        return found
+
     def _peer_lock(self, peer_id: str) -> threading.Lock:
         with self._cv:
             return self._peer_locks.setdefault(peer_id, threading.Lock())
 
-    def _record_transfer(self, nbytes: int, seconds: float) -> None:
+    def _record_transfer(self, nbytes: int, seconds: float, reused: int) -> None:
         with self._cv:
             t = self._transfer_totals
             t.bytes += nbytes
             t.count += 1
             t.seconds += seconds
+            t.blocks_reused += reused
             self._samples["kv_transfer_s"].append(seconds)
 
     def _get_transport(self):
@@ -389,6 +504,19 @@ def actor_name(cluster_id: str, worker_id: str) -> str:
 def _peer(cluster_id: str, worker_id: str):
     import ray                     # peers are named actors in the cluster's namespace
     return ray.get_actor(actor_name(cluster_id, worker_id), namespace="pdcluster")
+
+
+def _refused(message: str) -> Exception:
+    from workers.kv_transfer import KVTransferRefused
+    e = KVTransferRefused(message)
+    e.point = "refused"
+    return e
+
+
+def node_id() -> str:
+    """Ray's id of this node: same-node peers share memory."""
+    import ray
+    return ray.get_runtime_context().get_node_id()
 
 
 def node_ip() -> str:
