@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench vllm-env clean
+.PHONY: setup run test bench vllm-env gpu-check clean
 
 # torch goes first, on its own line: the local CPU wheel (anything else pulls CUDA builds).
 # The C++ paged-attention kernel is built here rather than inside the first run; without a
@@ -64,6 +64,17 @@ vllm-env: $(VLLM_STAMP)
 BENCH_ARGS ?= --repeats 3 --json out/bench_offline.json
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/bench_offline.py --vllm-python $(VLLM_PY) $(BENCH_ARGS)
+
+# GPU checks on one CUDA GPU (issue 16): the NCCL KV transport between two processes, the flash
+# attention backend, the engine on CUDA against transformers, and the GPU benchmarks, each part
+# under its own time limit, 570 s at most in all; logs, JSON and summary.json in out/gpu-check/
+# (see BENCHMARKS.md). Not tied to .venv, whose torch is the CPU wheel: it runs with the first
+# Python whose torch sees a GPU (GPU_PYTHON, else .venv's, else python3). No GPU: exit 2, a few
+# lines saying so. More flags through GPU_CHECK_ARGS, e.g. GPU_CHECK_ARGS="--only nccl --verbose".
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+gpu-check:
+	python3 benchmarks/gpu_check.py $(if $(GPU_PYTHON),--python $(GPU_PYTHON)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .tools build *.egg-info

@@ -16,25 +16,29 @@ from pathlib import Path
 import torch
 
 
-def memory_bandwidth(mib: int = 256, tries: int = 7) -> dict[str, float]:
-    """Best-of-`tries` rates over a `mib` MiB fp32 tensor, in bytes of the tensor per second
-    (each op timed once untimed first, with the torch thread count of the caller):
+def memory_bandwidth(mib: int = 256, tries: int = 7, device: str = "cpu") -> dict[str, float]:
+    """Best-of-`tries` rates over a `mib` MiB fp32 tensor on `device` (a GPU's too: each op is
+    then timed to its completion), in bytes of the tensor per second (each op timed once untimed
+    first, with the torch thread count of the caller):
     copy  = dst.copy_(src) into a preallocated, already-touched tensor: memcpy, the bound for
             anything that copies between buffers it keeps (a KV handoff's staging buffers);
     clone = src.clone(): fresh memory each time, so it also pays a page fault per new 4 KiB
             page (on the 2-core box about 4x slower), which reused buffers never do;
     read  = src.sum(): bytes read (a decode step mostly reads weights).
     A copy moves each byte twice (read + write): STREAM's "copy" convention is 2 * copy."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     dst = src.clone()
     nbytes = src.numel() * src.element_size()
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
 
     def best(fn) -> float:
         fn()
+        sync()
         times = []
         for _ in range(tries):
             t0 = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t0)
         return min(times)
     return {"copy": nbytes / best(lambda: dst.copy_(src)),
