@@ -30,71 +30,61 @@ from workers.step_profile import profile_steps
 log = logging.getLogger("pdcluster.profile")
 
 HANDOFF_TOKENS = [16, 64, 256, 1024, 2048]
-HOST = "127.0.0.1"
 
 
-# -- the handoff: two processes over Gloo, as the CPU cluster's pairs ---------------------------------
-def _receiver(conn, layout: tuple[int, int, int, int], num_blocks: int) -> None:
+# -- the handoff: two processes on one node, through shared memory, as the CPU cluster's pairs ----
+def _owner(conn, layout: tuple[int, int, int, int], num_blocks: int) -> None:
+    """The prefill side: a KV cache in shared memory, held until told to go."""
     import torch
 
-    from workers.kv_transfer import GlooTransport
-    torch.set_num_threads(1)
-    transport = GlooTransport("decode-0", "cpu", HOST)
-    caches = _caches(layout, num_blocks)
-    conn.send(transport.store_addr)
-    while (block_ids := conn.recv()) is not None:
-        conn.send("ready")
-        transport.recv_blocks("prefill-0", caches, block_ids, timeout_s=60.0)
-        conn.send(time.perf_counter())
-
-
-def _caches(layout, num_blocks: int):
-    import torch
+    from workers.kv_shm import SharedKVCache
     layers, block_size, heads, dim = layout
-    return [(torch.zeros(num_blocks, block_size, heads, dim), torch.zeros(num_blocks, block_size, heads, dim))
-            for _ in range(layers)]
+    cache = SharedKVCache(layers, (num_blocks, block_size, heads, dim), torch.float32)
+    for k, v in cache.kv_caches:
+        k.normal_()
+        v.normal_()
+    conn.send(cache.segment("local").to_dict())
+    conn.recv()
 
 
 def profile_handoff(layout: tuple[int, int, int, int], repeats: int = 5,
                     progress=print) -> list[tuple[int, float]]:
-    """(bytes, seconds) of KV transfers of HANDOFF_TOKENS tokens between two processes."""
+    """(bytes, seconds) of KV handoffs of HANDOFF_TOKENS tokens between two processes of one
+    node, as the served path makes them (workers/kv_shm.py: the decode side copies the held
+    blocks out of the prefill side's cache, one copy per run of blocks per layer)."""
     import torch
 
-    from workers.kv_transfer import GlooTransport, KVLayout, KVPeer
+    from workers.kv_shm import KVSegment, PeerCaches, copy_blocks
     torch.set_num_threads(1)
     block_size = layout[1]
-    num_blocks = math.ceil(max(HANDOFF_TOKENS) / block_size) + 1
+    num_blocks = 2 * math.ceil(max(HANDOFF_TOKENS) / block_size) + 1
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(child_conn, layout, num_blocks), daemon=True)
+    child = ctx.Process(target=_owner, args=(child_conn, layout, num_blocks), daemon=True)
     child.start()
-
-    def reply():
-        if not conn.poll(120):
-            raise RuntimeError("the handoff probe's receiver did not answer within 120 s")
-        return conn.recv()
+    peers = PeerCaches()
     try:
-        peer = KVPeer("decode-0", reply())
-        sender = GlooTransport("prefill-0", "cpu", HOST)
-        caches = _caches(layout, num_blocks)
-        per_block = KVLayout.of(caches).bytes_per_block
+        if not conn.poll(120):
+            raise RuntimeError("the handoff probe's other process did not answer within 120 s")
+        layers, _, heads, dim = layout
+        mine = [(torch.zeros(num_blocks, block_size, heads, dim), torch.zeros(num_blocks, block_size, heads, dim))
+                for _ in range(layers)]
+        theirs, _ = peers.open("prefill-0", KVSegment(**conn.recv()), mine)
         out = []
         for tokens in HANDOFF_TOKENS:
-            blocks = list(range(math.ceil(tokens / block_size)))
+            n = math.ceil(tokens / block_size)
+            src, dst = list(range(n)), list(range(num_blocks - n, num_blocks))   # apart, as in a pool
             times = []
             for i in range(repeats + 1):
-                conn.send(blocks)
-                reply()
                 t0 = time.perf_counter()
-                sender.send_blocks(peer, caches, blocks, timeout_s=60.0)
-                end = reply()
-                if i:                              # the first builds the pair's group
-                    times.append(end - t0)
-            out.append((len(blocks) * per_block, statistics.median(times)))
+                nbytes = copy_blocks(theirs, src, mine, dst)
+                if i:                              # the first touches the pages
+                    times.append(time.perf_counter() - t0)
+            out.append((nbytes, statistics.median(times)))
             progress(f"  handoff of {tokens} tokens ({out[-1][0] / 2**20:.2f} MiB): {out[-1][1] * 1e3:.2f} ms")
-        sender.close("decode-0")
         conn.send(None)
     finally:
+        peers.close_all()
         child.join(10)
         if child.is_alive():
             child.kill()
@@ -223,9 +213,9 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, p
     errors = relative_errors(step_model, steps)
     mcfg = engine.model_config
     layout = (mcfg.num_hidden_layers, cfg.cache.block_size, mcfg.num_key_value_heads, mcfg.head_dim)
-    progress("the KV handoff (Gloo between two processes)")
+    progress("the KV handoff (shared memory between two processes)")
     transfers = profile_handoff(layout, repeats, progress)
-    link = fit_link(transfers, "measured: gloo, two processes on this machine")
+    link = fit_link(transfers, "measured: shared memory, two processes on this machine")
     layout, max_model_len, vocab = engine.layout, engine.max_model_len, engine.vocab_size
     del engine
     served = {}
