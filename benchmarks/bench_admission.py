@@ -66,7 +66,7 @@ def vllm_load(a, base_url: str, tokenizer: Path, workdir: Path, name: str, num_p
            "--dataset-name", "random", "--random-input-len", str(a.input_len),
            "--random-output-len", str(a.output_len), "--ignore-eos",
            "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(a.seed),
-           "--goodput", f"ttft:{a.slo_ttft_ms:g}", f"tpot:{a.slo_tpot_ms:g}",
+           "--goodput", *[f"{k}:{v:g}" for k, v in (("ttft", a.slo_ttft_ms), ("tpot", a.slo_tpot_ms)) if v > 0],
            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
            "--disable-tqdm", "--save-result", "--save-detailed",
            "--result-dir", str(workdir), "--result-filename", f"{name}.json"]

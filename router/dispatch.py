@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.events import EventStream
 from router.metrics import Metrics
 from router.picker import Picker, check_local_prefill, decode_load
 from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
@@ -119,9 +120,8 @@ class Dispatcher:
         self._pumps[m.worker_id] = asyncio.get_running_loop().create_task(self._pump(m))
 
     async def stop(self) -> None:
-        """Stop polling. Each pump ends after the poll it has in flight (a poll the worker has
-        begun answering takes its events with it: cut short, they would be lost to whoever
-        polls that worker next), or is cancelled past the hang timeout."""
+        """Stop reading the workers' streams. Each pump ends after the frame it waits for (one
+        comes every half second at least), or is cancelled past the hang timeout."""
         self._stopping = True
         pumps = list(self._pumps.values())
         if pumps:
@@ -134,38 +134,51 @@ class Dispatcher:
     async def _pump(self, w: Member) -> None:
         if w.state != ACTIVE and not await self._await_ready(w, self.restart_timeout_s):
             return
-        while w.state != STOPPED and not self._stopping:
-            polled_at = time.monotonic()
-            try:
-                raw = await asyncio.wait_for(_awaitable(w.handle.poll.remote(0.5)), self.hang_timeout_s)
-                reply = msg.decode(raw, msg.PollReply)
-            except asyncio.CancelledError:
-                raise
-            except asyncio.TimeoutError:
-                self._lost(w, "hung", f"no answer to a poll within {self.hang_timeout_s:g}s")
-                if self._restart is not None:
-                    self._restart(w.handle)
-                if not await self._await_ready(w, self.restart_timeout_s):
-                    return
-                continue
-            except Exception as e:                       # the actor died (Ray restarts it)
-                self._lost(w, "died", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-                if not await self._await_ready(w, self.restart_timeout_s):
-                    return
-                continue
-            w.reported(reply.load, polled_at)
-            if self.prefix_index is not None:
-                self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
-                self.prefix_index.remove(w.worker_id, reply.cache_evicted)
-                self.prefix_index.add(w.worker_id, reply.cache_stored)
-            self.metrics.observe_load(reply.load)
-            self.metrics.observe_samples(w.worker_id, reply.load.role, reply.samples)
-            for fn in self.sample_listeners:
-                fn(w.worker_id, reply.load.role, reply.samples)
-            for ev in reply.events:
-                self._deliver(ev)
-            if w.state == DRAINING and w.idle():
-                await self._finish_drain(w)
+        stream = None
+        try:
+            while w.state != STOPPED and not self._stopping:
+                try:
+                    if stream is None:
+                        stream = await EventStream.open(w.handle, self.hang_timeout_s)
+                    raw, polled_at = await stream.next(self.hang_timeout_s)
+                    reply = msg.decode(raw, msg.PollReply)
+                except asyncio.CancelledError:
+                    raise
+                except asyncio.TimeoutError:
+                    stream = _closed(stream)
+                    self._lost(w, "hung", f"no events nor heartbeat within {self.hang_timeout_s:g}s")
+                    if self._restart is not None:
+                        self._restart(w.handle)
+                    if not await self._await_ready(w, self.restart_timeout_s):
+                        return
+                    continue
+                except Exception as e:                   # the actor died (Ray restarts it)
+                    stream = _closed(stream)
+                    if w.state == STOPPED:               # retired while we waited
+                        return
+                    self._lost(w, "died", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                    if not await self._await_ready(w, self.restart_timeout_s):
+                        return
+                    continue
+                self._take(w, reply, polled_at)
+                if w.state == DRAINING and w.idle():
+                    await self._finish_drain(w)
+        finally:
+            _closed(stream)
+
+    def _take(self, w: Member, reply: msg.PollReply, polled_at: float) -> None:
+        """A worker's frame: its report, samples, cache events, then its events."""
+        w.reported(reply.load, polled_at)
+        if self.prefix_index is not None:
+            self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
+            self.prefix_index.remove(w.worker_id, reply.cache_evicted)
+            self.prefix_index.add(w.worker_id, reply.cache_stored)
+        self.metrics.observe_load(reply.load)
+        self.metrics.observe_samples(w.worker_id, reply.load.role, reply.samples)
+        for fn in self.sample_listeners:
+            fn(w.worker_id, reply.load.role, reply.samples)
+        for ev in reply.events:
+            self._deliver(ev)
 
     async def _finish_drain(self, w: Member) -> None:
         """A drained worker flips its role (the worker checks, on its own loop, that it holds
@@ -574,6 +587,11 @@ def _awaitable(ref):
     async def wait():
         return await ref
     return wait()
+
+
+def _closed(stream: EventStream | None) -> None:
+    if stream is not None:
+        stream.close()
 
 
 def _fire(ref) -> None:

@@ -1,6 +1,8 @@
 """The worker actor: one engine, a role, a loop thread, and typed messages in and out.
 
     router ──submit(Op)──▶ inbox ──▶ engine loop thread ──▶ events ──poll() → PollReply──▶ router
+                                                    (the router's stream: a thread polls and pushes
+                                                     each reply over ZeroMQ, router/events.py)
                                         │  (steps while there is work; builds the LoadReport)
     decode worker ──send_kv(KVSendRequest)──▶ this thread reads held blocks ──▶ transport ──▶ peer
     decode worker on this node ──lend_kv──▶ block ids; it copies them out of this worker's cache
@@ -76,6 +78,8 @@ class Worker:
         self._events: list = []
         self._cv = threading.Condition()
         self._stop = False
+        self._stopped = threading.Event()             # watch() returns on it
+        self._stream: str | None = None               # the event stream's address, once asked for
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peer_caches = PeerCaches()              # same-node prefill peers' caches, mapped
         self._shared_peers: dict[str, object] = {}    # peer id -> its mapped caches, or None: not shared
@@ -107,6 +111,9 @@ class Worker:
     def poll(self, timeout_s: float = 1.0) -> bytes:
         """Long poll: an encoded PollReply with the events since the last call, a fresh load
         report and the metric samples since the last call."""
+        return encode(self._take_reply(timeout_s))
+
+    def _take_reply(self, timeout_s: float) -> PollReply:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while not self._events and not self._stop:
@@ -120,8 +127,55 @@ class Worker:
                 q.clear()
             load = self._load
             changes, self._cache_events = self._cache_events, {}
-        return encode(PollReply(events, load, samples, [h for h, held in changes.items() if held],
-                                [h for h, held in changes.items() if not held]))
+        return PollReply(events, load, samples, [h for h, held in changes.items() if held],
+                         [h for h, held in changes.items() if not held])
+
+    def _requeue(self, reply: PollReply) -> None:
+        """Put an unsent reply's contents back, before anything newer: the next poll or frame
+        carries them."""
+        with self._cv:
+            self._events[:0] = reply.events
+            for kind, values in reply.samples.items():
+                self._samples[kind].extendleft(reversed(values))
+            older = {**dict.fromkeys(reply.cache_evicted, False), **dict.fromkeys(reply.cache_stored, True)}
+            self._cache_events = {**older, **self._cache_events}
+            self._cv.notify_all()
+
+    def stream_events(self) -> str:
+        """Push poll replies over ZeroMQ from now on (a PUSH socket on this node's address; the
+        router connects a PULL socket, router/events.py): one frame per poll, so at least one
+        every half second, while a reader is connected (without one, events wait for the next
+        reader or poll, as before). Returns the address; asked again, the same one (one reader:
+        the router; a replacement connects to the same socket)."""
+        import zmq
+        with self._cv:
+            if self._stream is None:
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                port = sock.bind_to_random_port(f"tcp://{node_ip()}")
+                self._stream = f"tcp://{node_ip()}:{port}"
+                threading.Thread(target=self._push_events, args=(sock,), daemon=True,
+                                 name=f"events-{self.worker_id}").start()
+            return self._stream
+
+    def _push_events(self, sock) -> None:
+        import zmq
+        try:
+            while not self._stop:
+                if not sock.poll(500, zmq.POLLOUT):         # no reader connected
+                    continue
+                reply = self._take_reply(0.5)
+                try:
+                    sock.send(encode(reply), zmq.NOBLOCK, copy=False)
+                except zmq.Again:                            # the reader left meanwhile
+                    self._requeue(reply)
+        finally:
+            sock.close()
+
+    def watch(self) -> None:
+        """Returns when this worker shuts down. A router keeps one call pending: Ray fails it at
+        once when the process dies, which the event stream alone would not say."""
+        self._stopped.wait()
 
     def stats(self) -> LoadReport:
         """A load report built now on the loop thread, so it counts everything the worker has
@@ -170,6 +224,7 @@ class Worker:
             self._stop = True
             self._cv.notify_all()
             transport = self._transport
+        self._stopped.set()
         self._loop.join(timeout=5)
         if transport is not None:
             transport.shutdown()

@@ -1,0 +1,64 @@
+"""One worker's events as a stream: its poll replies pushed over ZeroMQ, not asked for by a Ray
+call each (workers/worker.py `stream_events`), and a watch on its process.
+
+    worker: streamer thread ── poll(0.5) ─▶ PUSH ══ tcp ══▶ PULL ─▶ EventStream.next()  (router)
+    worker: watch() blocks until the worker shuts down ◀── one pending Ray call: fails at once
+                                                           when the process dies
+
+A frame is a PollReply, as a poll returned it: the events since the last frame, the latest
+load report, the metric samples, the cache events; at least one every half second. The stream
+has no acknowledgement: the router that reads it is the worker's only reader, and a frame it
+never reads (it timed out, the worker is being replaced) is dropped with the stream, as an
+unanswered poll was.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+
+class WorkerStopped(RuntimeError):
+    """The worker's watch ended without an error: it shut down."""
+
+
+async def _result(ref):
+    return await ref
+
+
+class EventStream:
+    """Read with `next`; `close` when done (or when the worker is given up on)."""
+
+    def __init__(self, handle, address: str):
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._watch = asyncio.ensure_future(_result(handle.watch.remote()))
+        self._last = time.monotonic()
+
+    @classmethod
+    async def open(cls, handle, timeout_s: float) -> EventStream:
+        """Ask the worker for its stream (Ray call) and connect to it."""
+        return cls(handle, await asyncio.wait_for(_result(handle.stream_events.remote()), timeout_s))
+
+    async def next(self, timeout_s: float) -> tuple[bytes, float]:
+        """The next frame and a time before which every operation sent to the worker is in its
+        report (when the frame before it arrived: the worker's poll for this frame started after
+        it sent that one). Raises asyncio.TimeoutError after `timeout_s` without a frame, the
+        Ray error when the worker's process died, WorkerStopped when it shut down."""
+        recv = asyncio.ensure_future(self._sock.recv(copy=False))
+        done, _ = await asyncio.wait({recv, self._watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if recv in done:
+            covered, self._last = self._last, time.monotonic()
+            return recv.result().bytes, covered
+        recv.cancel()
+        if self._watch in done:
+            self._watch.result()                 # raises the worker's death
+            raise WorkerStopped("the worker shut down")
+        raise asyncio.TimeoutError
+
+    def close(self) -> None:
+        self._watch.cancel()
+        self._sock.close()
