@@ -580,7 +580,8 @@ def test_shared_kv_whose_blocks_were_reused_is_refused_by_their_counts(shm_pool,
     """Through shared memory the decode worker copies with no word from the prefill worker: the
     held event's allocation counts guard it. Aborted, the request's blocks keep their bytes, and
     a copy of them is still that request's KV (it decodes the single engine's tokens); once a
-    later prompt took some of those blocks, the counts differ and the copy is refused at once."""
+    later prompt took some of those blocks, the counts differ and the copy is refused at once; so
+    is one whose blocks are named in another cache than the prefill worker's now."""
     import random
 
     from workers import messages as msg
@@ -612,6 +613,16 @@ def test_shared_kv_whose_blocks_were_reused_is_refused_by_their_counts(shm_pool,
     after = D.stats().kv_transfer
     assert after.failures_by_point.get("refused", 0) == before.failures_by_point.get("refused", 0) + 1
     P.submit(msg.AbortOp("filler"))
+    assert_clean(P, D)
+
+    # Blocks named in another cache than the one the prefill worker has now (it restarted since
+    # it held them): refused, whatever the counts say.
+    first = prefill(P, "restarted.0")
+    kv = P.held["restarted.0"]
+    P.held["restarted.0"] = msg.HeldKV(kv.block_ids, kv.generations, kv.segment ^ 1)
+    ev = decode("restarted.0", first)
+    assert isinstance(ev, msg.ErrorEvent) and ev.retryable and "restarted" in ev.error, ev
+    P.submit(msg.AbortOp("restarted.0"))
     assert_clean(P, D)
 
 

@@ -37,6 +37,7 @@ import dataclasses
 import mmap
 import os
 import platform
+import secrets
 import warnings
 from dataclasses import dataclass
 
@@ -58,10 +59,11 @@ class KVSegment:
     fd: int
     num_blocks: int
     layout: dict                # KVLayout's fields
+    nonce: int                  # this cache's, at random: a HeldKV names the cache it is in
 
     def to_dict(self) -> dict:
         return {"node": self.node, "pid": self.pid, "fd": self.fd, "num_blocks": self.num_blocks,
-                "layout": self.layout}
+                "layout": self.layout, "nonce": self.nonce}
 
     @property
     def kv_bytes(self) -> int:
@@ -98,7 +100,8 @@ class SharedKVCache:
         num_blocks, block_size, heads, head_dim = shape
         layout = KVLayout(num_layers, block_size, heads, head_dim, str(dtype).removeprefix("torch."))
         self._segment = KVSegment("", os.getpid(), -1, num_blocks,
-                                  {f: getattr(layout, f) for f in KVLayout.__dataclass_fields__})
+                                  {f: getattr(layout, f) for f in KVLayout.__dataclass_fields__},
+                                  secrets.randbits(63))
         self.fd = os.memfd_create("pdcluster-kv", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self._segment.size)
         self._map = mmap.mmap(self.fd, self._segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -106,6 +109,10 @@ class SharedKVCache:
         for k, v in self.kv_caches:
             k.zero_()
             v.zero_()
+
+    @property
+    def nonce(self) -> int:
+        return self._segment.nonce
 
     def bump(self, blocks) -> None:
         """Count an allocation of each block (before the engine writes KV into them)."""

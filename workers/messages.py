@@ -45,6 +45,7 @@ class HeldKV:
     was given to other KV meanwhile."""
     block_ids: list[int]
     generations: list[int]
+    segment: int                      # which cache: its KVSegment.nonce (a restarted worker has a new one)
 
 
 @message

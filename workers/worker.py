@@ -347,7 +347,7 @@ class Worker:
                 ids = self.engine.held_block_ids(o.request_id)
                 self.handoffs.hold(o.request_id, ids)
                 if shared is not None:
-                    kv = HeldKV(list(ids), shared.generations[ids].tolist())
+                    kv = HeldKV(list(ids), shared.generations[ids].tolist(), shared.nonce)
             events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
                                      o.new_logprobs, o.held, o.prompt_logprobs, kv))
         with self._cv:
@@ -476,6 +476,11 @@ class Worker:
         rid, prefill_id = op.rid, op.prefill_id
         segment, (caches, generations) = shared
         if op.kv is not None:
+            if op.kv.segment != segment.nonce:  # held by another process than the one we mapped
+                shared = self._shared_caches(prefill_id, prefill, refresh=True)
+                if shared is None or shared[0].nonce != op.kv.segment:
+                    raise _refused(f"{prefill_id} restarted since it held the KV of {rid}")
+                segment, (caches, generations) = shared
             src, expected, deadline = op.kv.block_ids[skip:], op.kv.generations[skip:], None
         else:
             lent = _wait_ref(prefill.lend_kv.remote(rid, skip), self.transfer_timeout_s)
