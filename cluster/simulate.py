@@ -503,6 +503,10 @@ class Simulator:
         ends, w.run = w.run, None
         w.steps += len(ends)
         w.busy_s += ends[-1] - w.run_start
+        observe, rows, start = w.engine.scheduler.observe_step, len(w.engine.scheduler.running), w.run_start
+        for end in ends:                                # each step timed, as a step taken alone is
+            observe(rows, end - start, rows)
+            start = end
         tracked, first, last = self._tracked, ends[0], ends[-1]
         for rid, finished in w.engine.advance(len(ends)):
             tr = tracked[rid]                           # _tokens, inline: per sequence per run

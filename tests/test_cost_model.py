@@ -256,3 +256,17 @@ def test_local_prefill_limit_is_the_largest_prompt_whose_delay_to_the_batch_cost
         assert got == most                               # nobody decoding: nobody waits for it
     assert local_prefill_limit(cost, num_decode, context, remote_s * 2 + 0.01, most) >= got
     assert local_prefill_limit(cost, num_decode + 8, context, remote_s, most) <= got
+
+
+def test_the_decode_step_fit_finds_its_line_and_falls_back_to_proportional():
+    from workers.cost_model import DecodeStepFit
+    fit = DecodeStepFit(min_steps=20)
+    for i in range(19):
+        fit.observe(10 + i % 7, 0.004 + 0.0005 * (10 + i % 7))
+    assert fit.predict(40) is None                          # too few steps yet
+    fit.observe(12, 0.004 + 0.0005 * 12)
+    assert fit.predict(40) == pytest.approx(0.004 + 0.0005 * 40, rel=1e-6)
+    flat = DecodeStepFit(min_steps=5)
+    for _ in range(10):
+        flat.observe(50, 0.05)                              # one batch size: no slope to fit
+    assert flat.predict(60) == pytest.approx(0.06)          # proportional: errs high past the data

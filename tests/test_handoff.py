@@ -109,6 +109,39 @@ def test_only_the_blocks_decode_lacks_are_received():
     assert_all_blocks_free(decode)
 
 
+def test_reserve_waits_while_one_more_sequence_would_break_a_tpot_target():
+    """The decode worker has timed its decode steps (2 ms + 1 ms per row here): a handoff whose
+    sequence would make the step longer than the tightest TPOT target among the running ones
+    and its own waits (None: backpressure); one that fits is taken, and any is when nothing runs
+    or nobody has a target."""
+    cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=256))
+    prompt = list(range(40))
+
+    def timed() -> LLMEngine:
+        engine = LLMEngine(cfg)
+        for i in range(40):
+            rows = 1 + i % 6
+            engine.scheduler.decode_steps.observe(rows, 0.002 + 0.001 * rows)
+        return engine
+
+    def admit(engine, rid: str, tpot_s) -> bool:
+        if engine.reserve(rid, prompt, [5], GREEDY, tpot_s=tpot_s) is None:
+            return False
+        engine.commit_received(rid)
+        return True
+    decode = timed()
+    assert all(admit(decode, rid, 0.0075) for rid in "abcd")    # 4 rows: 6 ms <= 7.5 ms
+    assert admit(decode, "e", 0.5)                              # 5 rows: 7 ms, within the running ones' 7.5
+    assert not admit(decode, "f", 0.5)                          # 6 rows: 8 ms > 7.5 ms
+    assert not admit(decode, "g", None)                         # the running ones' targets hold
+    for rid in "de":
+        decode.abort(rid)
+    assert not admit(decode, "h", 0.0055)                       # 4 rows: 6 ms > its own 5.5 ms
+    assert admit(decode, "i", 0.0065)
+    free = timed()                                              # no targets: only seats and blocks
+    assert all(admit(free, str(i), None) for i in range(10))
+
+
 def test_reserved_blocks_are_not_prefix_hits_until_committed():
     cfg = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=64))
     decode = LLMEngine(cfg)

@@ -538,6 +538,36 @@ class StepFit:
         return self.model
 
 
+class DecodeStepFit:
+    """Seconds of a decode-only step against its rows (a + b·rows), fitted on a worker's own
+    recent steps (least squares, each step's weight decaying by `decay`), so a decode worker can
+    tell whether one more sequence would push its steps past its sequences' TPOT targets. Rows
+    that barely varied give no slope: then the step is taken as proportional to its rows (it
+    overprices growth when the fixed cost is large, so it errs toward admitting less)."""
+
+    def __init__(self, decay: float = 0.99, min_steps: int = 20):
+        self.decay, self.min_steps = decay, min_steps
+        self.steps = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + rows, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+        self.steps += 1
+
+    def predict(self, rows: int) -> float | None:
+        """Seconds of a step of `rows` decoding sequences; None before `min_steps` steps."""
+        if self.steps < self.min_steps:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        slope = (self._xy / self._w - mx * my) / var if var >= 1.0 else -1.0
+        if slope <= 0 or my - slope * mx < 0:      # no usable slope: proportional to the rows
+            return my / mx * rows
+        return my + slope * (rows - mx)
+
+
 def _fit_sample(raw) -> tuple[BatchShape, float] | None:
     """A [seconds, *BatchShape] sample the fit can use: prefill-only or decode-only (a mixed step
     cannot tell the two fixed costs apart)."""

@@ -220,8 +220,10 @@ class EngineCore:
         decode step). The leading full blocks this worker's prefix cache already holds are taken
         from it, not received. Returns the block ids to receive into (the blocks after those:
         the sender skips as many of its own), or None when there is no room now (backpressure:
-        call again later); `num_receiving` counts the sequences already reserved (they will
-        join the batch). With `forks`, a carrier (see `add_request`): room is kept for the
+        call again later): no seat, no blocks, or, by the decode steps this worker timed, one
+        more sequence would make its steps longer than the tightest TPOT target among the
+        running sequences and this one. `num_receiving` counts the sequences already reserved
+        (they will join the batch). With `forks`, a carrier (see `add_request`): room is kept for the
         forks' seats and their copied blocks too. `tpot_s`: its TPOT target (see
         `add_request`)."""
         self._check_forks(forks)
@@ -231,7 +233,8 @@ class EngineCore:
         computed, num_cached = self.kv.get_computed_blocks(seq)
         sched = self.scheduler
         extra = max(0, len(forks) - 1)
-        fits = (num_receiving + extra + len(sched.running) < sched.cfg.max_num_seqs and
+        rows = num_receiving + extra + len(sched.running) + 1
+        fits = (rows <= sched.cfg.max_num_seqs and sched.decode_room(rows, tpot_s) and
                 self.kv.can_allocate(seq, num_kv - num_cached + extra * self.kv.block_size, computed, num_cached,
                                      sched.watermark_blocks if sched.running else 0))
         if not fits:
@@ -346,7 +349,7 @@ class EngineCore:
         # since it is a good part of the step's Python time.
         outputs = []
         now = self.clock()
-        self.scheduler.observe_step(out.num_batched_tokens, now - self._step_start)
+        self.scheduler.observe_step(out.num_batched_tokens, now - self._step_start, len(out.scheduled))
         for seq, token_id, lps in zip(seqs, token_ids, logprobs or [None] * len(seqs)):
             if seq.forks is not None:                  # a carrier: its prompt is computed
                 outputs.append(self._fork(seq))

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.config import SchedulerConfig
+from workers.cost_model import DecodeStepFit
 from workers.kv_cache_manager import KVCacheManager
 from workers.names import PREEMPTION_KINDS
 from workers.sequence import Sequence, SequenceStatus
@@ -110,6 +111,7 @@ class Scheduler:
         # Chunked: one queue of prefill work (running chunks and waiting prompts) in the policy's order.
         self.merged = cfg.chunked_prefill and (cfg.policy == "deadline" or self.inherit)
         self.prefill_s_per_token = cfg.prefill_s_per_token     # deadline: measured from full steps
+        self.decode_steps = DecodeStepFit()                     # a decode worker's admission by TPOT
         self._now = 0.0                          # deadline: the clock at this step's start
         self._order: dict[str, float] = {}       # deadline: each sequence's ordering slack, fixed
         self._late: set[str] = set()             # deadline: sequences that can no longer meet theirs
@@ -153,11 +155,24 @@ class Scheduler:
             late = True
         return (1, late, order, seq.arrival_time)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int = 0) -> None:
         """A step's measured time: steps of at least half the budget (where the per-token cost,
-        not the step's fixed cost, dominates) update the seconds-per-prefill-token estimate."""
+        not the step's fixed cost, dominates) update the seconds-per-prefill-token estimate;
+        decode-only steps (a token per sequence) fit the decode step's cost by its rows."""
         if 2 * num_tokens >= self.cfg.max_num_batched_tokens and seconds > 0:
             self.prefill_s_per_token += 0.2 * (seconds / num_tokens - self.prefill_s_per_token)
+        if num_seqs and num_tokens == num_seqs and seconds > 0:
+            self.decode_steps.observe(num_seqs, seconds)
+
+    def decode_room(self, rows: int, tpot_s: float | None) -> bool:
+        """Whether a decode step of `rows` sequences (those running and one more) would stay
+        within the tightest TPOT target among the running ones and `tpot_s` (the newcomer's):
+        True with no target, nothing running (one sequence always runs) or no fit yet."""
+        targets = [s.tpot_s for s in self.running if s.tpot_s] + ([tpot_s] if tpot_s else [])
+        if not targets or not self.running:
+            return True
+        predicted = self.decode_steps.predict(rows)
+        return predicted is None or predicted <= min(targets)
 
     def _insert(self, queue, seq: Sequence) -> None:
         """Keep a queue ordered by the policy's key; appending is the common, O(1) case."""
