@@ -137,13 +137,16 @@ class SLOAdmission:
 
     def handoff_wait(self) -> float:
         """Seconds the handoffs waiting now take to clear at the rate they completed lately (0
-        with none waiting, or too few completed to tell)."""
+        with none waiting, or too few completed to tell). The rate is the completions' own, from
+        the oldest in the window to now, not over the whole window: a burst that began a moment
+        ago (the first requests, or the first after a quiet spell) keeps its rate instead of
+        having it diluted by the quiet seconds before it."""
         now = self.clock()
         while self.handoffs and self.handoffs[0] < now - self.handoff_window_s:
             self.handoffs.popleft()
         if not self.in_handoff or len(self.handoffs) < 5:
             return 0.0
-        return self.in_handoff / (len(self.handoffs) / self.handoff_window_s)
+        return self.in_handoff / ((len(self.handoffs) - 1) / max(now - self.handoffs[0], 1e-3))
 
     def decode_room(self, context: float) -> tuple[int, int]:
         """(sequences the decode pool holds or has coming, sequences it runs within the TPOT

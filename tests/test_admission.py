@@ -143,6 +143,24 @@ def test_handoffs_piling_up_refuse_what_would_miss_its_tpot():
     assert a.in_handoff == 0 and a.check(256, 16).admit
 
 
+def test_a_burst_of_handoffs_has_its_own_rate_not_the_windows():
+    """Handoffs that all completed in the last 0.4 s after a quiet spell (a server's first
+    requests) clear at their own pace: the wait is not stretched over the 5 s window."""
+    clock = Clock()
+    a = cluster(clock=clock)
+    clock.t += 100.0
+    for _ in range(9):                             # 9 completions 50 ms apart: 20 per second
+        t = a.started(64)
+        a.progress(t, 1)
+        clock.t += 0.05
+        a.progress(t, 2)
+    waiting = admitted(a, 2, 64)
+    for t in waiting:
+        a.progress(t, 1)
+    assert a.handoff_wait() == pytest.approx(2 / 20, rel=0.2)
+    assert a.check(64, 14).admit                   # 0.13 s of budget at 20 ms TPOT: the 0.1 s fits
+
+
 def test_measured_ttft_corrects_the_predictions():
     a = cluster(prefill=1)
     admitted(a, 20, 512)

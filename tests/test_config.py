@@ -13,7 +13,8 @@ from router.slo import SLOTargets
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 
 NOT_FLAGS = {ClusterSpec: {"model", "engine", "cluster_id"},     # model: --model (engine); cluster_id: generated
-             RouterConfig: {"slo"}}                               # slo: SLO_FLAGS
+             RouterConfig: {"slo"},                               # slo: SLO_FLAGS
+             CacheConfig: {"shared_memory"}}                      # the worker's, from --kv-transport
 
 
 def _paths(cls, prefix: str = "") -> set[str]:
