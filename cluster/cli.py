@@ -52,6 +52,8 @@ ENGINE_FLAGS = (
     Flag("--max-model-len", "max_model_len", "longest prompt + output (default: the model's, capped by the KV cache)"),
     Flag("--seed", "seed", "the engine's random seed (unseeded sampling draws from it)"),
     Flag("--attention-backend", "attention_backend", "attention kernels", str, ATTENTION_BACKENDS),
+    Flag("--tensor-parallel-size", "tensor_parallel_size", "processes (GPUs) each worker's model is split over: "
+         "Ray actors on one node, all-reduce over NCCL on GPUs and Gloo on CPU"),
     Flag("--block-size", "cache.block_size", "tokens per KV block"),
     Flag("--kv-cache-memory-mib", "cache.kv_cache_memory_bytes", "memory budget of the KV cache", unit=MiB),
     Flag("--num-kv-blocks", "cache.num_blocks", "KV blocks (overrides the memory budget)"),
@@ -81,6 +83,10 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
     Flag("--prefill", "num_prefill", "prefill workers (disaggregated)"),
     Flag("--decode", "num_decode", "decode workers (disaggregated)"),
     Flag("--workers", "num_colocated", "workers (colocated)"),
+    Flag("--prefill-tensor-parallel-size", "prefill_tensor_parallel_size", "ranks per prefill worker (default: "
+         "--tensor-parallel-size); the handoff re-shards the KV heads between pools of different sizes"),
+    Flag("--decode-tensor-parallel-size", "decode_tensor_parallel_size", "ranks per decode worker (default: "
+         "--tensor-parallel-size)"),
     Flag("--kv-transport", "kv_transport", "KV handoff transport; auto: nccl on GPUs, gloo on CPU", str, TRANSPORTS),
     Flag("--address", "address", "Ray cluster to join (default: RAY_ADDRESS, else a local one)", str),
     Flag("--cpus-per-worker", "num_cpus_per_worker", "CPUs each worker asks Ray for", float),
@@ -222,7 +228,10 @@ def cmd_generate(a) -> int:
     from workers.engine import LLMEngine
     requests = read_jsonl(a.input)
     engine = LLMEngine(engine_config_from_args(a))
-    results = run(engine, requests)
+    try:
+        results = run(engine, requests)
+    finally:
+        engine.close()
     with open(a.output, "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")

@@ -46,7 +46,8 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
                                ) from None
         return True
     if num_cpus is None:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(spec.budget * spec.num_cpus_per_worker))
+        num_cpus = max(os.cpu_count() or 1,
+                       math.ceil(spec.budget * spec.num_cpus_per_worker * spec.max_tensor_parallel_size))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
              log_to_driver=True)
     return True
@@ -107,10 +108,12 @@ def _shortfall(spec: ClusterSpec, n: int) -> tuple[str, str] | None:
     """What the Ray cluster lacks now for `n` more workers of this spec, and the flag that asks
     for it (None: they fit)."""
     total, free = ray.cluster_resources(), ray.available_resources()
-    for res, per, flag in (("CPU", spec.num_cpus_per_worker, "--cpus-per-worker"),
-                           ("GPU", gpus_per_worker(spec), "--gpus-per-worker")):
+    tp = spec.max_tensor_parallel_size      # each rank of a worker asks for as much as one worker
+    for res, per, flag in (("CPU", spec.num_cpus_per_worker * tp, "--cpus-per-worker"),
+                           ("GPU", gpus_per_worker(spec) * tp, "--gpus-per-worker")):
         if n * per > free.get(res, 0) + 1e-9:
-            return (f"{n} worker{'s' if n > 1 else ''} x {per:g} {res} need {n * per:g} {res}, but the Ray "
+            ranks = f" ({tp} tensor-parallel ranks each)" if tp > 1 else ""
+            return (f"{n} worker{'s' if n > 1 else ''}{ranks} x {per:g} {res} need {n * per:g} {res}, but the Ray "
                     f"cluster has {free.get(res, 0):g} of {total.get(res, 0):g} free"), flag
     return None
 
@@ -122,20 +125,38 @@ def _engine(spec: ClusterSpec, gpus: float):
     return engine
 
 
+# A tensor-parallel worker's placement group, by its actor handle: removed when it leaves.
+_GROUPS: dict = {}
+
+
 def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     """Create one worker actor (it loads its model in the background: `handle.ready` answers
-    once it has). Ray restarts it whenever its process dies."""
+    once it has). Ray restarts it whenever its process dies. A tensor-parallel worker is its
+    ranks in one STRICT_PACK placement group (one node), this actor in the first bundle; it
+    starts the other ranks itself (workers/tensor_parallel.py), and they end with it."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from workers.worker import Worker, actor_name      # torch: only once workers are made
     gpus = gpus_per_worker(spec)
+    tp = spec.tensor_parallel_size(role)
     opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
                 num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
-    if spec.placement == "spread":        # Ray's SPREAD: each next worker on the next node with room
+    group = None
+    if tp > 1:
+        bundle = {"CPU": spec.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        group = placement_group([bundle] * tp, strategy="STRICT_PACK")
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    elif spec.placement == "spread":      # Ray's SPREAD: each next worker on the next node with room
         opts["scheduling_strategy"] = "SPREAD"
     if os.environ.get(FAULTS_ENV):        # a fault drill: every worker gets the plan, on any node
         opts["runtime_env"] = {"env_vars": {FAULTS_ENV: os.environ[FAULTS_ENV]}}
-    return ray.remote(Worker).options(**opts).remote(
-        worker_id, role, _engine(spec, gpus), spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s,
-        spec.cluster_id)
+    engine = dataclasses.replace(_engine(spec, gpus), tensor_parallel_size=tp)
+    handle = ray.remote(Worker).options(**opts).remote(
+        worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id,
+        group)
+    if group is not None:
+        _GROUPS[handle] = group
+    return handle
 
 
 def room_for_one(spec: ClusterSpec) -> str | None:
@@ -196,3 +217,6 @@ def shutdown(workers: list[Member], grace_s: float = 5.0) -> None:
             ray.kill(w.handle)
         except Exception:
             pass
+        if (group := _GROUPS.pop(w.handle, None)) is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(group)

@@ -19,6 +19,9 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     num_colocated: int = 2
+    # Each pool's tensor-parallel size (None: the engine's --tensor-parallel-size).
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     engine: EngineConfig | dict = field(default_factory=EngineConfig)   # a dict: EngineConfig.from_dict
     kv_transport: str = "auto"                # one of TRANSPORTS
     address: str | None = None                # Ray address; None: RAY_ADDRESS or a local cluster
@@ -48,6 +51,13 @@ class ClusterSpec:
         if self.controller and self.mode != DISAGGREGATED:
             raise ValueError("--controller moves workers between the prefill and decode pools: it needs "
                              "--mode disaggregated")
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and self.mode != DISAGGREGATED:
+                raise ValueError(f"--{name.replace('_', '-')} sizes a pool of --mode disaggregated; this cluster "
+                                 "is colocated: use --tensor-parallel-size")
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_workers is not None and self.max_workers < len(self.roles()):
             raise ValueError(f"--max-workers {self.max_workers} is below the {len(self.roles())} workers launched")
         for name in ("lease_s", "transfer_timeout_s", "ready_timeout_s", "controller_interval_s",
@@ -61,6 +71,15 @@ class ClusterSpec:
     def budget(self) -> int:
         """The most workers at once: --max-workers, else the launched pools."""
         return self.max_workers if self.max_workers is not None else len(self.roles())
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks per worker of a pool (a flipped worker keeps the size it started with)."""
+        size = {PREFILL: self.prefill_tensor_parallel_size, DECODE: self.decode_tensor_parallel_size}.get(role)
+        return size or self.engine.tensor_parallel_size
+
+    @property
+    def max_tensor_parallel_size(self) -> int:
+        return max(self.tensor_parallel_size(role) for role in (PREFILL, DECODE, COLOCATED))
 
     def roles(self) -> list[tuple[str, str]]:
         if self.mode == COLOCATED:

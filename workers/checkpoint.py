@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workers.config import ModelConfig
-from workers.model import LlamaForCausalLM, RotaryEmbedding
+from workers.model import LlamaForCausalLM, RotaryEmbedding, Shard
 from workers.tokenizer import Tokenizer, byte_level_tokenizer
 
 BUILTIN_MODELS = {
@@ -69,11 +69,25 @@ def load_tokenizer(source: str) -> Tokenizer | None:
     return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
-def load_model(source: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, Tokenizer | None]:
-    """Built-in name or checkpoint directory -> (model on device in dtype, tokenizer or None)."""
+def model_config(source: str) -> ModelConfig:
+    """The model's shape alone (no weights read)."""
+    if is_builtin(source):
+        return builtin_config(source)
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {source!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a directory "
+            "with a Hugging Face config.json")
+    return ModelConfig.from_dir(path)
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
+               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+    """Built-in name or checkpoint directory -> (model on device in dtype, tokenizer or None);
+    with a shard, that tensor-parallel rank's slice of the model."""
     if is_builtin(source):
         cfg = builtin_config(source)
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, shard)
         _builtin_weights(model)
         tokenizer = byte_level_tokenizer()
     else:
@@ -84,7 +98,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device) -> tuple[L
                 "with a Hugging Face config.json")
         cfg = ModelConfig.from_dir(path)
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, shard)
         model.to_empty(device="cpu")
         model.tie_weights()                      # to_empty gives each module its own tensors
         # Buffers are computed, not loaded: rebuild them off the meta device.

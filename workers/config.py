@@ -157,6 +157,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"          # one of ATTENTION_BACKENDS
+    tensor_parallel_size: int = 1            # ranks the model is split over (workers/tensor_parallel.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -172,5 +173,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.kv_transfer import KVCaches, KVLayout
+from workers.kv_transfer import KVCaches, KVLayout, KVLayoutMismatch
 
 
 # Stores become visible in program order and loads are not reordered with loads (see above).
@@ -60,10 +60,11 @@ class KVSegment:
     num_blocks: int
     layout: dict                # KVLayout's fields
     nonce: int                  # this cache's, at random: a HeldKV names the cache it is in
+    first_head: int = 0         # a tensor-parallel rank's cache holds layout's heads from this one
 
     def to_dict(self) -> dict:
         return {"node": self.node, "pid": self.pid, "fd": self.fd, "num_blocks": self.num_blocks,
-                "layout": self.layout, "nonce": self.nonce}
+                "layout": self.layout, "nonce": self.nonce, "first_head": self.first_head}
 
     @property
     def kv_bytes(self) -> int:
@@ -96,12 +97,12 @@ class SharedKVCache:
     times the block pool handed it out (`bump`, the pool's on_allocate): KV is written into a
     block only after an allocation, so a block whose count is unchanged holds the same KV."""
 
-    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, first_head: int = 0):
         num_blocks, block_size, heads, head_dim = shape
         layout = KVLayout(num_layers, block_size, heads, head_dim, str(dtype).removeprefix("torch."))
         self._segment = KVSegment("", os.getpid(), -1, num_blocks,
                                   {f: getattr(layout, f) for f in KVLayout.__dataclass_fields__},
-                                  secrets.randbits(63))
+                                  secrets.randbits(63), first_head)
         self.fd = os.memfd_create("pdcluster-kv", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self._segment.size)
         self._map = mmap.mmap(self.fd, self._segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -128,28 +129,37 @@ class PeerCaches:
     def __init__(self):
         self._maps: dict[str, tuple[KVSegment, mmap.mmap, KVCaches, np.ndarray]] = {}
 
-    def open(self, peer: str, segment: KVSegment, mine: KVCaches) -> tuple[KVCaches, np.ndarray]:
+    def open(self, peer: str, segment: KVSegment, mine: KVCaches, writable: bool = False
+             ) -> tuple[KVCaches, np.ndarray]:
         """The peer's cache and allocation counts (mapped on first use, again when its process
         changed). Raises OSError when it cannot be mapped from here, ValueError when its layout
-        differs from `mine`."""
+        differs from `mine` (but for the number of heads: tensor-parallel ranks hold a share).
+        `writable`: mapped for writing too (the other ranks of this worker's own cache)."""
         known = self._maps.get(peer)
         if known is not None and known[0] == segment:
             return known[2], known[3]
         theirs = KVLayout(**segment.layout)
-        KVLayout.of(mine).check_compatible(theirs, peer)
-        with open(f"/proc/{segment.pid}/fd/{segment.fd}", "rb") as f:
+        here = KVLayout.of(mine)
+        dataclasses.replace(here, num_kv_heads=theirs.num_kv_heads).check_compatible(theirs, peer)
+        with open(f"/proc/{segment.pid}/fd/{segment.fd}", "r+b" if writable else "rb") as f:
             if os.fstat(f.fileno()).st_size != segment.size:
                 raise OSError(f"{peer}'s KV segment is not the size it says ({segment.size} bytes)")
             # MAP_POPULATE: its page table entries now, not one page fault per 4 KiB in each copy.
-            mapped = mmap.mmap(f.fileno(), segment.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
-        caches, generations = _views(mapped, theirs, segment.num_blocks, writable=False)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapped = mmap.mmap(f.fileno(), segment.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
+        caches, generations = _views(mapped, theirs, segment.num_blocks, writable=writable)
         self.close(peer)
         self._maps[peer] = (segment, mapped, caches, generations)
         return caches, generations
 
     def close(self, peer: str) -> None:
-        """Forget a peer's mapping (it died or restarted); its memory goes once nothing maps it."""
-        known = self._maps.pop(peer, None)
+        """Forget a peer's mappings (it died or restarted; `peer#r`: its rank r's cache); its
+        memory goes once nothing maps it."""
+        for key in [k for k in self._maps if k == peer or k.startswith(peer + "#")]:
+            self._unmap(key)
+
+    def _unmap(self, key: str) -> None:
+        known = self._maps.pop(key, None)
         if known is not None:
             try:
                 known[1].close()
@@ -173,19 +183,53 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+# A worker's KV cache by KV heads: (first head, caches holding the heads from it) per
+# tensor-parallel rank, in rank order; one part without tensor parallelism.
+HeadParts = list[tuple[int, KVCaches]]
+
+
+def whole_heads(parts: HeadParts, num_blocks: int) -> KVCaches:
+    """An empty cache of `num_blocks` blocks with every head of `parts` (a tensor-parallel
+    worker's KV as it travels between nodes: gathered from its ranks, or scattered to them)."""
+    k = parts[0][1][0][0]
+    shape = (num_blocks, k.shape[1], sum(c[0][0].shape[2] for _, c in parts), k.shape[3])
+    return [(torch.empty(shape, dtype=k.dtype), torch.empty(shape, dtype=k.dtype)) for _ in parts[0][1]]
+
+
 def copy_blocks(src: KVCaches, src_ids: list[int], dst: KVCaches, dst_ids: list[int], midway=None) -> int:
-    """Copy blocks src_ids of `src` into blocks dst_ids of `dst`, layer by layer, one copy per
-    stretch of consecutive blocks on both sides. Returns bytes. `midway()` runs once about half
-    the caches are copied (a fault point: the blocks then hold part of the payload)."""
+    """Copy blocks src_ids of `src` into blocks dst_ids of `dst` (both caches hold every head)."""
+    return copy_heads([(0, src)], src_ids, [(0, dst)], dst_ids, midway)
+
+
+def copy_heads(src: HeadParts, src_ids: list[int], dst: HeadParts, dst_ids: list[int], midway=None) -> int:
+    """Copy blocks src_ids of a cache split by KV heads into blocks dst_ids of another, split
+    alike or not (tensor-parallel workers of different sizes): each destination part gets its
+    heads from the source parts that hold them. Layer by layer, one copy per stretch of
+    consecutive blocks on both sides and per pair of parts that share heads. Returns bytes.
+    `midway()` runs once about half the copies are done (a fault point: the blocks then hold
+    part of the payload)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} blocks to copy into {len(dst_ids)}")
+    pairs = []                              # (source caches, their heads, destination caches, theirs)
+    for d0, dc in dst:
+        dn, covered = dc[0][0].shape[2], 0
+        for s0, sc in src:
+            lo, hi = max(s0, d0), min(s0 + sc[0][0].shape[2], d0 + dn)
+            if lo < hi:
+                pairs.append((sc, slice(lo - s0, hi - s0), dc, slice(lo - d0, hi - d0)))
+                covered += hi - lo
+        if covered != dn:
+            raise KVLayoutMismatch(f"the source's KV heads cover {covered} of the {dn} from head {d0} here: "
+                                   "both workers must serve the same model")
     runs = _runs(src_ids, dst_ids)
-    parts = [(s, d) for (sk, sv), (dk, dv) in zip(src, dst) for s, d in ((sk, dk), (sv, dv))]
-    for i, (s, d) in enumerate(parts):
-        if midway is not None and i == len(parts) // 2:
+    copies = [(s[:, :, sh], d[:, :, dh]) if s.shape[2] != sh.stop - sh.start or d.shape[2] != dh.stop - dh.start
+              else (s, d)
+              for sc, sh, dc, dh in pairs for (sk, sv), (dk, dv) in zip(sc, dc) for s, d in ((sk, dk), (sv, dv))]
+    nbytes = 0
+    for i, (s, d) in enumerate(copies):
+        if midway is not None and i == len(copies) // 2:
             midway()
         for s0, d0, n in runs:
             d[d0:d0 + n].copy_(s[s0:s0 + n])
-    if not parts:
-        return 0
-    return len(src_ids) * len(parts) * src[0][0][0].numel() * src[0][0].element_size()
+        nbytes += len(src_ids) * s[0].numel() * s.element_size()
+    return nbytes

@@ -3,6 +3,14 @@
 Parameter names follow Hugging Face's, so a checkpoint's state dict loads as it is.
 The forward pass takes a flattened batch of tokens (no padding) and returns hidden states;
 the runner picks the rows it needs logits for.
+
+Tensor parallelism (`Shard`): rank r of N holds a 1/N slice of each layer, Megatron's way. The
+q/k/v and gate/up projections are split by output rows (heads, and the MLP's inner width), so
+attention and the activation run on local heads and columns with no communication; o_proj and
+down_proj are split by input columns, and their partial sums are added over the ranks
+(`Shard.all_reduce`, two per layer). Embeddings, norms and lm_head are whole on every rank,
+so every rank ends a step with the same hidden states. A checkpoint loads as it is: each HF
+tensor is sliced on the way in (`_hf_slots`).
 """
 from __future__ import annotations
 
@@ -12,6 +20,36 @@ from torch import nn
 
 from workers.attention import AttentionMetadata, TorchAttention
 from workers.config import ModelConfig
+
+
+class Shard:
+    """Which slice of the model this process holds: rank `rank` of `size`, and how partial sums
+    are added over the ranks (`reduce`, in place; None with one rank)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, reduce=None):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor parallel rank {rank} outside 0..{size - 1}")
+        self.rank, self.size, self.reduce = rank, size, reduce
+
+    def split(self, n: int, what: str) -> int:
+        """This rank's share of `n` (heads, rows); a size that does not divide it is a ValueError."""
+        if n % self.size:
+            raise ValueError(f"--tensor-parallel-size {self.size} does not divide {what}={n}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self.reduce(x)
+        return x
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raise the ValueError a model that cannot be split `size` ways would raise, before any
+    process is started for it."""
+    shard = Shard(0, size)
+    shard.split(cfg.num_attention_heads, "num_attention_heads")
+    shard.split(cfg.num_key_value_heads, "num_key_value_heads")
+    shard.split(cfg.intermediate_size, "intermediate_size")
 
 
 class RMSNorm(nn.Module):
@@ -51,10 +89,12 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.shard = shard                  # this rank's heads: num_heads of them, from rank * num_heads
+        self.num_heads = shard.split(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = shard.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul (HF's q_proj/k_proj/v_proj are its row blocks).
@@ -68,28 +108,29 @@ class Attention(nn.Module):
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos_sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
         o = self.backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta)
-        return self.o_proj(o.view(T, self.q_size))
+        return self.shard.all_reduce(self.o_proj(o.view(T, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        self.intermediate_size = shard.split(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, cos_sin, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
@@ -97,18 +138,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.shard = shard = shard or Shard()
+        self.model = LlamaModel(cfg, shard)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
@@ -133,47 +175,57 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # -- Hugging Face names ----------------------------------------------------------------
-    # Fused parameters hold HF's separate ones as row blocks: name -> (our param, row offset).
-    def _hf_slots(self) -> dict[str, tuple[nn.Parameter, int, int]]:
-        cfg, slots = self.config, {}
+    # Each HF tensor's place: name -> (our param, row offset, rows, HF shape, split dim, start).
+    # The HF tensor's slice along `dim` from `start`, as long as our part, goes to our param's
+    # rows [off, off + rows): fused parameters hold HF's separate ones as row
+    # blocks, and a shard holds a slice (rows of q/k/v and gate/up, columns of o and down).
+    def _hf_slots(self) -> dict[str, tuple[nn.Parameter, int, int, tuple[int, ...], int, int]]:
+        cfg, slots, r = self.config, {}, self.shard.rank
         for i, layer in enumerate(self.model.layers):
             pre, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            offsets = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
-                       "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}
-            for name, (off, n) in offsets.items():
-                slots[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, n)
+            q, kv, h, I = attn.q_size, attn.kv_size, cfg.hidden_size, mlp.intermediate_size
+            rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+            for name, (off, n) in rows.items():
+                full = n * self.shard.size
+                slots[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, n, (full, h), 0, r * n)
                 if cfg.attention_bias:
-                    slots[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, n)
-            I = mlp.intermediate_size
-            slots[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, I)
-            slots[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, I, I)
-            for name, p in [("self_attn.o_proj.weight", attn.o_proj.weight), ("mlp.down_proj.weight", mlp.down_proj.weight),
-                            ("input_layernorm.weight", layer.input_layernorm.weight),
+                    slots[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, n, (full,), 0, r * n)
+            full_i = I * self.shard.size
+            slots[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, I, (full_i, h), 0, r * I)
+            slots[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, I, I, (full_i, h), 0, r * I)
+            slots[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, 0, h, (h, q * self.shard.size), 1, r * q)
+            slots[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, 0, h, (h, full_i), 1, r * I)
+            for name, p in [("input_layernorm.weight", layer.input_layernorm.weight),
                             ("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)]:
-                slots[pre + name] = (p, 0, p.shape[0])
-        for name, p in [("model.embed_tokens.weight", self.model.embed_tokens.weight),
-                        ("model.norm.weight", self.model.norm.weight)]:
-            slots[name] = (p, 0, p.shape[0])
+                slots[pre + name] = (p, 0, p.shape[0], tuple(p.shape), 0, 0)
+        whole = [("model.embed_tokens.weight", self.model.embed_tokens.weight), ("model.norm.weight", self.model.norm.weight)]
         if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head.weight, 0, self.lm_head.weight.shape[0])
+            whole.append(("lm_head.weight", self.lm_head.weight))
+        for name, p in whole:
+            slots[name] = (p, 0, p.shape[0], tuple(p.shape), 0, 0)
         return slots
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: (n, *p.shape[1:]) for name, (p, _, n) in self._hf_slots().items()}
+        """The checkpoint's tensors and their (whole, unsharded) shapes."""
+        return {name: shape for name, (_, _, _, shape, _, _) in self._hf_slots().items()}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach()[off:off + n] for name, (p, off, n) in self._hf_slots().items()}
+        if self.shard.size > 1:
+            raise ValueError("a tensor-parallel shard holds a slice of the model, not a checkpoint")
+        return {name: p.detach()[off:off + rows] for name, (p, off, rows, _, _, _) in self._hf_slots().items()}
 
     @torch.no_grad()
     def load_hf_weights(self, tensors) -> set[str]:
-        """Copy (HF name, tensor) pairs into place; returns the names it took."""
+        """Copy (HF name, tensor) pairs into place (this shard's slice of each); returns the
+        names it took."""
         slots, taken = self._hf_slots(), set()
         for name, t in tensors:
             if name not in slots:
                 continue                         # e.g. rotary_emb.inv_freq in old checkpoints
-            p, off, n = slots[name]
-            if (n, *p.shape[1:]) != tuple(t.shape):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {(n, *p.shape[1:])}")
-            p[off:off + n].copy_(t)
+            p, off, rows, shape, dim, start = slots[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {shape}")
+            part = p[off:off + rows]
+            part.copy_(t.narrow(dim, start, part.shape[dim]))
             taken.add(name)
         return taken

@@ -15,6 +15,7 @@ from workers.model import LlamaForCausalLM
 from workers.sampler import SampledTokens, sample
 from workers.scheduler import SchedulerOutput
 from workers.sequence import Sequence
+from workers.tensor_parallel import StepInputs
 
 log = logging.getLogger("pdcluster.runner")
 
@@ -75,16 +76,17 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                  shared_memory: bool = False):
-        cfg = model.config
+        cfg, attn = model.config, model.model.layers[0].self_attn
         self.model, self.device, self.dtype = model, device, dtype
         self.block_size = block_size
-        self.backend = select_backend(attention_backend, device, dtype, cfg.num_attention_heads,
-                                      cfg.num_key_value_heads, cfg.head_dim)
+        self.tp = None          # rank 0 of a tensor-parallel worker: its TPGroup (the others run `run`)
+        # This rank's heads (all of them without tensor parallelism).
+        self.backend = select_backend(attention_backend, device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim)
         model.set_attention_backend(self.backend)
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, attn.num_kv_heads, cfg.head_dim)
         # Allocated once; the hot path only indexes into these. In shared memory when asked (CPU):
         # a same-node peer then copies handed-off blocks straight out of it (workers/kv_shm.py).
-        self.shared_kv = SharedKVCache(cfg.num_hidden_layers, shape, dtype) \
+        self.shared_kv = SharedKVCache(cfg.num_hidden_layers, shape, dtype, attn.shard.rank * attn.num_kv_heads) \
             if shared_memory and device.type == "cpu" else None
         self.kv_caches = self.shared_kv.kv_caches if self.shared_kv else [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -129,12 +131,12 @@ class ModelRunner:
         Returns the sequences whose scheduled chunk reaches their last token (partial prefill
         chunks sample nothing), decoding rows first, and a token for each."""
         t0 = time.perf_counter()
-        if out.copies:               # first: a swap may reuse a copy's source block this step
-            self.copy_blocks(out.copies)
-        self.swap(out.swap_out, out.swap_in)
         input_ids, positions, meta, sample_rows, sample_seqs, prompt_rows = self._prepare(out, block_tables)
+        step = StepInputs(out.copies, out.swap_out, out.swap_in, input_ids, positions, meta)
+        if self.tp is not None:      # the other ranks run the same step on their slices
+            self.tp.send(step)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.run(step)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
         self.last_prompt_logprobs = self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else []
         if self.device.type == "cuda":
@@ -144,6 +146,13 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.last_times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
         return sample_seqs, sampled
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The step's cache operations, then the forward pass: hidden states, a row per token."""
+        if step.copies:              # first: a swap may reuse a copy's source block this step
+            self.copy_blocks(step.copies)
+        self.swap(step.swap_out, step.swap_in)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
 
     PROMPT_LOGITS_ROWS = 256        # rows of prompt logits at a time (rows x vocabulary floats)
 

@@ -44,11 +44,12 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine, resolve_device
 from workers.faults import FaultPlan
 from workers.handoff import HandoffBook, HandoffError, Outcome
-from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_blocks
+from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_heads, whole_heads
 from workers.kv_cache_manager import cdiv
 from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVSendRequest,
                               LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
 from workers.names import AUTO, ROLES, SHM
+from workers.tensor_parallel import RankLost
 
 log = logging.getLogger("pdcluster.worker")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
@@ -58,7 +59,7 @@ REPORT_EVERY_S = 0.01               # the load report's freshness (polls read th
 class Worker:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, transport: str = "auto",
                  num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 cluster_id: str = "default"):
+                 cluster_id: str = "default", placement=None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         torch.set_num_threads(num_threads)
@@ -67,9 +68,11 @@ class Worker:
         on_cpu = resolve_device(engine_cfg.device).type == "cpu"
         if transport == SHM and not on_cpu:
             raise ValueError("--kv-transport shm shares CPU memory; this worker's KV cache is on a GPU: use auto or nccl")
-        if transport in (AUTO, SHM) and on_cpu:       # same-node peers copy out of this cache
+        # Same-node peers copy out of this cache; a tensor-parallel worker's ranks' caches are
+        # mapped here, where the handoff moves their KV.
+        if on_cpu and (transport in (AUTO, SHM) or engine_cfg.tensor_parallel_size > 1):
             engine_cfg = dataclasses.replace(engine_cfg, cache=dataclasses.replace(engine_cfg.cache, shared_memory=True))
-        self.engine = LLMEngine(engine_cfg)
+        self.engine = LLMEngine(engine_cfg, placement)    # placement: a tensor-parallel worker's group
         self.transfer_timeout_s = transfer_timeout_s
         self.handoffs = HandoffBook(lease_s)          # touched by the loop thread only
         self._transport_kind = transport
@@ -82,6 +85,7 @@ class Worker:
         self._stream: str | None = None               # the event stream's address, once asked for
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peer_caches = PeerCaches()              # same-node prefill peers' caches, mapped
+        self._segments, self._parts = self._own_caches()
         self._shared_peers: dict[str, object] = {}    # peer id -> its mapped caches, or None: not shared
         self._shm_lock = threading.Lock()
         self._transfer_ids = 0
@@ -101,7 +105,8 @@ class Worker:
                 "num_blocks": e.layout.num_blocks, "block_size": e.layout.block_size,
                 "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
                 "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "tensor_parallel_size": e.cfg.tensor_parallel_size,
+                "rank_pids": e.ranks.pids if e.ranks else []}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
@@ -228,6 +233,7 @@ class Worker:
         self._loop.join(timeout=5)
         if transport is not None:
             transport.shutdown()
+        self.engine.close()
         with self._shm_lock:
             self._peer_caches.close_all()
 
@@ -240,19 +246,43 @@ class Worker:
         block_ids = self.handoffs.start_send(req.rid)      # None: released, aborted, expired
         peer = KVPeer(req.peer_id, req.store_addr)
         if block_ids is None:
-            self._get_transport().refuse(peer, self.engine.runner.kv_caches, self.transfer_timeout_s, req.transfer_id)
+            self._get_transport().refuse(peer, self._wire_caches(0), self.transfer_timeout_s, req.transfer_id)
             raise HandoffError(f"request {req.rid}: no KV held here (released, aborted or its lease expired)")
         try:
-            return self._get_transport().send_blocks(peer, self.engine.runner.kv_caches, list(block_ids[req.skip:]),
-                                                     self.transfer_timeout_s, req.transfer_id, self.faults)
+            ids = list(block_ids[req.skip:])
+            caches = self._wire_caches(len(ids))
+            if caches is not self.engine.runner.kv_caches:      # tensor parallel: gather the ranks' heads
+                gathered = list(range(len(ids)))
+                copy_heads(self._parts, ids, [(0, caches)], gathered)
+                ids = gathered
+            return self._get_transport().send_blocks(peer, caches, ids, self.transfer_timeout_s, req.transfer_id,
+                                                     self.faults)
         finally:
             self._call_in_loop(lambda: self._apply(req.rid, self.handoffs.end_send(req.rid)))
 
-    def kv_segment(self) -> dict | None:
+    def kv_segment(self) -> list[dict] | None:
         """Where this worker's KV cache lives, for a decode worker on the same node that wants
-        to copy out of it (workers/kv_shm.py); None when it is not in shared memory."""
-        shared = self.engine.runner.shared_kv
-        return None if shared is None else shared.segment(node_id()).to_dict()
+        to copy out of it (workers/kv_shm.py): a segment per tensor-parallel rank, in rank
+        order; None when it is not in shared memory."""
+        return self._segments
+
+    def _own_caches(self) -> tuple[list[dict] | None, list]:
+        """This worker's KV cache segments (None: not in shared memory) and its cache by KV heads
+        (kv_shm.HeadParts): its own, then each other rank's, mapped here for writing, so the
+        handoff moves a tensor-parallel worker's KV without a call to its ranks."""
+        runner, ranks = self.engine.runner, self.engine.ranks
+        if runner.shared_kv is None:
+            return None, [(0, runner.kv_caches)]
+        segments = [runner.shared_kv.segment(node_id()).to_dict()]
+        parts = [(0, runner.kv_caches)]
+        if ranks is not None:
+            import ray
+            segments += ray.get([r.kv_segment.remote() for r in ranks.ranks], timeout=self.transfer_timeout_s)
+            for r, seg in enumerate(segments[1:], start=1):
+                caches, _ = self._peer_caches.open(f"{self.worker_id}#{r}", KVSegment(**seg), runner.kv_caches,
+                                                   writable=True)
+                parts.append((seg["first_head"], caches))
+        return segments, parts
 
     def lend_kv(self, rid: str, skip: int = 0) -> tuple[list[int], float, int] | None:
         """A same-node decode worker copies a held request's KV itself: (the block ids after the
@@ -313,7 +343,11 @@ class Worker:
                 self.engine.release(rid)
             self._admit_pending()
             if self.engine.has_unfinished():
-                self._step()
+                try:
+                    self._step()
+                except RankLost as e:     # the group is broken: a restart (Ray's) builds a new one
+                    log.error("worker %s: %s; ending the process", self.worker_id, e)
+                    os._exit(1)
             else:
                 with self._cv:
                     if not self._inbox and not self._stop:
@@ -462,11 +496,25 @@ class Worker:
             self._transfer_ids += 1
             tid = self._transfer_ids
             sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid, skip)))
-            nbytes = transport.recv_blocks(prefill_id, self.engine.runner.kv_caches, dst,
-                                           self.transfer_timeout_s, tid, self.faults)
+            caches = self._wire_caches(len(dst))
+            into = dst if caches is self.engine.runner.kv_caches else list(range(len(dst)))
+            nbytes = transport.recv_blocks(prefill_id, caches, into, self.transfer_timeout_s, tid, self.faults)
             point[0] = "after_payload"      # every byte is here; the sender must confirm it sent them all
             _wait_ref(sent, self.transfer_timeout_s)
+        if into is not dst:                 # tensor parallel: each rank's heads into its cache
+            copy_heads([(0, caches)], into, self._parts, dst)
         return nbytes
+
+    def _wire_caches(self, num_blocks: int):
+        """The cache the transport moves KV through: this worker's own, or with tensor
+        parallelism a buffer of `num_blocks` blocks with every head (gathered from the ranks
+        before a send, scattered to them after a receive), so peers of any size meet in one layout."""
+        if len(self._parts) == 1:
+            if self.engine.ranks is not None:
+                raise ValueError("moving a tensor-parallel worker's KV needs its ranks' caches in shared memory "
+                                 "(a CPU worker); on GPUs it awaits a transfer per rank")
+            return self.engine.runner.kv_caches
+        return whole_heads(self._parts, num_blocks)
 
     def _copy_shared(self, op: DecodeOp, prefill, shared, dst: list[int], skip: int, point: list[str]) -> int:
         """Copy the held blocks out of a same-node prefill worker's cache (workers/kv_shm.py):
@@ -474,13 +522,13 @@ class Worker:
         without that (another CPU family), borrowed for the copy. Returns bytes."""
         from workers.kv_transfer import KVTransferTimeout
         rid, prefill_id = op.rid, op.prefill_id
-        segment, (caches, generations) = shared
+        segment, parts, generations = shared
         if op.kv is not None:
             if op.kv.segment != segment.nonce:  # held by another process than the one we mapped
                 shared = self._shared_caches(prefill_id, prefill, refresh=True)
                 if shared is None or shared[0].nonce != op.kv.segment:
                     raise _refused(f"{prefill_id} restarted since it held the KV of {rid}")
-                segment, (caches, generations) = shared
+                segment, parts, generations = shared
             src, expected, deadline = op.kv.block_ids[skip:], op.kv.generations[skip:], None
         else:
             lent = _wait_ref(prefill.lend_kv.remote(rid, skip), self.transfer_timeout_s)
@@ -492,7 +540,7 @@ class Worker:
                 shared = self._shared_caches(prefill_id, prefill, refresh=True)
                 if shared is None or shared[0].pid != pid:
                     raise _refused(f"{prefill_id} restarted and its new KV cache cannot be mapped")
-                segment, (caches, generations) = shared
+                segment, parts, generations = shared
 
         def reused() -> bool:               # a block was handed to other KV since the hold
             return expected is not None and generations[src].tolist() != expected
@@ -502,7 +550,7 @@ class Worker:
         def midway():
             point[0] = "mid_payload"
             self.faults.hit("recv", "mid_payload")
-        nbytes = copy_blocks(caches, src, self.engine.runner.kv_caches, dst, midway)
+        nbytes = copy_heads(parts, src, self._parts, dst, midway)
         point[0] = "after_payload"
         self.faults.hit("recv", "after_payload")
         if reused():
@@ -511,20 +559,25 @@ class Worker:
             raise KVTransferTimeout(f"the loan of {rid}'s KV from {prefill_id} ended before its copy did")
         return nbytes
 
-    def _shared_caches(self, peer_id: str, peer, refresh: bool = False) -> tuple[KVSegment, list] | None:
-        """(segment, mapped caches) of a prefill peer on this node whose cache is in shared
-        memory; None when the KV must travel over the transport (asked once per peer)."""
+    def _shared_caches(self, peer_id: str, peer, refresh: bool = False) -> tuple[KVSegment, list, object] | None:
+        """(rank 0's segment, the mapped caches by heads, rank 0's allocation counts) of a
+        prefill peer on this node whose cache is in shared memory; None when the KV must travel
+        over the transport (asked once per peer)."""
         with self._shm_lock:
             if not refresh and peer_id in self._shared_peers:
                 return self._shared_peers[peer_id]
         found = None
         if self.engine.runner.shared_kv is not None:
-            seg = _wait_ref(peer.kv_segment.remote(), self.transfer_timeout_s)
-            segment = None if seg is None else KVSegment(**seg)
-            if segment is not None and segment.node == node_id():
+            segs = _wait_ref(peer.kv_segment.remote(), self.transfer_timeout_s)
+            segments = [KVSegment(**seg) for seg in segs or ()]
+            if segments and segments[0].node == node_id():
                 with self._shm_lock:
                     try:
-                        found = segment, self._peer_caches.open(peer_id, segment, self.engine.runner.kv_caches)
+                        mine = self.engine.runner.kv_caches
+                        mapped = [self._peer_caches.open(peer_id if r == 0 else f"{peer_id}#{r}", seg, mine)
+                                  for r, seg in enumerate(segments)]
+                        found = (segments[0], [(seg.first_head, caches) for seg, (caches, _) in zip(segments, mapped)],
+                                 mapped[0][1])
                     except OSError as e:
                         log.warning("worker %s: cannot map %s's KV cache (%s): pulls from it go over %s",
                                     self.worker_id, peer_id, e, self._transport_kind)

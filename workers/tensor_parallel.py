@@ -1,0 +1,228 @@
+"""Tensor parallelism: one worker's model split over N processes, rank 0 driving.
+
+    rank 0 (the worker: engine, scheduler, sampler)        ranks 1..N-1 (`Rank` actors)
+    ModelRunner.execute: prepare the step's tensors
+      group.send(StepInputs) ─────broadcast─────────────▶ group.recv() in their serve thread
+      run the model (its slice) ◀──all-reduce x 2/layer─▶ run the model (their slices)
+      logits, sampling (hidden states are whole on every rank)
+
+Each rank holds 1/N of every layer and 1/N of the KV heads, in a KV cache of its own with the
+same block ids (rank 0's block pool decides for all). The ranks are Ray actors in one
+STRICT_PACK placement group, so they share a node: the all-reduce runs over Gloo on CPU and
+NCCL on GPU (step inputs always over Gloo: they are small host objects). The group meets at a
+TCPStore rank 0 hosts.
+
+Faults: a rank that dies closes its sockets, and rank 0's next collective raises `RankLost`;
+the worker then ends its process, so Ray restarts it with a fresh group (the router resumes its
+requests, as for any lost worker). The other ranks are owned by rank 0 and end with it; a
+rank whose rank 0 died sees the broadcast fail and leaves.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("pdcluster.tp")
+# Ranks 1..N-1 wait in a broadcast for as long as rank 0 is idle, so the collectives' timeout
+# only bounds a rank that hangs (a dead one fails at once: its sockets close).
+_IDLE_TIMEOUT = timedelta(hours=24)
+
+
+class RankLost(RuntimeError):
+    """Another rank of this worker's group failed: the group is unusable."""
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank needs to run one step on its slice: the cache operations first, then the
+    forward pass (input ids, positions, attention metadata)."""
+    copies: list
+    swap_out: list
+    swap_in: list
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
+
+
+class TPGroup:
+    """The collectives among one worker's ranks. Building it waits for all of them."""
+
+    def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
+                 timeout: timedelta, store: dist.TCPStore | None = None):
+        self.rank, self.size = rank, size
+        self.store = store or dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _IDLE_TIMEOUT
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, opts)
+        if device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = _IDLE_TIMEOUT
+            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", self.store), rank, size, nccl)
+        else:
+            self.compute = self.control
+
+    @staticmethod
+    def host(host: str, timeout: timedelta) -> dist.TCPStore:
+        """Rank 0's store, on a free port (`store.port`), for the others to meet at."""
+        return dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum `x` over the ranks, in place."""
+        try:
+            self.compute.allreduce([x]).wait()
+        except RuntimeError as e:
+            raise RankLost(f"a tensor-parallel rank failed during an all-reduce: {e}") from e
+
+    def send(self, obj) -> None:
+        """Rank 0: broadcast one object (None tells the others to stop)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        try:
+            self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
+            self.control.broadcast(data, 0).wait()
+        except RuntimeError as e:
+            raise RankLost(f"a tensor-parallel rank failed: {e}") from e
+
+    def recv(self):
+        """Ranks 1..N-1: the next object rank 0 broadcast."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(n, 0).wait()
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def close(self) -> None:
+        for g in {id(self.control): self.control, id(self.compute): self.compute}.values():
+            try:
+                g.shutdown()
+            except Exception:
+                pass
+
+
+class Rank:
+    """Rank r > 0 of a tensor-parallel worker (a Ray actor): its slice of the model and its
+    KV cache, stepped by rank 0's broadcasts."""
+
+    def __init__(self, engine_cfg, rank: int, size: int, num_blocks: int, num_host_blocks: int,
+                 num_threads: int = 1):
+        from workers.checkpoint import load_model
+        from workers.engine import resolve_device, resolve_dtype
+        from workers.model import Shard
+        from workers.model_runner import ModelRunner
+        torch.set_num_threads(num_threads)
+        torch.manual_seed(engine_cfg.seed)
+        cfg, self.rank, self.size = engine_cfg, rank, size
+        self.device, self.dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
+        self._shard = Shard(rank, size, self._all_reduce)
+        model, _ = load_model(cfg.model, self.dtype, self.device, self._shard)
+        self.runner = ModelRunner(model, num_blocks, cfg.cache.block_size, num_host_blocks, self.device,
+                                  self.dtype, cfg.attention_backend, cfg.cache.shared_memory)
+        self.group: TPGroup | None = None
+
+    def _all_reduce(self, x):
+        self.group.all_reduce(x)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def kv_segment(self) -> dict | None:
+        """Where this rank's KV cache lives (rank 0 maps it to move the worker's KV in and out)."""
+        from workers.worker import node_id
+        shared = self.runner.shared_kv
+        return None if shared is None else shared.segment(node_id()).to_dict()
+
+    def join(self, host: str, port: int, timeout_s: float) -> int:
+        """Meet the other ranks (waits for all of them), then serve rank 0's steps in a thread."""
+        self.group = TPGroup(self.rank, self.size, host, port, self.device, timedelta(seconds=timeout_s))
+        threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
+        return self.rank
+
+    def _serve(self) -> None:
+        try:
+            while (step := self.group.recv()) is not None:
+                self.runner.run(step)
+        except Exception as e:          # rank 0 is gone (or this rank broke): nothing to serve
+            log.warning("tensor-parallel rank %d stops: %s", self.rank, e)
+            os._exit(1)
+        self.group.close()
+
+
+class RankGroup:
+    """Rank 0's side: starts ranks 1..N-1 in the placement group (they load their slices
+    meanwhile), then `join` meets them."""
+
+    def __init__(self, engine_cfg, size: int, num_blocks: int, num_host_blocks: int, placement=None,
+                 timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        if not ray.is_initialized():            # offline `generate`: RAY_ADDRESS, else a local Ray
+            ray.init(include_dashboard=False, log_to_driver=False)
+        from workers.engine import resolve_device
+        device = resolve_device(engine_cfg.device)
+        self._own_pg = None
+        if placement is None:                   # a group of our own for the other ranks
+            bundle = {"CPU": 1, "GPU": 1} if device.type == "cuda" else {"CPU": 1}
+            pg = self._own_pg = placement_group([bundle] * (size - 1), strategy="STRICT_PACK")
+            first = 0
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(pg)
+                raise RuntimeError(f"--tensor-parallel-size {size}: Ray cannot place {size - 1} more rank(s) "
+                                   f"of {bundle} on one node") from None
+        else:                                   # the launcher's group: this worker is bundle 0
+            pg, first = placement, 1
+        self.size, self.device, self.timeout_s = size, device, timeout_s
+        self.pids: list[int] = []               # ranks 1..N-1's processes, once they loaded
+        self.group: TPGroup | None = None
+        actor = ray.remote(Rank)
+        gpus = 1 if device.type == "cuda" else 0
+        self.ranks = [actor.options(
+            num_cpus=0 if placement is not None else 1, num_gpus=gpus, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + r - 1),
+        ).remote(engine_cfg, r, size, num_blocks, num_host_blocks) for r in range(1, size)]
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        self.group.all_reduce(x)
+
+    def join(self) -> TPGroup:
+        """Wait for the other ranks to load their slices, then meet them."""
+        import ray
+        try:
+            self.pids = ray.get([a.pid.remote() for a in self.ranks], timeout=self.timeout_s)
+            host = ray.util.get_node_ip_address()
+            timeout = timedelta(seconds=self.timeout_s)
+            store = TPGroup.host(host, timeout)
+            joined = [a.join.remote(host, store.port, self.timeout_s) for a in self.ranks]
+            self.group = TPGroup(0, self.size, host, store.port, self.device, timeout, store)
+            ray.get(joined, timeout=self.timeout_s)
+        except Exception:
+            self.close()
+            raise
+        log.info("tensor parallel: %d ranks joined", self.size)
+        return self.group
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loop at the None) and end their actors."""
+        import ray
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.send(None)
+            except RankLost:
+                pass
+            group.close()
+        for a in self.ranks:
+            ray.kill(a)
+        if self._own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self._own_pg)
+            self._own_pg = None
