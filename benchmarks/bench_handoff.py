@@ -3,7 +3,7 @@
 worker behind the HTTP server, prompts sent one at a time, once per transport, beside this
 machine's memcpy measured in the same run.
 
-    .venv/bin/python benchmarks/bench_handoff.py [--long 5] [--short 20] [--transports gloo,shm]
+    .venv/bin/python benchmarks/bench_handoff.py [--long 5] [--short 20] [--transports gloo,shm,shm@2/1]
 
 Per transport, a fresh cluster gets --long prompts of --long-len tokens, then --short prompts
 of --short-len tokens (random token ids, each prompt distinct, so no block is in the decode
@@ -18,6 +18,9 @@ the prefill worker for the KV to the last byte in the reserved blocks):
 
 memcpy = bytes / time of `y.copy_(x)` on 256 MiB of fp32 (best of 7) from
 benchmarks/common.py's memory_bandwidth(), one thread, in this process before the clusters.
+
+`TRANSPORT@P/D` runs tensor-parallel pools: P ranks per prefill worker, D per decode worker (the
+handoff re-shards the KV heads on the way; each rank asks Ray for --cpus-per-worker).
 """
 from __future__ import annotations
 
@@ -103,25 +106,30 @@ def main() -> None:
     print(f"memcpy {memcpy:.2f} GB/s", flush=True)
     report = {"memcpy_GBps": memcpy, "transports": {}}
     rng = random.Random(0)
-    for transport in a.transports.split(","):
+    for name in a.transports.split(","):
+        transport, _, sizes = name.partition("@")
+        prefill_tp, decode_tp = map(int, (sizes or "1/1").split("/"))
         spec = ClusterSpec(model="small", num_prefill=1, num_decode=1, num_cpus_per_worker=1, kv_transport=transport,
+                           prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
                            engine={"scheduler": {"max_num_batched_tokens": 4096}})
         with ServingCluster(spec, port=free_port(), admission="queue") as c, httpx.Client() as client:
             second_token_gap(client, c.base_url + "/completions", [rng.randrange(3, 250) for _ in range(16)])  # warm
             if a.wait_idle:
                 meter.wait_idle(a.wait_idle)
-            with meter.part(transport):
+            with meter.part(name):
                 rows = {"long": phase(c, client, a.long, a.long_len, rng),
                         "short": phase(c, client, a.short, a.short_len, rng)}
-        report["transports"][transport] = rows
-        for name, r in rows.items():
-            print(f"{transport:5s} {name:5s} {r['tokens']:5d} tokens: {r['bytes_per_pull'] / 1e6:7.2f} MB/pull, "
+        report["transports"][name] = rows
+        for phase_name, r in rows.items():
+            print(f"{name:9s} {phase_name:5s} {r['tokens']:5d} tokens: {r['bytes_per_pull'] / 1e6:7.2f} MB/pull, "
                   f"handoff {r['handoff_ms']:8.2f} ms, {r['GBps']:6.2f} GB/s ({r['GBps'] / memcpy:5.1%} of memcpy), "
                   f"first->second token {r['gap_ms_p50']:7.1f} ms", flush=True)
     t = report["transports"]
-    if "gloo" in t and "shm" in t:
-        print(f"\nshm / gloo: long handoff {t['shm']['long']['handoff_ms'] / t['gloo']['long']['handoff_ms']:.3f}x, "
-              f"short handoff {t['shm']['short']['handoff_ms'] / t['gloo']['short']['handoff_ms']:.3f}x")
+    base = next(iter(t))
+    for name in t:                  # each run against the first in --transports
+        if name != base:
+            print(f"{name} / {base}: long handoff {t[name]['long']['handoff_ms'] / t[base]['long']['handoff_ms']:.3f}x, "
+                  f"short handoff {t[name]['short']['handoff_ms'] / t[base]['short']['handoff_ms']:.3f}x")
     busy = meter.busy()
     if busy:
         print(f"note: other processes kept cores busy during {busy}")

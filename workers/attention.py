@@ -127,8 +127,11 @@ class CpuPagedAttention(TorchAttention):
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         npr = meta.num_paged_rows
+        if npr == q.shape[0]:        # all rows paged (a decode step): the kernel's output is all
+            return self._kernel.paged_attention(q, k_cache, v_cache, meta.paged_cu_seqlens_q,
+                                                meta.paged_context_lens, meta.paged_block_tables, self.scale)
+        out = torch.empty_like(q)
         if npr:
             out[:npr] = self._kernel.paged_attention(
                 q[:npr], k_cache, v_cache, meta.paged_cu_seqlens_q, meta.paged_context_lens,

@@ -1,6 +1,8 @@
-"""The C++ paged-attention kernel for CPU, built on first use and cached (`cache_dir()`).
+"""The C++ kernels for CPU (paged attention; for the model: linear layers of few rows, RMSNorm,
+the MLP's activation), built on first use and cached (`cache_dir()`): one module from the
+sources in csrc/.
 
-A build failure is not fatal: `load()` returns None and the engine keeps the torch backend.
+A build failure is not fatal: `load()` returns None and the engine keeps torch's own ops.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("pdcluster.kernels")
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -ffast-math lets exp vectorize (libmvec); the kernel never relies on inf/NaN (the running
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp",
+                                      "bindings.cpp")]
+# -ffast-math lets exp vectorize (libmvec); attention never relies on inf/NaN (the running
 # max starts from a real score), so finite-math assumptions hold.
 
 
@@ -30,10 +34,11 @@ def load():
     # of the same source shares one build (the build files name no checkout path), and a
     # changed source never finds a stale one.
     import torch
-    key = (_SRC.read_bytes() + " ".join(flags + ldflags).encode() + _cpu_model().encode()      # -march=native
+    key = (b"".join(src.read_bytes() for src in _SOURCES) + " ".join(flags + ldflags).encode()
+           + _cpu_model().encode()                                                            # -march=native
            + torch.__version__.encode())                                                      # the ABI
     digest = hashlib.sha256(key).hexdigest()[:12]
-    name = f"pdcluster_paged_attention_{digest}"
+    name = f"pdcluster_cpu_kernels_{digest}"
     build_dir = cache_dir() / name
     so, built = build_dir / f"{name}.so", build_dir / "built"
     if so.exists() and built.exists():
@@ -44,22 +49,35 @@ def load():
     _prefer_our_ninja()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        src = build_dir / _SRC.name
-        if not src.exists() or src.read_bytes() != _SRC.read_bytes():
-            tmp = build_dir / f".{_SRC.name}.{os.getpid()}"       # atomic: workers may start together
-            tmp.write_bytes(_SRC.read_bytes())
-            os.replace(tmp, src)
+        copies = [_copy_into(src, build_dir) for src in _SOURCES]
         if not (build_dir / f"{name}.so").exists():
-            log.warning("building the C++ paged-attention kernel for this CPU in %s (once per source "
-                        "version, about 30 s)", build_dir)
+            log.warning("building the C++ CPU kernels for this CPU in %s (once per source version, "
+                        "about a minute)", build_dir)
         from torch.utils.cpp_extension import load as build
-        module = build(name=name, sources=[str(src)], build_directory=str(build_dir),
+        module = build(name=name, sources=[str(c) for c in copies], build_directory=str(build_dir),
                        extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
         built.write_text(torch.__version__)          # last: a half-built .so is never loaded as is
         return module
     except Exception as e:   # no compiler, no headers, no ninja: fall back, say why
-        log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
+        log.warning("C++ CPU kernels unavailable (%s); using torch's attention and linear layers", e)
         return None
+
+
+def for_model(device, dtype):
+    """The module for the model's layers (`LlamaForCausalLM.set_cpu_kernels`) where it applies
+    (fp32 on CPU) and builds; else None, and the model keeps torch's ops."""
+    import torch
+    return load() if device.type == "cpu" and dtype == torch.float32 else None
+
+
+def _copy_into(src: Path, build_dir: Path) -> Path:
+    """`src` copied into the build directory (unless the same bytes are there already)."""
+    dst = build_dir / src.name
+    if not dst.exists() or dst.read_bytes() != src.read_bytes():
+        tmp = build_dir / f".{src.name}.{os.getpid()}"       # atomic: workers may start together
+        tmp.write_bytes(src.read_bytes())
+        os.replace(tmp, dst)
+    return dst
 
 
 def _load_extension(name: str, path: Path):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers import cpu_kernels
 from workers.attention import AttentionMetadata, PrefillChunk, select_backend
 from workers.kv_shm import SharedKVCache
 from workers.model import LlamaForCausalLM
@@ -83,6 +84,7 @@ class ModelRunner:
         # This rank's heads (all of them without tensor parallelism).
         self.backend = select_backend(attention_backend, device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim)
         model.set_attention_backend(self.backend)
+        model.set_cpu_kernels(cpu_kernels.for_model(device, dtype))
         shape = (num_blocks, block_size, attn.num_kv_heads, cfg.head_dim)
         # Allocated once; the hot path only indexes into these. In shared memory when asked (CPU):
         # a same-node peer then copies handed-off blocks straight out of it (workers/kv_shm.py).

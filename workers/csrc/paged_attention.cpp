@@ -5,7 +5,7 @@
 // context_lens[s] - q_len(s) + i and attends causally to keys 0..that position. No gather,
 // no padding: each (sequence, kv head) walks only its own blocks. The G query heads that
 // share a KV head are scored together, so every key and value row is loaded once per group.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -54,10 +54,10 @@ inline void for_each_token(const float* cache, const int64_t* table, int64_t num
 // context_lens: [S] int64, keys of sequence s (cached context plus its queries)
 // block_tables: [S, W] int64
 // returns       [T, Hq, D]
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
-                              torch::Tensor block_tables, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor cu_seqlens_q, at::Tensor context_lens,
+                              at::Tensor block_tables, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
               "paged_attention: float32 only");
   q = q.contiguous();
   auto cu = cu_seqlens_q.contiguous();
@@ -67,7 +67,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, S = ctx.size(0), W = bt.size(1);
   TORCH_CHECK(Hq <= 1024, "paged_attention: at most 1024 query heads");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
 
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -137,8 +137,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32)");
 }

@@ -1,0 +1,54 @@
+"""The model's C++ CPU kernels (workers/csrc/linear.cpp, rms_norm.cpp, activation.cpp) vs torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import cpu_kernels
+from workers.model import RMSNorm
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels do not build here (make setup builds them)")
+
+
+# Row counts that 8 does not divide and a K that 8 does not divide (the tails).
+@pytest.mark.parametrize("n, k", [(1280, 768), (259, 768), (768, 2816), (17, 37), (3, 5)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+def test_linear_equals_torch(n, k, rows):
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in [(rows, k), (n, k), (n,)])
+    w /= k ** 0.5                      # outputs of order 1, as in a model
+    # Another summation order than MKL's: equal up to fp32 rounding over k terms.
+    torch.testing.assert_close(KERNELS.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(KERNELS.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-5)
+
+
+def test_linear_row_does_not_depend_on_the_others():
+    """A sequence's decode gives the same bits whatever else is in its step."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(259, 100, generator=gen), torch.randn(7, 100, generator=gen)
+    together = KERNELS.linear(x, w)
+    for i in range(7):
+        assert torch.equal(together[i], KERNELS.linear(x[i:i + 1], w)[0])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 2048])        # 2048: the rows split between threads
+def test_rms_norm_equals_the_torch_formula(rows):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(768, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768, generator=gen))
+        x = 3 * torch.randn(rows, 768, generator=gen)
+        want = norm(x)                                 # no kernel set: HF's formula in torch ops
+    got = KERNELS.rms_norm(x, norm.weight, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for i in (0, rows - 1):
+        assert torch.equal(got[i], KERNELS.rms_norm(x[i:i + 1], norm.weight, 1e-6)[0])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_silu_and_mul_equals_torch(rows):
+    gate_up = 4 * torch.randn(rows, 2 * 2816, generator=torch.Generator().manual_seed(rows))
+    gate, up = gate_up.split(2816, dim=-1)
+    torch.testing.assert_close(KERNELS.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)

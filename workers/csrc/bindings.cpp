@@ -1,0 +1,18 @@
+// The module's functions; each lives in its own source file. Only this one includes
+// torch/extension.h (pybind11 and torch's Python API, ~3x the compile time of ATen alone).
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
+                              torch::Tensor block_tables, double scale);
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32)");
+  m.def("linear", &linear, "x W^T (+ b) for a few rows of x, at the weights' read bandwidth (CPU, fp32)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.def("rms_norm", &rms_norm, "Llama's RMSNorm over each row (CPU, fp32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of each row (CPU, fp32)");
+}
