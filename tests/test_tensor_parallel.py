@@ -36,7 +36,8 @@ def _generate_cli(tmp_path, model: str, tp: int) -> list[list[int]]:
 
 def test_generate_tp2_equals_tp1_and_hf(tiny_dir, hf_greedy, tmp_path):
     want = hf_greedy(PROMPTS)
-    tp1 = _generate_cli(tmp_path, tiny_dir, 1)
+    tp1 = generate_ids(LLMEngine(EngineConfig(model=tiny_dir, cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20))),
+                       PROMPTS)
     tp2 = _generate_cli(tmp_path, tiny_dir, 2)
     assert_same_as_hf(tp1, want, PROMPTS)
     assert_same_as_hf(tp2, want, PROMPTS)
