@@ -23,7 +23,10 @@ from workers.names import DECODE, PREFILL
 from workers.sequence import SamplingParams
 
 PREFILL_HEAVY = (900, 2)             # prompt tokens, output tokens
-DECODE_HEAVY = (200, 150)
+# Short prompts: at 1.6x a decode worker's capacity, 200-token prompts already kept the prefill
+# worker half busy once decode steps of few rows got faster (the C++ small-batch kernels), and
+# the controller rightly would not spare it.
+DECODE_HEAVY = (64, 150)
 OVERLOAD = 1.6                       # each phase's demand over one worker's predicted capacity
 PHASE_DEADLINE_S = 90.0
 BATCHED_TOKENS, TPOT_S = 2048, 0.015
