@@ -163,3 +163,19 @@ def test_a_dead_rank_restarts_its_worker_and_its_requests_complete(ray_session, 
         after = ray.get(prefill.handle.ready.remote())
         assert after["pid"] != info["pid"] and rank1 not in after["rank_pids"]
         wait_pools_clean(c)
+
+
+def test_a_hung_rank_fails_the_step_within_the_step_timeout(ray_session, tiny_dir, monkeypatch):
+    from workers import tensor_parallel
+    monkeypatch.setattr(tensor_parallel, "STEP_TIMEOUT_S", 3.0)
+    engine = LLMEngine(EngineConfig(model=tiny_dir, tensor_parallel_size=2,
+                                    cache=CacheConfig(kv_cache_memory_bytes=8 * 2**20, swap_space_bytes=0)))
+    (pid,) = engine.ranks.pids
+    try:
+        assert len(generate_ids(engine, PROMPTS[:2])) == 2
+        os.kill(pid, signal.SIGSTOP)        # alive, its sockets open, answering nothing
+        with pytest.raises(tensor_parallel.RankLost):
+            generate_ids(engine, PROMPTS[:2])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.close()

@@ -14,8 +14,9 @@ TCPStore rank 0 hosts.
 
 Faults: a rank that dies closes its sockets, and rank 0's next collective raises `RankLost`;
 the worker then ends its process, so Ray restarts it with a fresh group (the router resumes its
-requests, as for any lost worker). The other ranks are owned by rank 0 and end with it; a
-rank whose rank 0 died sees the broadcast fail and leaves.
+requests, as for any lost worker). A rank that hangs does the same once an all-reduce has
+waited `STEP_TIMEOUT_S` (the ranks of a step wait for each other only a layer's imbalance). The other ranks are owned by rank 0 and end with it; a rank whose rank 0
+died sees the broadcast fail and leaves.
 """
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("pdcluster.tp")
-# Ranks 1..N-1 wait in a broadcast for as long as rank 0 is idle, so the collectives' timeout
-# only bounds a rank that hangs (a dead one fails at once: its sockets close).
+# Ranks 1..N-1 wait in the step broadcast for as long as rank 0 is idle: that group's timeout
+# is a day (a dead rank 0 fails it at once: its sockets close).
 _IDLE_TIMEOUT = timedelta(hours=24)
+# How long an all-reduce waits for the other ranks before the group counts as broken (a hung
+# rank). They are in lockstep, layer by layer: this bounds a stall, not a step.
+STEP_TIMEOUT_S = 300.0
 
 
 class RankLost(RuntimeError):
@@ -52,22 +56,30 @@ class StepInputs:
 
 
 class TPGroup:
-    """The collectives among one worker's ranks. Building it waits for all of them."""
+    """The collectives among one worker's ranks: `control` (Gloo) carries the step inputs and
+    waits as long as rank 0 idles; `compute` (Gloo on CPU, NCCL on GPU) adds the partial sums,
+    within `timeout`. Building it waits for all of them."""
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
-                 timeout: timedelta, store: dist.TCPStore | None = None):
+                 timeout: timedelta, step_timeout: timedelta, store: dist.TCPStore | None = None):
         self.rank, self.size = rank, size
         self.store = store or dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _IDLE_TIMEOUT
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, opts)
+
+        def gloo(name: str, wait: timedelta):
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = wait
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, size, opts)
+        # Rank 0's sends wait for the others to take them (Gloo sends when the receiver is ready):
+        # bounded there like the all-reduce; the others wait out rank 0's idle time.
+        self.control = gloo("control", step_timeout if rank == 0 else _IDLE_TIMEOUT)
+        self.broken = False             # a collective failed: the group is unusable
         if device.type == "cuda":
             nccl = dist.ProcessGroupNCCL.Options()
-            nccl._timeout = _IDLE_TIMEOUT
+            nccl._timeout = step_timeout
             self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", self.store), rank, size, nccl)
         else:
-            self.compute = self.control
+            self.compute = gloo("compute", step_timeout)
 
     @staticmethod
     def host(host: str, timeout: timedelta) -> dist.TCPStore:
@@ -79,6 +91,7 @@ class TPGroup:
         try:
             self.compute.allreduce([x]).wait()
         except RuntimeError as e:
+            self.broken = True
             raise RankLost(f"a tensor-parallel rank failed during an all-reduce: {e}") from e
 
     def send(self, obj) -> None:
@@ -88,6 +101,7 @@ class TPGroup:
             self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
             self.control.broadcast(data, 0).wait()
         except RuntimeError as e:
+            self.broken = True
             raise RankLost(f"a tensor-parallel rank failed: {e}") from e
 
     def recv(self):
@@ -138,9 +152,10 @@ class Rank:
         shared = self.runner.shared_kv
         return None if shared is None else shared.segment(node_id()).to_dict()
 
-    def join(self, host: str, port: int, timeout_s: float) -> int:
+    def join(self, host: str, port: int, timeout_s: float, step_timeout_s: float) -> int:
         """Meet the other ranks (waits for all of them), then serve rank 0's steps in a thread."""
-        self.group = TPGroup(self.rank, self.size, host, port, self.device, timedelta(seconds=timeout_s))
+        self.group = TPGroup(self.rank, self.size, host, port, self.device, timedelta(seconds=timeout_s),
+                             timedelta(seconds=step_timeout_s))
         threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
         return self.rank
 
@@ -201,8 +216,10 @@ class RankGroup:
             host = ray.util.get_node_ip_address()
             timeout = timedelta(seconds=self.timeout_s)
             store = TPGroup.host(host, timeout)
-            joined = [a.join.remote(host, store.port, self.timeout_s) for a in self.ranks]
-            self.group = TPGroup(0, self.size, host, store.port, self.device, timeout, store)
+            step_timeout_s = STEP_TIMEOUT_S
+            joined = [a.join.remote(host, store.port, self.timeout_s, step_timeout_s) for a in self.ranks]
+            self.group = TPGroup(0, self.size, host, store.port, self.device, timeout,
+                                 timedelta(seconds=step_timeout_s), store)
             ray.get(joined, timeout=self.timeout_s)
         except Exception:
             self.close()
@@ -215,10 +232,11 @@ class RankGroup:
         import ray
         group, self.group = self.group, None
         if group is not None:
-            try:
-                group.send(None)
-            except RankLost:
-                pass
+            if not group.broken:        # a broken group's ranks are killed below
+                try:
+                    group.send(None)
+                except RankLost:
+                    pass
             group.close()
         for a in self.ranks:
             ray.kill(a)
