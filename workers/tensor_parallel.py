@@ -58,7 +58,7 @@ class StepInputs:
 class TPGroup:
     """The collectives among one worker's ranks: `control` (Gloo) carries the step inputs and
     waits as long as rank 0 idles; `compute` (Gloo on CPU, NCCL on GPU) adds the partial sums,
-    within `timeout`. Building it waits for all of them."""
+    within `step_timeout`. `timeout` bounds the meeting, which waits for all of them."""
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
                  timeout: timedelta, step_timeout: timedelta, store: dist.TCPStore | None = None):
