@@ -61,11 +61,7 @@ def load_tokenizer(source: str) -> Tokenizer | None:
     """The tokenizer alone (the router needs no weights)."""
     if is_builtin(source):
         return byte_level_tokenizer()
-    path = Path(source)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {source!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a directory "
-            "with a Hugging Face config.json")
+    path = checkpoint_dir(source)
     return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
@@ -73,12 +69,17 @@ def model_config(source: str) -> ModelConfig:
     """The model's shape alone (no weights read)."""
     if is_builtin(source):
         return builtin_config(source)
+    return ModelConfig.from_dir(checkpoint_dir(source))
+
+
+def checkpoint_dir(source: str) -> Path:
+    """A checkpoint directory's path; FileNotFoundError naming the choices when it is not one."""
     path = Path(source)
-    if not (path / "config.json").is_file():
+    if not path.is_dir() or not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model {source!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a directory "
             "with a Hugging Face config.json")
-    return ModelConfig.from_dir(path)
+    return path
 
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
@@ -91,11 +92,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, shard: Sha
         _builtin_weights(model)
         tokenizer = byte_level_tokenizer()
     else:
-        path = Path(source)
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {source!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a directory "
-                "with a Hugging Face config.json")
+        path = checkpoint_dir(source)
         cfg = ModelConfig.from_dir(path)
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, shard)
