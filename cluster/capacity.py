@@ -57,7 +57,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     add_flags(p.add_argument_group("cluster"), tuple(f for f in CLUSTER_FLAGS if f.flag in
                                                       ("--mode", "--prefill", "--decode", "--workers")), ClusterSpec)
     add_flags(p.add_argument_group("router"), tuple(f for f in ROUTER_FLAGS if f.flag in
-                                                     ("--policy", "--max-pending")), RouterConfig)
+                                                     ("--policy", "--max-pending", "--no-decode-gate")), RouterConfig)
     from cluster.cli import ENGINE_FLAGS
     add_flags(p.add_argument_group("engine"), tuple(f for f in ENGINE_FLAGS if f.flag in SIM_ENGINE_FLAGS),
               EngineConfig)
@@ -250,7 +250,7 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
     for name, (needs, flag) in _MODE_ONLY.items():
         if name in shape and mode != needs:
             raise ValueError(f"{flag} applies to --mode {needs}; this cluster is {mode}")
-    router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in ("--policy", "--max-pending")))
+    router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in ("--policy", "--max-pending", "--no-decode-gate")))
     slo = SLOTargets(**given(a, _controller_flags()[1]))      # the requests' default targets, as serve's
     overhead, per_token = costs.request_overhead_s, costs.request_overhead_per_token_s
     if a.request_overhead_ms is not None:

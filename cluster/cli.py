@@ -120,6 +120,8 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "prefill queue would cost the request more than the prefill delays the decode worker's batch",
          local_prefill_tokens),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
+    Flag("--no-decode-gate", "decode_gate", "disaggregated: do not hold new requests before their prefill while "
+         "the decode pool is full (they then wait for a decode seat after their first token)", bool, negate=True),
     Flag("--admission", "admission", "slo: also refuse (429 at once) a request predicted to miss its TTFT or TPOT "
          "target; queue: only the --max-pending bound", str, ADMISSION_POLICIES),
     Flag("--max-body-mib", "max_body_bytes", "largest request body: a larger one gets 413 before it is read "

@@ -175,7 +175,8 @@ class ServingCluster:
                                 hang_timeout_s=cfg.worker_hang_timeout_s,
                                 restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
                                 block_size=infos[0]["block_size"],
-                                local_prefill_max_tokens=cfg.local_prefill_max_tokens)
+                                local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
+                                decode_seats=self.spec.engine.scheduler.max_num_seqs)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
         fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None

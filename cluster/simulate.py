@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from cluster.loadgen import RequestResult
 from cluster.spec import check_pools
+from router.admission import DecodeGate
 from router.picker import Picker, decode_load, prefill_load
 from router.prefix_index import PrefixIndex
 from router.slo import SLOTargets
@@ -102,6 +103,7 @@ class SimCluster:
     # slow down when more is runnable than there are cores. None: every worker has its device.
     shared_cores: float | None = None
     router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
+    decode_gate: bool = True                    # disaggregated: the router's decode gate (router/admission.py)
     slo: SLOTargets = field(default_factory=SLOTargets)   # the requests' default TTFT and TPOT targets
 
     def __post_init__(self):
@@ -294,6 +296,10 @@ class Simulator:
         self._tracked: dict[str, _Tracked] = {}
         self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
+        # The router's decode gate: new requests held before their prefill while decode is full.
+        self.gate = (DecodeGate(cluster.engine.scheduler.max_num_seqs, clock=clock)
+                     if cluster.mode == DISAGGREGATED and cluster.decode_gate else None)
+        self._gated: deque[tuple[str, SimRequest]] = deque()
 
     # -- the event loop ------------------------------------------------------------------------
     def _at(self, t: float, fn, *args) -> None:
@@ -348,6 +354,30 @@ class Simulator:
             self._dispatch(rid, r)
 
     def _dispatch(self, rid: str, r: SimRequest) -> None:
+        gate = self.gate
+        if gate is not None:
+            if self._gated or not self._gate_opens():
+                self._gated.append((rid, r))
+                return
+            gate.enter(rid)
+        self._start(rid, r)
+
+    def _gate_opens(self) -> bool:
+        return self.gate.opens({w.worker_id: w.report() for w in self.pools[DECODE]}, len(self.pools[PREFILL]))
+
+    def _open_gate(self) -> None:
+        """Start the held requests, in order, while the gate opens (router/dispatch.py)."""
+        gated = self._gated
+        while gated and self._gate_opens():
+            rid, r = gated.popleft()
+            self.gate.enter(rid)
+            self._start(rid, r)
+
+    def _leave_gate(self, rid: str, reached_decode: bool = False) -> None:
+        if self.gate is not None and self.gate.leave(rid, reached_decode):
+            self._open_gate()
+
+    def _start(self, rid: str, r: SimRequest) -> None:
         params = self._params.get(r.output_len)
         if params is None:                  # one per length: the engine never changes them
             params = self._params[r.output_len] = SamplingParams(max_tokens=r.output_len, temperature=0.0,
@@ -410,6 +440,7 @@ class Simulator:
         tr = self._tracked[rid]
         tr.error, tr.end_s = error, self.now
         self.in_flight -= 1
+        self._leave_gate(rid)
 
     def _tokens(self, rid: str, times: list[float], finished: bool) -> None:
         tr = self._tracked[rid]
@@ -423,6 +454,7 @@ class Simulator:
             tr.end_s = self.now
             self.in_flight -= 1
             self._finished(tr)
+            self._leave_gate(rid)
 
     def _finished(self, tr: _Tracked) -> None:
         """A request's last token went out (a hook for the controlled simulator)."""
@@ -438,6 +470,10 @@ class Simulator:
             fn()
         if w.waiting_room:
             self._reserve(w)
+        if self.gate is not None and w.role == DECODE:     # the router hears its report
+            self.gate.observe(w.worker_id, w.report())
+            if self._gated:
+                self._open_gate()
         engine = w.engine
         k, rows, context = engine.steady_run(MAX_RUN)
         if k:
@@ -559,6 +595,7 @@ class Simulator:
         elif not prefill.busy:
             self._idle(prefill)
         self._submit(d, lambda: d.engine.commit_received(rid))
+        self._leave_gate(rid, reached_decode=True)
 
 
 def utilization(sim: Simulator) -> dict[str, float]:

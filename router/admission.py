@@ -184,3 +184,82 @@ class SLOAdmission:
                                   f"them at the rate they complete, over this request's {budget:.2f}s share "
                                   "of its TPOT budget", "tpot", retry_after_s=wait - budget, predicted_ttft_s=ttft)
         return Verdict(True, predicted_ttft_s=ttft)
+
+
+class DecodeGate:
+    """Holds a new request before its prefill while the decode pool is full, so that the wait
+    falls before its first token (TTFT) rather than between its first and second (TPOT): a
+    prompt prefilled only to wait for a decode seat has given its client a token and then a
+    stall, which counts in every TPOT of it (a closed-loop client's, vLLM's benchmark's).
+
+    `ahead` are the requests let through that have not reached a decode worker yet (queued for
+    prefill, prefilling, or in their handoff). A decode worker's `capacity` is the sequences it
+    ran when it last reported handoffs waiting for room (`LoadReport.pending`): its seats at
+    the TPOT target, the memory and the sequence limit, as they stand. A request passes while
+    fewer are ahead than the seats free over the pool (capacity less running) plus `limit`, the
+    pipeline that keeps seats filled as they free: the rate requests reached decode over the
+    last `rate_window_s`, times `window_s`, and at least `per_worker` per worker of either
+    pool. A decode worker never seen full has the capacity `seats` (the engine's sequence
+    limit, which no worker exceeds), or, without it, none: while any has none nothing is held.
+    A prefill-bound pool thus keeps its own queue, up to the seats. Plain Python: the
+    dispatcher holds the waiting requests and asks `opens` on each decode report and each
+    request that reaches decode."""
+
+    def __init__(self, seats: int | None = None, window_s: float = 0.25, per_worker: int = 1,
+                 rate_window_s: float = 5.0, clock=time.monotonic):
+        if window_s < 0 or per_worker < 1 or rate_window_s <= 0 or (seats is not None and seats < 1):
+            raise ValueError("DecodeGate needs seats >= 1 (or None), window_s >= 0, per_worker >= 1 and "
+                             "rate_window_s > 0")
+        self.seats = seats
+        self.window_s, self.per_worker, self.rate_window_s, self.clock = window_s, per_worker, rate_window_s, clock
+        self.ahead: set[str] = set()
+        self.arrivals: deque[float] = deque()     # when requests reached decode, over rate_window_s
+        self.capacity: dict[str, int] = {}        # decode worker -> its seats, when last seen full
+
+    def limit(self, num_workers: int) -> int:
+        now = self.clock()
+        while self.arrivals and self.arrivals[0] < now - self.rate_window_s:
+            self.arrivals.popleft()
+        rate = len(self.arrivals) / self.rate_window_s
+        return max(self.per_worker * num_workers, math.ceil(rate * self.window_s))
+
+    def observe(self, worker_id: str, report) -> None:
+        """A decode worker's report (workers/messages.py LoadReport): full (handoffs waiting
+        for room), it shows its capacity; holding more than its known capacity with none
+        waiting, it had more seats than that (shorter contexts, memory freed), at least as many
+        as it holds."""
+        held = report.running + report.receiving
+        if report.pending > 0:
+            self.capacity[worker_id] = held
+        elif held > self.capacity.get(worker_id, self.seats or math.inf):
+            self.capacity[worker_id] = held
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left or restarted: its seats are unknown again."""
+        self.capacity.pop(worker_id, None)
+
+    def opens(self, decode: dict, num_prefill: int = 0) -> bool:
+        """Whether a request may start now, given the active decode workers' latest reports
+        (worker id -> LoadReport, None before the first) and the prefill pool's size."""
+        if not decode:                  # none active: the dispatcher waits for one, or fails
+            return True
+        free = 0
+        for worker_id, report in decode.items():
+            cap = self.capacity.get(worker_id, self.seats)
+            if cap is None or report is None:
+                return True
+            free += max(0, cap - report.running)
+        return len(self.ahead) < free + self.limit(len(decode) + num_prefill)
+
+    def enter(self, rid: str) -> None:
+        self.ahead.add(rid)
+
+    def leave(self, rid: str, reached_decode: bool = False) -> bool:
+        """The request reached a decode worker (its first token from there), or ended before;
+        idempotent. True when it was ahead (room for the next one)."""
+        if rid not in self.ahead:
+            return False
+        self.ahead.discard(rid)
+        if reached_decode:
+            self.arrivals.append(self.clock())
+        return True

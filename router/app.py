@@ -712,7 +712,8 @@ class ClientStream(StreamingResponse):
 
         async def timed(message) -> None:
             try:
-                await asyncio.wait_for(send(message), timeout)
+                async with asyncio.timeout(timeout):     # a timer, not a task per chunk (wait_for)
+                    await send(message)
             except TimeoutError:
                 raise ClientStalled from None
         await super().stream_response(timed)

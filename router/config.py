@@ -18,6 +18,7 @@ class RouterConfig:
     policy: str = P2C                         # one of PICKING_POLICIES
     local_prefill_max_tokens: int | str = 0   # disaggregated: prefill on the decode worker up to this many tokens ("auto")
     max_pending: int = 512                    # requests in flight before 429
+    decode_gate: bool = True                  # disaggregated: hold new requests before prefill while decode is full
     admission: str = "slo"                    # one of ADMISSION_POLICIES (router/admission.py)
     max_body_bytes: int = 8 * 2**20           # larger request bodies get 413, unread
     max_retries: int = 2                      # resumes in a row that make no progress, then an error

@@ -27,6 +27,7 @@ messages are workers/messages.py's dataclasses, encoded there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.admission import DecodeGate
 from router.events import EventStream
 from router.metrics import Metrics
 from router.picker import Picker, check_local_prefill, decode_load
@@ -42,7 +44,7 @@ from router.prefix_index import PrefixIndex
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
 from workers.cost_model import StepFit, local_prefill_limit
-from workers.names import AUTO, COLOCATED, DECODE, MODES, P2C, PREFILL, PREFIX, first_role
+from workers.names import AUTO, COLOCATED, DECODE, DISAGGREGATED, MODES, P2C, PREFILL, PREFIX, first_role
 from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
@@ -74,7 +76,8 @@ class Dispatcher:
                  max_retries: int = 2, seed: int | None = None, hang_timeout_s: float = 10.0,
                  restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
                  retire: Callable[[object], None] | None = None, block_size: int = 16,
-                 local_prefill_max_tokens: int | str = 0):
+                 local_prefill_max_tokens: int | str = 0, decode_gate: bool = True,
+                 decode_seats: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_local_prefill(local_prefill_max_tokens)
@@ -95,6 +98,11 @@ class Dispatcher:
         # when picking uses them: prefix-aware picking, or local prefills counting cached tokens.
         self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
                              else None)
+        # Disaggregated: new requests wait here, before their prefill, while the decode pool is
+        # full (router/admission.py DecodeGate; `decode_seats`: the workers' sequence limit);
+        # FIFO, (rid, future) each.
+        self.gate = DecodeGate(decode_seats) if mode == DISAGGREGATED and decode_gate else None
+        self._gated: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._pumps: dict[str, asyncio.Task] = {}
@@ -105,8 +113,12 @@ class Dispatcher:
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
         self.metrics.count_pools(self.pools)
-        if self.prefix_index is not None and m.state in (DEAD, STOPPED):   # its cache is gone with it
-            self.prefix_index.forget(m.worker_id)
+        self._open_gate()
+        if m.state in (DEAD, STOPPED):
+            if self.prefix_index is not None:            # its cache is gone with it
+                self.prefix_index.forget(m.worker_id)
+            if self.gate is not None:
+                self.gate.forget(m.worker_id)
         if old_role != m.role:
             self.metrics.role_changes.labels(old_role, m.role).inc()
 
@@ -179,6 +191,9 @@ class Dispatcher:
             fn(w.worker_id, reply.load.role, reply.samples)
         for ev in reply.events:
             self._deliver(ev)
+        if w.role == DECODE and self.gate is not None:
+            self.gate.observe(w.worker_id, reply.load)
+            self._open_gate()
 
     async def _finish_drain(self, w: Member) -> None:
         """A drained worker flips its role (the worker checks, on its own loop, that it holds
@@ -254,6 +269,43 @@ class Dispatcher:
         if self._retire is not None:
             await asyncio.to_thread(self._retire, w.handle)
         return False
+
+    # -- the decode gate ------------------------------------------------------------------------
+    async def _pass_gate(self, rid: str) -> None:
+        """Wait until the decode gate lets a new request start (at once unless the decode pool
+        is full); then it counts as ahead until `_leave_gate`. A cancelled wait (the client
+        left) just ends: the request's cleanup leaves the gate."""
+        if self.gate is None:
+            return
+        if not self._gated and self._gate_opens():
+            self.gate.enter(rid)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._gated.append((rid, fut))
+        self.metrics.gated.set(len(self._gated))
+        await fut
+
+    def _open_gate(self) -> None:
+        """Let the waiting requests through, in order, while the gate opens."""
+        if self.gate is None:
+            return
+        while self._gated:
+            rid, fut = self._gated[0]
+            if not fut.cancelled():
+                if not self._gate_opens():
+                    break
+                self.gate.enter(rid)
+                fut.set_result(None)
+            self._gated.popleft()
+        self.metrics.gated.set(len(self._gated))
+
+    def _gate_opens(self) -> bool:
+        return self.gate.opens({m.worker_id: m.report for m in self.pools.active(DECODE)},
+                               len(self.pools.active(PREFILL)))
+
+    def _leave_gate(self, rid: str, reached_decode: bool = False) -> None:
+        if self.gate is not None and self.gate.leave(rid, reached_decode):
+            self._open_gate()
 
     def _deliver(self, ev: msg.Event) -> None:
         q = self._queues.get(ev.rid)
@@ -368,6 +420,7 @@ class Dispatcher:
                 if resume is None:
                     return
             finally:
+                self._leave_gate(rid)
                 self._queues.pop(rid, None)
                 for w in involved:
                     w.assigned.discard(rid)
@@ -390,6 +443,8 @@ class Dispatcher:
         """Yields TokenEvents; yields a _Resume once when the attempt failed retryably. Starts
         after the `delivered` output tokens (a resumed request)."""
         outputs = list(delivered)
+        if not outputs:                      # a new request (a resumed one is already under way)
+            await self._pass_gate(rid)
         w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
         involved.append(w)
         _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
@@ -400,6 +455,8 @@ class Dispatcher:
                 yield resume
                 return
             if ev.tokens or ev.finished:
+                if op is msg.GenerateOp:         # prefilled where it decodes: it has its seat
+                    self._leave_gate(rid, reached_decode=True)
                 outputs += ev.tokens
                 yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
@@ -425,6 +482,7 @@ class Dispatcher:
             if held_at is not None:
                 took, held_at = time.monotonic() - held_at, None
                 self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
+                self._leave_gate(rid, reached_decode=True)
             w.assigned.discard(rid)
             yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
@@ -509,6 +567,7 @@ class _SharedStart:
         d, req, q = self.d, self.req, self.queue
         try:
             prompt = req.prompt_token_ids
+            await d._pass_gate(self.rid)
             w, op = await d._pick_start(self.rid, prompt)
             if op is msg.GenerateOp:             # colocated, or prefilled on its decode worker
                 self._involve(w)
@@ -531,6 +590,7 @@ class _SharedStart:
                     tpot_s=req.tpot_s, kv=ev.kv))))
             ev = await q.get()
             if isinstance(ev, msg.TokenEvent) and ev.reason == "forked":
+                d._leave_gate(self.rid, reached_decode=True)
                 self.forked = True
                 for m in self.involved:
                     m.assigned.discard(self.rid)
@@ -557,6 +617,7 @@ class _SharedStart:
         and any fork whose sample never started its first attempt."""
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+        self.d._leave_gate(self.rid)
         self.d._queues.pop(self.rid, None)
         for m in self.involved:
             m.assigned.discard(self.rid)

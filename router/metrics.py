@@ -65,6 +65,8 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge(P + "router_requests_waiting", "Admitted requests not yet at their first token",
                              registry=r)
+        self.gated = Gauge(P + "router_requests_gated", "Requests held before their prefill while the decode pool "
+                           "is full (disaggregated)", registry=r)
         for reason in FINISH_REASONS:
             self.success.labels(reason)
         for reason in ERROR_REASONS:
