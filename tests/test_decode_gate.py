@@ -1,10 +1,10 @@
 """The decode gate (router/admission.py DecodeGate): a new request waits before its prefill, not
 after its first token, while the decode pool is full.
 
-The policy on its own (plain Python, a fake clock), then a served cluster whose decode worker
-has 4 seats under 20 concurrent streams: the gate holds requests, every stream equals the
-offline engine's greedy output, clients that leave while held cost nothing, and the gate and
-the pools end empty.
+The policy on its own (plain Python, a fake clock); the simulator with the gate against the
+simulator without it; then a served cluster whose decode worker has 4 seats under 26
+concurrent streams: the gate holds requests, every stream equals the offline engine's greedy
+output, clients that leave while held cost nothing, and the gate and the pools end empty.
 """
 from __future__ import annotations
 
@@ -178,55 +178,53 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tok
     return ids
 
 
-async def fill_seats(client, url: str, d) -> list[asyncio.Future]:
-    """Six long streams on the 4 seats; returns once the gate has seen the decode worker full."""
+async def hold_some(client, url: str, d) -> tuple[list[asyncio.Future], list[asyncio.Future], int]:
+    """Six long streams on the 4 seats, then, once the gate has seen the decode worker full, 20
+    short ones; returns both lots of tasks once the gate holds 5 or more, and how many it held."""
     long = [asyncio.ensure_future(stream(client, url, p, LONG)) for p in PROMPTS[:6]]
     await until(lambda: d.gate.capacity.get("decode-0") == 4, 60)
-    return long
+    short = [asyncio.ensure_future(stream(client, url, p, SHORT)) for p in PROMPTS[6:]]
+    await until(lambda: len(d._gated) >= 5, 30)
+    return long, short, len(d._gated)
+
+
+def assert_drained(c) -> None:
+    """Nothing ahead of or held by the gate, and the workers hold nothing."""
+    d = c.server.dispatcher
+    wait_for(lambda: (len(d.gate.ahead), len(d._gated)), lambda v: v == (0, 0), 10)
+    wait_pools_clean(c, 30)
+    assert c.server.metrics.gated._value.get() == 0
 
 
 def test_gate_holds_before_prefill_and_streams_stay_exact(gated_cluster):
     c = gated_cluster
-    d = c.server.dispatcher
     url = f"http://{c.host}:{c.port}/v1/completions"
-    held = []
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            long = await fill_seats(client, url, d)
-            short = [asyncio.ensure_future(stream(client, url, p, SHORT)) for p in PROMPTS[6:]]
-            await until(lambda: len(d._gated) >= 5, 30)
-            held.append(len(d._gated))
-            return await asyncio.gather(*long), await asyncio.gather(*short)
-    long, short = asyncio.run(run())
+            long, short, held = await hold_some(client, url, c.server.dispatcher)
+            return await asyncio.gather(*long), await asyncio.gather(*short), held
+    long, short, held = asyncio.run(run())
+    assert held >= 5
     # Held or not, every stream is whole and exact.
     assert long == offline(PROMPTS[:6], LONG)
     assert short == offline(PROMPTS[6:], SHORT)
-    assert held[0] >= 5
-    wait_for(lambda: (len(d.gate.ahead), len(d._gated)), lambda v: v == (0, 0), 10)
-    wait_pools_clean(c, 30)
+    assert_drained(c)
 
 
 def test_clients_that_leave_while_held_cost_nothing(gated_cluster):
     c = gated_cluster
-    d = c.server.dispatcher
     url = f"http://{c.host}:{c.port}/v1/completions"
-    held = []
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            long = await fill_seats(client, url, d)
-            leaving = [asyncio.ensure_future(stream(client, url, p, SHORT)) for p in PROMPTS[6:]]
-            await until(lambda: len(d._gated) >= 5, 30)
-            held.append(len(d._gated))
+            long, leaving, held = await hold_some(client, url, c.server.dispatcher)
             for t in leaving:                  # their clients leave, most of them while held
                 t.cancel()
             await asyncio.gather(*leaving, return_exceptions=True)
-            return await asyncio.gather(*long)
-    long = asyncio.run(run())
-    assert held[0] >= 5
+            return await asyncio.gather(*long), held
+    long, held = asyncio.run(run())
+    assert held >= 5
     assert long == offline(PROMPTS[:6], LONG)
     # The left requests are out of the gate, and whatever got past it is freed on the workers.
-    wait_for(lambda: (len(d.gate.ahead), len(d._gated)), lambda v: v == (0, 0), 10)
-    wait_pools_clean(c, 30)
-    assert c.server.metrics.gated._value.get() == 0
+    assert_drained(c)
