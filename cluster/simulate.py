@@ -27,6 +27,7 @@ import itertools
 from itertools import accumulate
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cluster.loadgen import RequestResult
 from cluster.spec import check_pools
@@ -243,6 +244,16 @@ class SimWorker:
         return self.engine.load_report(self.worker_id, self.role, self.steps, 0, len(self.waiting_room),
                                        self.receiving)
 
+    def seats(self) -> _Seats:
+        """The part of its report the decode gate reads, without building the report."""
+        return _Seats(len(self.engine.scheduler.running), len(self.waiting_room), self.receiving)
+
+
+class _Seats(NamedTuple):
+    running: int
+    pending: int
+    receiving: int
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -363,7 +374,7 @@ class Simulator:
         self._start(rid, r)
 
     def _gate_opens(self) -> bool:
-        return self.gate.opens({w.worker_id: w.report() for w in self.pools[DECODE]}, len(self.pools[PREFILL]))
+        return self.gate.opens({w.worker_id: w.seats() for w in self.pools[DECODE]}, len(self.pools[PREFILL]))
 
     def _open_gate(self) -> None:
         """Start the held requests, in order, while the gate opens (router/dispatch.py)."""
@@ -471,7 +482,7 @@ class Simulator:
         if w.waiting_room:
             self._reserve(w)
         if self.gate is not None and w.role == DECODE:     # the router hears its report
-            self.gate.observe(w.worker_id, w.report())
+            self.gate.observe(w.worker_id, w.seats())
             if self._gated:
                 self._open_gate()
         engine = w.engine

@@ -240,7 +240,8 @@ class DecodeGate:
 
     def opens(self, decode: dict, num_prefill: int = 0) -> bool:
         """Whether a request may start now, given the active decode workers' latest reports
-        (worker id -> LoadReport, None before the first) and the prefill pool's size."""
+        (worker id -> LoadReport, None before the first; only `running` is read, and
+        `observe` reads `pending` and `receiving` too) and the prefill pool's size."""
         if not decode:                  # none active: the dispatcher waits for one, or fails
             return True
         free = 0
