@@ -310,7 +310,6 @@ class Simulator:
         # The router's decode gate: new requests held before their prefill while decode is full.
         self.gate = (DecodeGate(cluster.engine.scheduler.max_num_seqs, clock=clock)
                      if cluster.mode == DISAGGREGATED and cluster.decode_gate else None)
-        self._gated: deque[tuple[str, SimRequest]] = deque()
 
     # -- the event loop ------------------------------------------------------------------------
     def _at(self, t: float, fn, *args) -> None:
@@ -367,22 +366,20 @@ class Simulator:
     def _dispatch(self, rid: str, r: SimRequest) -> None:
         gate = self.gate
         if gate is not None:
-            if self._gated or not self._gate_opens():
-                self._gated.append((rid, r))
+            if gate.line or not gate.opens(*self._gate_view()):
+                gate.hold(rid, (rid, r))
                 return
             gate.enter(rid)
         self._start(rid, r)
 
-    def _gate_opens(self) -> bool:
-        return self.gate.opens({w.worker_id: w.seats() for w in self.pools[DECODE]}, len(self.pools[PREFILL]))
+    def _gate_view(self) -> tuple[dict, int]:
+        return {w.worker_id: w.seats() for w in self.pools[DECODE]}, len(self.pools[PREFILL])
 
     def _open_gate(self) -> None:
         """Start the held requests, in order, while the gate opens (router/dispatch.py)."""
-        gated = self._gated
-        while gated and self._gate_opens():
-            rid, r = gated.popleft()
-            self.gate.enter(rid)
-            self._start(rid, r)
+        if self.gate.line:
+            for rid, r in self.gate.release(*self._gate_view()):
+                self._start(rid, r)
 
     def _leave_gate(self, rid: str, reached_decode: bool = False) -> None:
         if self.gate is not None and self.gate.leave(rid, reached_decode):
@@ -483,8 +480,7 @@ class Simulator:
             self._reserve(w)
         if self.gate is not None and w.role == DECODE:     # the router hears its report
             self.gate.observe(w.worker_id, w.seats())
-            if self._gated:
-                self._open_gate()
+            self._open_gate()
         engine = w.engine
         k, rows, context = engine.steady_run(MAX_RUN)
         if k:

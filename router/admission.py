@@ -215,6 +215,7 @@ class DecodeGate:
         self.ahead: set[str] = set()
         self.arrivals: deque[float] = deque()     # when requests reached decode, over rate_window_s
         self.capacity: dict[str, int] = {}        # decode worker -> its seats, when last seen full
+        self.line: deque[tuple[str, object]] = deque()   # held requests (rid, the caller's item), oldest first
 
     def limit(self, num_workers: int) -> int:
         now = self.clock()
@@ -242,15 +243,38 @@ class DecodeGate:
         """Whether a request may start now, given the active decode workers' latest reports
         (worker id -> LoadReport, None before the first; only `running` is read, and
         `observe` reads `pending` and `receiving` too) and the prefill pool's size."""
-        if not decode:                  # none active: the dispatcher waits for one, or fails
-            return True
+        return len(self.ahead) < self._room(decode, num_prefill)
+
+    def _room(self, decode: dict, num_prefill: int) -> float:
+        """How many requests may be ahead now: unbounded with no decode worker (the dispatcher
+        waits for one, or fails the request) or one whose capacity is unknown."""
+        if not decode:
+            return math.inf
         free = 0
         for worker_id, report in decode.items():
             cap = self.capacity.get(worker_id, self.seats)
             if cap is None or report is None:
-                return True
+                return math.inf
             free += max(0, cap - report.running)
-        return len(self.ahead) < free + self.limit(len(decode) + num_prefill)
+        return free + self.limit(len(decode) + num_prefill)
+
+    def hold(self, rid: str, item: object) -> None:
+        """A request that may not start now waits in line (`item`: what its caller resumes)."""
+        self.line.append((rid, item))
+
+    def release(self, decode: dict, num_prefill: int = 0, dropped=lambda item: False) -> list:
+        """The held requests' items that may start now, in order (each now ahead); those
+        `dropped` (their client left) leave the line."""
+        out, room = [], self._room(decode, num_prefill)
+        while self.line:
+            rid, item = self.line[0]
+            if not dropped(item):
+                if len(self.ahead) >= room:
+                    break
+                self.enter(rid)
+                out.append(item)
+            self.line.popleft()
+        return out
 
     def enter(self, rid: str) -> None:
         self.ahead.add(rid)

@@ -27,7 +27,6 @@ messages are workers/messages.py's dataclasses, encoded there.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -98,11 +97,9 @@ class Dispatcher:
         # when picking uses them: prefix-aware picking, or local prefills counting cached tokens.
         self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
                              else None)
-        # Disaggregated: new requests wait here, before their prefill, while the decode pool is
-        # full (router/admission.py DecodeGate; `decode_seats`: the workers' sequence limit);
-        # FIFO, (rid, future) each.
+        # Disaggregated: new requests wait in its line, before their prefill, while the decode
+        # pool is full (router/admission.py DecodeGate; `decode_seats`: the workers' sequence limit).
         self.gate = DecodeGate(decode_seats) if mode == DISAGGREGATED and decode_gate else None
-        self._gated: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._pumps: dict[str, asyncio.Task] = {}
@@ -277,31 +274,25 @@ class Dispatcher:
         left) just ends: the request's cleanup leaves the gate."""
         if self.gate is None:
             return
-        if not self._gated and self._gate_opens():
+        if not self.gate.line and self.gate.opens(*self._gate_view()):
             self.gate.enter(rid)
             return
         fut = asyncio.get_running_loop().create_future()
-        self._gated.append((rid, fut))
-        self.metrics.gated.set(len(self._gated))
+        self.gate.hold(rid, fut)
+        self.metrics.gated.set(len(self.gate.line))
         await fut
 
     def _open_gate(self) -> None:
         """Let the waiting requests through, in order, while the gate opens."""
-        if self.gate is None:
+        if self.gate is None or not self.gate.line:
             return
-        while self._gated:
-            rid, fut = self._gated[0]
-            if not fut.cancelled():
-                if not self._gate_opens():
-                    break
-                self.gate.enter(rid)
-                fut.set_result(None)
-            self._gated.popleft()
-        self.metrics.gated.set(len(self._gated))
+        for fut in self.gate.release(*self._gate_view(), dropped=asyncio.Future.cancelled):
+            fut.set_result(None)
+        self.metrics.gated.set(len(self.gate.line))
 
-    def _gate_opens(self) -> bool:
-        return self.gate.opens({m.worker_id: m.report for m in self.pools.active(DECODE)},
-                               len(self.pools.active(PREFILL)))
+    def _gate_view(self) -> tuple[dict, int]:
+        """What the gate decides on: the decode workers' reports, the prefill pool's size."""
+        return {m.worker_id: m.report for m in self.pools.active(DECODE)}, len(self.pools.active(PREFILL))
 
     def _leave_gate(self, rid: str, reached_decode: bool = False) -> None:
         if self.gate is not None and self.gate.leave(rid, reached_decode):

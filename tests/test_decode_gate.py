@@ -133,7 +133,7 @@ def test_simulated_gate_moves_the_wait_before_the_first_token():
         assert all(r.success and r.output_len == 40 for r in results)
         for w in sim.workers.values():
             assert w.engine.kv.num_free_blocks == w.engine.kv.pool.num_blocks and not w.waiting_room
-        assert sim.gate is None or not sim.gate.ahead and not sim._gated
+        assert sim.gate is None or not sim.gate.ahead and not sim.gate.line
         gaps[gate] = sorted(r.itl[0] for r in results[100:])      # after the first seconds
     median = len(gaps[True]) // 2
     assert gaps[True][median] < 0.5, gaps[True][median]           # the pipeline: window_s and a few steps
@@ -184,14 +184,14 @@ async def hold_some(client, url: str, d) -> tuple[list[asyncio.Future], list[asy
     long = [asyncio.ensure_future(stream(client, url, p, LONG)) for p in PROMPTS[:6]]
     await until(lambda: d.gate.capacity.get("decode-0") == 4, 60)
     short = [asyncio.ensure_future(stream(client, url, p, SHORT)) for p in PROMPTS[6:]]
-    await until(lambda: len(d._gated) >= 5, 30)
-    return long, short, len(d._gated)
+    await until(lambda: len(d.gate.line) >= 5, 30)
+    return long, short, len(d.gate.line)
 
 
 def assert_drained(c) -> None:
     """Nothing ahead of or held by the gate, and the workers hold nothing."""
     d = c.server.dispatcher
-    wait_for(lambda: (len(d.gate.ahead), len(d._gated)), lambda v: v == (0, 0), 10)
+    wait_for(lambda: (len(d.gate.ahead), len(d.gate.line)), lambda v: v == (0, 0), 10)
     wait_pools_clean(c, 30)
     assert c.server.metrics.gated._value.get() == 0
 
@@ -228,3 +228,13 @@ def test_clients_that_leave_while_held_cost_nothing(gated_cluster):
     assert long == offline(PROMPTS[:6], LONG)
     # The left requests are out of the gate, and whatever got past it is freed on the workers.
     assert_drained(c)
+
+
+def test_the_line_releases_in_order_and_skips_the_dropped():
+    gate = DecodeGate(seats=4, per_worker=1)
+    gate.observe("d0", report(running=4, pending=1))
+    for i in range(5):
+        gate.hold(f"h{i}", i)
+    assert gate.release({"d0": report(running=4)}, 1) == [0, 1]        # the pipeline: 2 workers
+    assert gate.release({"d0": report(running=2)}, 1, dropped=lambda i: i == 2) == [3, 4]   # 2 seats free
+    assert not gate.line and gate.ahead == {"h0", "h1", "h3", "h4"}
