@@ -99,6 +99,10 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
          float),
     Flag("--kv-transfer-timeout-s", "transfer_timeout_s", "seconds one KV pull may take before it fails "
          "(the request then re-runs from prefill)", float),
+    Flag("--router-lease-s", "router_lease_s", "a router that sends a worker no heartbeat for this long (it "
+         "died, or stalled) loses its requests there: the worker ends them and frees their blocks", float),
+    Flag("--cluster-id", "cluster_id", "names this cluster's Ray actors; `pdcluster router --cluster-id` attaches "
+         "to it (default: a random one, printed)", str),
     Flag("--controller", "controller", "run the pool-ratio controller: it moves workers between the pools (and "
          "adds or removes them within --max-workers) as the load shifts, against the --slo-* targets", bool),
     Flag("--controller-interval-s", "controller_interval_s", "seconds between the controller's decisions", float),
@@ -109,6 +113,8 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
 
 ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--host", "host", "address the HTTP server binds", str),
+    Flag("--router-id", "router_id", "this router's name on the workers (letters, digits, '_', '.', '-'); a "
+         "restarted router may reuse it", str),
     Flag("--port", "port", "port of the HTTP server"),
     Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY'", str),
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),

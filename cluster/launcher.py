@@ -153,7 +153,7 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     engine = dataclasses.replace(_engine(spec, gpus), tensor_parallel_size=tp)
     handle = ray.remote(Worker).options(**opts).remote(
         worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id,
-        group)
+        group, spec.router_lease_s)
     if group is not None:
         _GROUPS[handle] = group
     return handle

@@ -176,7 +176,8 @@ class ServingCluster:
                                 restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
                                 block_size=infos[0]["block_size"],
                                 local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
-                                decode_seats=self.spec.engine.scheduler.max_num_seqs)
+                                decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
+                                router_lease_s=self.spec.router_lease_s)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
         fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from cluster.controller import COOLDOWN_S
 from workers.config import EngineConfig
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS, check_name
 
 PLACEMENTS = ("default", "spread")     # how Ray places the workers over the nodes (see launch)
 
@@ -31,6 +31,7 @@ class ClusterSpec:
     ready_timeout_s: float = 300.0
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    router_lease_s: float = 10.0              # a router silent this long loses its requests on a worker
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
     # The pool-ratio controller (cluster/pool_control.py): off by default.
     controller: bool = False
@@ -60,8 +61,9 @@ class ClusterSpec:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_workers is not None and self.max_workers < len(self.roles()):
             raise ValueError(f"--max-workers {self.max_workers} is below the {len(self.roles())} workers launched")
+        check_name(self.cluster_id, "--cluster-id")     # it names actors; `pdcluster router` finds them by it
         for name in ("lease_s", "transfer_timeout_s", "ready_timeout_s", "controller_interval_s",
-                     "controller_window_s"):
+                     "controller_window_s", "router_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.controller_cooldown_s >= 0:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from router.admission import ADMISSION_POLICIES
 from router.picker import check_local_prefill
 from router.slo import SLOTargets
-from workers.names import P2C, PICKING_POLICIES
+from workers.names import P2C, PICKING_POLICIES, check_name
 
 
 @dataclass(slots=True)
@@ -26,8 +26,10 @@ class RouterConfig:
     drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
     client_stall_timeout_s: float = 30.0      # a stream whose client takes no chunk for this long is ended
     slo: SLOTargets = field(default_factory=SLOTargets)
+    router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)
 
     def __post_init__(self):
+        check_name(self.router_id)
         if self.policy not in PICKING_POLICIES:
             raise ValueError(f"--policy must be one of {PICKING_POLICIES}, got {self.policy!r}")
         check_local_prefill(self.local_prefill_max_tokens)

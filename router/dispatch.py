@@ -43,7 +43,8 @@ from router.prefix_index import PrefixIndex
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
 from workers.cost_model import StepFit, local_prefill_limit
-from workers.names import AUTO, COLOCATED, DECODE, DISAGGREGATED, MODES, P2C, PREFILL, PREFIX, first_role
+from workers.names import (AUTO, COLOCATED, DECODE, DISAGGREGATED, MODES, OWNER_SEP, P2C, PREFILL, PREFIX, first_role,
+                           owner_tag)
 from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
@@ -76,11 +77,18 @@ class Dispatcher:
                  restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
                  retire: Callable[[object], None] | None = None, block_size: int = 16,
                  local_prefill_max_tokens: int | str = 0, decode_gate: bool = True,
-                 decode_seats: int | None = None):
+                 decode_seats: int | None = None, router_id: str = "router", router_lease_s: float = 10.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_local_prefill(local_prefill_max_tokens)
         self.pools = pools if isinstance(pools, PoolRegistry) else PoolRegistry.of(pools)
+        # Every request id starts with this router's owner tag: the workers send its events to
+        # this router's stream only, and end its requests when its lease lapses (a heartbeat
+        # to each worker every quarter lease keeps it; workers/leases.py).
+        self.owner = owner_tag(router_id)
+        self.router_lease_s = router_lease_s
+        self._lapsed: set[str] = set()       # workers that said our lease had lapsed there
+        self._beat: asyncio.Task | None = None
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
         self._restart = restart              # kills a hung worker's process so that Ray restarts it
@@ -122,6 +130,7 @@ class Dispatcher:
     def start(self) -> None:
         for m in self.pools.live():
             self.watch(m)
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
 
     def watch(self, m: Member) -> None:
         """Start polling a worker (one launched later starts in `starting` and joins its pool once
@@ -132,6 +141,8 @@ class Dispatcher:
         """Stop reading the workers' streams. Each pump ends after the frame it waits for (one
         comes every half second at least), or is cancelled past the hang timeout."""
         self._stopping = True
+        if self._beat is not None:
+            self._beat.cancel()
         pumps = list(self._pumps.values())
         if pumps:
             await asyncio.wait(pumps, timeout=self.hang_timeout_s)
@@ -148,13 +159,17 @@ class Dispatcher:
             while w.state != STOPPED and not self._stopping:
                 try:
                     if stream is None:
-                        stream = await EventStream.open(w.handle, self.hang_timeout_s)
+                        stream = await EventStream.open(w.handle, self.owner, self.hang_timeout_s)
                     raw, polled_at = await stream.next(self.hang_timeout_s)
                     reply = msg.decode(raw, msg.PollReply)
                 except asyncio.CancelledError:
                     raise
                 except asyncio.TimeoutError:
                     stream = _closed(stream)
+                    if w.worker_id in self._lapsed:       # our outbox there is gone, not the worker
+                        self._lapsed.discard(w.worker_id)
+                        self._resume_all(w, "lease_expired", "this router's lease lapsed")
+                        continue
                     self._lost(w, "hung", f"no events nor heartbeat within {self.hang_timeout_s:g}s")
                     if self._restart is not None:
                         self._restart(w.handle)
@@ -177,6 +192,7 @@ class Dispatcher:
 
     def _take(self, w: Member, reply: msg.PollReply, polled_at: float) -> None:
         """A worker's frame: its report, samples, cache events, then its events."""
+        self._lapsed.discard(w.worker_id)               # (our outbox there is alive)
         w.reported(reply.load, polled_at)
         if self.prefix_index is not None:
             self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
@@ -223,12 +239,33 @@ class Dispatcher:
                   len(w.assigned))
         self.pools.lost(w.worker_id)
         self.metrics.workers_lost.labels(w.role, cause).inc()
-        for rid in list(w.assigned):
-            self._deliver(msg.ErrorEvent(rid, f"worker {w.worker_id} {cause}", retryable=True, cause=f"worker_{cause}"))
-        w.assigned.clear()
+        self._resume_all(w, f"worker_{cause}", f"worker {w.worker_id} {cause}")
         for other in self.pools:                          # their transport pairs with it are stale
             if other is not w and other.alive:
                 _fire(other.handle.forget_peer.remote(w.worker_id))
+
+    def _resume_all(self, w: Member, cause: str, error: str) -> None:
+        """Every request of this router open on `w` resumes elsewhere."""
+        for rid in list(w.assigned):
+            self._deliver(msg.ErrorEvent(rid, error, retryable=True, cause=cause))
+        w.assigned.clear()
+
+    async def _heartbeats(self) -> None:
+        """Renew this router's lease on every worker it streams from, every quarter lease. A
+        worker that answers False had let it lapse (this router stalled past the lease): it
+        ended our requests there, and its outbox's errors resume them; should that outbox be
+        gone too, the stream's silence reopens it (`_pump`), not a restart of the worker."""
+        period = self.router_lease_s / 4
+        while not self._stopping:
+            live = [w for w in self.pools.live() if w.alive]
+            answers = await asyncio.gather(*(asyncio.wait_for(_awaitable(w.handle.heartbeat.remote(self.owner)),
+                                                              period * 2) for w in live), return_exceptions=True)
+            for w, kept in zip(live, answers):
+                if kept is False:
+                    log.warning("worker %s: this router's lease had lapsed there; its requests there resume",
+                                w.worker_id)
+                    self._lapsed.add(w.worker_id)
+            await asyncio.sleep(period)
 
     async def _await_ready(self, w: Member, timeout_s: float) -> bool:
         """Wait for a starting (or restarted) worker to load its model; then it joins its pool.
@@ -370,7 +407,7 @@ class Dispatcher:
         return w, op
 
     def _new_base(self) -> str:
-        return f"r{next(self._ids)}-{time.monotonic_ns() % 10**8}"
+        return f"{self.owner}{OWNER_SEP}r{next(self._ids)}"
 
     @contextlib.asynccontextmanager
     async def samples(self, reqs: list[GenerationRequest]):

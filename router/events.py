@@ -7,9 +7,9 @@ call each (workers/worker.py `stream_events`), and a watch on its process.
 
 A frame is a PollReply, as a poll returned it: the events since the last frame, the latest
 load report, the metric samples, the cache events; at least one every half second. The stream
-has no acknowledgement: the router that reads it is the worker's only reader, and a frame it
-never reads (it timed out, the worker is being replaced) is dropped with the stream, as an
-unanswered poll was.
+has no acknowledgement: each router reads its own stream (its outbox on the worker: its
+requests' events, everyone's load and samples), and a frame it never reads (it timed out, the
+worker is being replaced) is dropped with the stream, as an unanswered poll was.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ class EventStream:
         self._last = time.monotonic()
 
     @classmethod
-    async def open(cls, handle, timeout_s: float) -> EventStream:
-        """Ask the worker for its stream (Ray call) and connect to it."""
-        return cls(handle, await asyncio.wait_for(_result(handle.stream_events.remote()), timeout_s))
+    async def open(cls, handle, owner: str, timeout_s: float) -> EventStream:
+        """Ask the worker for the stream of `owner`'s outbox (Ray call) and connect to it."""
+        return cls(handle, await asyncio.wait_for(_result(handle.stream_events.remote(owner)), timeout_s))
 
     async def next(self, timeout_s: float) -> tuple[bytes, float]:
         """The next frame and a time before which every operation sent to the worker is in its

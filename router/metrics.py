@@ -27,7 +27,7 @@ ERROR_REASONS = ("invalid_request", "overloaded", "slo_unattainable", "worker_fa
 POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")
-RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung")
+RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung", "lease_expired")
 
 # Request latencies: 1 ms .. 80 s (TTFT of a long prompt under load, E2E of a long answer).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -107,6 +107,11 @@ class Metrics:
         self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls, by where they failed",
                                             labels + ["point"], registry=r)
         self.kv_in_flight = Gauge(P + "kv_transfers_in_flight", "KV pulls under way", labels, registry=r)
+        # -- routers' leases on the workers (workers/leases.py) ------------------------------------
+        self.lease_expiries = Counter(P + "router_lease_expiries", "Routers whose lease on a worker lapsed (the "
+                                      "worker ended their requests)", labels, registry=r)
+        self.lease_aborts = Counter(P + "router_lease_aborts", "Requests a worker ended because their router's "
+                                    "lease lapsed", labels, registry=r)
         # -- pools -----------------------------------------------------------------------------
         self.pool_size = Gauge(P + "pool_workers", "Active workers per role (taking new work)", ["role"],
                                registry=r)
@@ -196,6 +201,8 @@ class Metrics:
             self._grow(self.preemptions.labels(w, role, mode), (w, "pre", mode), r.preemptions.get(mode, 0))
         self._grow(self.kv_transfer_bytes.labels(w, role), (w, "xb"), r.kv_transfer.bytes)
         self._grow(self.kv_blocks_reused.labels(w, role), (w, "xr"), r.kv_transfer.blocks_reused)
+        self._grow(self.lease_expiries.labels(w, role), (w, "le"), r.lease_expiries)
+        self._grow(self.lease_aborts.labels(w, role), (w, "la"), r.lease_aborts)
         for point in FAILURE_POINTS:
             self._grow(self.kv_transfer_failures.labels(w, role, point), (w, "xf", point),
                        r.kv_transfer.failures_by_point.get(point, 0))

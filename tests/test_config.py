@@ -12,7 +12,7 @@ from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 
-NOT_FLAGS = {ClusterSpec: {"model", "engine", "cluster_id"},     # model: --model (engine); cluster_id: generated
+NOT_FLAGS = {ClusterSpec: {"model", "engine"},                   # model: --model (engine)
              RouterConfig: {"slo"},                               # slo: SLO_FLAGS
              CacheConfig: {"shared_memory"}}                      # the worker's, from --kv-transport
 

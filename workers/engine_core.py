@@ -301,6 +301,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_ids(self) -> list[str]:
+        """Every request this engine knows: queued, running, swapped, held, receiving, and forks
+        not started yet."""
+        return [*self._seqs, *self._forking]
+
     def load_report(self, worker_id: str, role: str, steps: int, held: int = 0, pending: int = 0,
                     receiving: int = 0, kv_transfer: TransferTotals | None = None) -> LoadReport:
         """A LoadReport (workers/messages.py): the engine's queues, KV use and counters, with

@@ -85,6 +85,11 @@ class HandoffBook:
     def count(self, *phases: Phase) -> int:
         return sum(e.phase in phases for e in self._entries.values())
 
+    @_locked
+    def rids(self) -> list[str]:
+        """Every request in the handoff, whatever its phase."""
+        return list(self._entries)
+
     @property
     def num_held(self) -> int:
         return self.count(Phase.HELD, Phase.SENDING)

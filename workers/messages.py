@@ -173,6 +173,9 @@ class LoadReport:
     prefix_cache_hits: int = 0
     preemptions: dict[str, int] = field(default_factory=dict)      # mode -> count
     kv_transfer: TransferTotals = field(default_factory=TransferTotals)
+    routers: int = 0                  # routers holding a live lease here (workers/leases.py)
+    lease_expiries: int = 0           # routers' leases that lapsed here, and the requests that ended with them
+    lease_aborts: int = 0
 
 
 SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "step_shape")

@@ -48,18 +48,35 @@ from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_heads, whole_hea
 from workers.kv_cache_manager import cdiv
 from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVSendRequest,
                               LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
-from workers.names import AUTO, ROLES, SHM
+from workers.leases import RouterLeases
+from workers.names import AUTO, ROLES, SHM, owner_of
 from workers.tensor_parallel import RankLost
 
 log = logging.getLogger("pdcluster.worker")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
 REPORT_EVERY_S = 0.01               # the load report's freshness (polls read the latest)
+MAX_ROUTERS = 16                    # owners with an outbox at once (each has a socket and a thread)
+
+
+class _Outbox:
+    """What one router has not read yet: its own requests' events, and every metric sample and
+    prefix-cache change (each router keeps its own view of every worker). The owner "" is the
+    outbox of requests without an owner tag, read by `poll` and by a stream asked for without
+    an owner."""
+
+    def __init__(self, owner: str, cached: list[bytes] = ()):
+        self.owner = owner
+        self.events: list = []
+        self.samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
+        self.cache: dict[bytes, bool] = dict.fromkeys(cached, True)   # hash -> held now, or evicted
+        self.address: str | None = None           # its ZeroMQ stream, once asked for
+        self.closed = False
 
 
 class Worker:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, transport: str = "auto",
                  num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 cluster_id: str = "default", placement=None):
+                 cluster_id: str = "default", placement=None, router_lease_s: float = 10.0):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         torch.set_num_threads(num_threads)
@@ -78,11 +95,13 @@ class Worker:
         self._transport_kind = transport
         self._transport = None
         self._inbox: deque = deque()
-        self._events: list = []
         self._cv = threading.Condition()
+        # One outbox per router (its owner tag), and each router's lease (workers/leases.py)
+        self._outboxes: dict[str, _Outbox] = {"": _Outbox("")}
+        self.leases = RouterLeases(router_lease_s)
+        self._lease_expiries = self._lease_aborts = 0
         self._stop = False
         self._stopped = threading.Event()             # watch() returns on it
-        self._stream: str | None = None               # the event stream's address, once asked for
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peer_caches = PeerCaches()              # same-node prefill peers' caches, mapped
         self._segments, self._parts = self._own_caches()
@@ -90,8 +109,6 @@ class Worker:
         self._shm_lock = threading.Lock()
         self._transfer_ids = 0
         self._transfer_totals = TransferTotals()
-        self._samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
-        self._cache_events: dict[bytes, bool] = {}   # prefix-cache hash -> held now (stored) or evicted
         self.engine.kv.pool.record_events()
         self.steps = 0
         self._load, self._reported_at = self._report(), time.monotonic()
@@ -106,7 +123,7 @@ class Worker:
                 "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
                 "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
                 "pid": os.getpid(), "tensor_parallel_size": e.cfg.tensor_parallel_size,
-                "rank_pids": e.ranks.pids if e.ranks else []}
+                "rank_pids": e.ranks.pids if e.ranks else [], "router_lease_s": self.leases.lease_s}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
@@ -114,66 +131,88 @@ class Worker:
         self._call_in_loop(lambda: self._handle(op))
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
-        """Long poll: an encoded PollReply with the events since the last call, a fresh load
-        report and the metric samples since the last call."""
-        return encode(self._take_reply(timeout_s))
+        """Long poll of the outbox of requests without an owner tag: an encoded PollReply with
+        the events since the last call, a fresh load report and the metric samples since the
+        last call. (Routers read a stream of their own instead: `stream_events`.)"""
+        return encode(self._take_reply(self._outboxes[""], timeout_s))
 
-    def _take_reply(self, timeout_s: float) -> PollReply:
+    def _take_reply(self, box: _Outbox, timeout_s: float) -> PollReply:
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while not self._events and not self._stop:
+            while not box.events and not self._stop and not box.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)
-            events, self._events = self._events, []
-            samples = {k: list(q) for k, q in self._samples.items()}
-            for q in self._samples.values():
+            events, box.events = box.events, []
+            samples = {k: list(q) for k, q in box.samples.items()}
+            for q in box.samples.values():
                 q.clear()
             load = self._load
-            changes, self._cache_events = self._cache_events, {}
+            changes, box.cache = box.cache, {}
         return PollReply(events, load, samples, [h for h, held in changes.items() if held],
                          [h for h, held in changes.items() if not held])
 
-    def _requeue(self, reply: PollReply) -> None:
+    def _requeue(self, box: _Outbox, reply: PollReply) -> None:
         """Put an unsent reply's contents back, before anything newer: the next poll or frame
         carries them."""
         with self._cv:
-            self._events[:0] = reply.events
+            box.events[:0] = reply.events
             for kind, values in reply.samples.items():
-                self._samples[kind].extendleft(reversed(values))
+                box.samples[kind].extendleft(reversed(values))
             older = {**dict.fromkeys(reply.cache_evicted, False), **dict.fromkeys(reply.cache_stored, True)}
-            self._cache_events = {**older, **self._cache_events}
+            box.cache = {**older, **box.cache}
             self._cv.notify_all()
 
-    def stream_events(self) -> str:
-        """Push poll replies over ZeroMQ from now on (a PUSH socket on this node's address; the
-        router connects a PULL socket, router/events.py): one frame per poll, so at least one
-        every half second, while a reader is connected (without one, events wait for the next
-        reader or poll, as before). Returns the address; asked again, the same one (one reader:
-        the router; a replacement connects to the same socket)."""
+    def stream_events(self, owner: str = "") -> str:
+        """Push poll replies of `owner`'s outbox over ZeroMQ from now on (a PUSH socket on this
+        node's address; the router connects a PULL socket, router/events.py): one frame per poll,
+        so at least one every half second, while a reader is connected (without one, events
+        wait for the next reader or poll). Returns the address; asked again, the same one (one
+        reader per owner: its router; a replacement connects to the same socket). Renews the
+        owner's lease; a new owner's outbox starts with the prefix cache's every block, so a
+        router that joins late knows what this worker holds."""
         import zmq
+        if owner not in self._outboxes and len(self._outboxes) > MAX_ROUTERS:
+            raise RuntimeError(f"worker {self.worker_id} streams to {MAX_ROUTERS} routers already")
+        if owner:
+            self.leases.renew(owner)
+        box = self._outboxes.get(owner) or self._in_loop(lambda: self._open_outbox(owner))
         with self._cv:
-            if self._stream is None:
+            if box.address is None:
                 sock = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 port = sock.bind_to_random_port(f"tcp://{node_ip()}")
-                self._stream = f"tcp://{node_ip()}:{port}"
-                threading.Thread(target=self._push_events, args=(sock,), daemon=True,
-                                 name=f"events-{self.worker_id}").start()
-            return self._stream
+                box.address = f"tcp://{node_ip()}:{port}"
+                threading.Thread(target=self._push_events, args=(box, sock), daemon=True,
+                                 name=f"events-{self.worker_id}-{owner or 'any'}").start()
+            return box.address
 
-    def _push_events(self, sock) -> None:
+    def heartbeat(self, owner: str) -> bool:
+        """A router is alive: its lease here runs on. False when it had lapsed: its requests here
+        were ended (each with a retryable error in its outbox), and it resumes them."""
+        return self.leases.renew(owner)
+
+    def _open_outbox(self, owner: str) -> _Outbox:
+        """(loop thread) `owner`'s outbox, made on its first request or stream."""
+        box = self._outboxes.get(owner)
+        if box is None:
+            box = _Outbox(owner, list(self.engine.kv.pool.cached))
+            with self._cv:
+                self._outboxes = {**self._outboxes, owner: box}     # readers iterate without the lock
+        return box
+
+    def _push_events(self, box: _Outbox, sock) -> None:
         import zmq
         try:
-            while not self._stop:
+            while not self._stop and not box.closed:
                 if not sock.poll(500, zmq.POLLOUT):         # no reader connected
                     continue
-                reply = self._take_reply(0.5)
+                reply = self._take_reply(box, 0.5)
                 try:
                     sock.send(encode(reply), zmq.NOBLOCK, copy=False)
                 except zmq.Again:                            # the reader left meanwhile
-                    self._requeue(reply)
+                    self._requeue(box, reply)
         finally:
             sock.close()
 
@@ -341,6 +380,10 @@ class Worker:
                 log.warning("worker %s: KV lease of %s expired before a decode worker pulled it",
                             self.worker_id, rid)
                 self.engine.release(rid)
+            for owner in self.leases.lapsed():
+                self._end_owner(owner)
+            for owner in self.leases.forgotten():
+                self._close_outbox(owner)
             self._admit_pending()
             if self.engine.has_unfinished():
                 try:
@@ -357,8 +400,9 @@ class Worker:
             stored, evicted = self.engine.kv.pool.take_events()
             if stored or evicted:
                 with self._cv:                           # the latest word on a hash wins
-                    self._cache_events.update(dict.fromkeys(evicted, False))
-                    self._cache_events.update(dict.fromkeys(stored, True))
+                    for box in self._outboxes.values():
+                        box.cache.update(dict.fromkeys(evicted, False))
+                        box.cache.update(dict.fromkeys(stored, True))
             # The report walks the waiting queue: build it at most every REPORT_EVERY_S, not
             # every step (polls come every 0.5 s; an idle loop turns every 0.05 s anyway).
             now = time.monotonic()
@@ -386,32 +430,72 @@ class Worker:
                                      o.new_logprobs, o.held, o.prompt_logprobs, kv))
         with self._cv:
             if shape.num_seqs:
-                self._samples["step_s"].append(step_s)
-                self._samples["batch_size"].append(shape.num_seqs)
-                self._samples["step_tokens"].append(shape.num_tokens)
-                self._samples["queue_s"].extend(shape.queue_times_s)
-                self._samples["step_shape"].append([step_s, *dataclasses.astuple(self.engine.last_shape)])
-            self._events.extend(events)
+                step_shape = [step_s, *dataclasses.astuple(self.engine.last_shape)]
+                for box in self._outboxes.values():
+                    samples = box.samples
+                    samples["step_s"].append(step_s)
+                    samples["batch_size"].append(shape.num_seqs)
+                    samples["step_tokens"].append(shape.num_tokens)
+                    samples["queue_s"].extend(shape.queue_times_s)
+                    samples["step_shape"].append(step_shape)
+            for ev in events:
+                self._route(ev)
             self._cv.notify_all()
 
     def _emit(self, event) -> None:
         with self._cv:
-            self._events.append(event)
+            self._route(event)
             self._cv.notify_all()
+
+    def _route(self, event) -> None:
+        """(holding the lock) Into its owner's outbox; an owner gone for good reads nothing."""
+        box = self._outboxes.get(owner_of(event.rid))
+        if box is not None:
+            box.events.append(event)
+
+    def _end_owner(self, owner: str) -> None:
+        """(loop thread) A router's lease lapsed: end its requests here, wherever they are, and
+        free their blocks (a send or pull under way frees them when it ends). Each gets a
+        retryable error in its outbox, which a router that was only slow reads and resumes."""
+        rids = {rid for rid in (*self.engine.request_ids(), *self.handoffs.rids()) if owner_of(rid) == owner}
+        log.warning("worker %s: the lease of router %s lapsed; ending its %d requests", self.worker_id, owner,
+                    len(rids))
+        for rid in rids:
+            self._apply(rid, self.handoffs.abort(rid), abort=True)
+            self._emit(ErrorEvent(rid, f"router {owner} missed its lease on worker {self.worker_id}",
+                                  retryable=True, cause="lease_expired"))
+        with self._cv:
+            self._lease_expiries += 1
+            self._lease_aborts += len(rids)
+
+    def _close_outbox(self, owner: str) -> None:
+        """(loop thread) A router gone for good: its outbox and stream end."""
+        with self._cv:
+            box = self._outboxes.get(owner)
+            if box is not None:
+                box.closed = True
+                self._outboxes = {o: b for o, b in self._outboxes.items() if o != owner}
+                self._cv.notify_all()
 
     def _report(self) -> LoadReport:
         """Built on the loop thread (the engine's state is read nowhere else)."""
         h = self.handoffs
         with self._cv:
             totals = dataclasses.replace(self._transfer_totals)
-        return self.engine.load_report(self.worker_id, self.role, self.steps, h.num_held, h.num_pending,
-                                       h.num_receiving, totals)
+            expiries, aborts = self._lease_expiries, self._lease_aborts
+        report = self.engine.load_report(self.worker_id, self.role, self.steps, h.num_held, h.num_pending,
+                                         h.num_receiving, totals)
+        report.routers, report.lease_expiries, report.lease_aborts = self.leases.num_live, expiries, aborts
+        return report
 
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, op) -> None:
         if isinstance(op, AbortOp):
             self._apply(op.rid, self.handoffs.abort(op.rid), abort=True)
             return
+        if owner := owner_of(op.rid):       # a router's request: it has an outbox and a lease
+            self._open_outbox(owner)
+            self.leases.renew(owner)
         try:
             if isinstance(op, DecodeOp):
                 self.handoffs.wait_for_room(op.rid, op)
@@ -599,7 +683,8 @@ class Worker:
             t.count += 1
             t.seconds += seconds
             t.blocks_reused += reused
-            self._samples["kv_transfer_s"].append(seconds)
+            for box in self._outboxes.values():
+                box.samples["kv_transfer_s"].append(seconds)
 
     def _get_transport(self):
         with self._cv:
