@@ -15,7 +15,7 @@ from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.names import (ATTENTION_BACKENDS, AUTO, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
-                           SCHEDULING_POLICIES, TRANSPORTS)
+                           SCHEDULING_POLICIES, TRANSPORTS, check_name)
 
 PROG = "pdcluster"
 MiB = 2**20
@@ -275,6 +275,23 @@ def cmd_serve(a) -> int:
     return serve_forever(ServingCluster(spec, router))
 
 
+def cmd_router(a) -> int:
+    from cluster.ports import check_port_free
+    router = router_config_from_args(a)
+    check_port_free(router.host, router.port)
+    address = a.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ValueError("a router attaches to running pools: give their Ray cluster's address (--address, or "
+                         "RAY_ADDRESS; `pdcluster serve` prints it)")
+    if a.cluster_id is not None:
+        check_name(a.cluster_id, "--cluster-id")
+    from cluster.launcher import connect, find_cluster
+    connect(ClusterSpec(address=address))
+    spec, members, infos = find_cluster(a.cluster_id, a.ready_timeout_s)
+    from cluster.serve import ServingCluster, serve_forever
+    return serve_forever(ServingCluster(spec, router, attach=(members, infos)))
+
+
 def cmd_bench(a) -> int:
     from cluster.bench import cmd_bench as run
     return run(a)
@@ -302,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(s.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="another router over running pools (those a `serve` launched)",
+                       description="Serve the OpenAI API over pools another `pdcluster serve` launched, beside its "
+                       "router: more front-end capacity, and one that a router's death does not take down. It "
+                       "leaves restarts, drains, the controller and the workers' metrics to that serve.")
+    r.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS)")
+    r.add_argument("--cluster-id", help="which pools (default: the only ones on that Ray cluster)")
+    r.add_argument("--ready-timeout-s", type=float, default=60.0, help="seconds for the workers to answer")
+    add_flags(r.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
+    add_flags(r.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
+    r.set_defaults(func=cmd_router)
 
     from cluster.bench import add_bench_args
     from cluster.capacity import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate

@@ -6,21 +6,25 @@ thread each, so several fit on a laptop.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
 import os
+import re
 import socket
 import time
 
 import ray
 
 from cluster.spec import ClusterSpec
-from router.pools import ACTIVE, Member
+from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
+from workers.config import EngineConfig
+from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL, ROLES
 
-__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "launch", "restart", "retire", "shutdown",
-           "start_worker"]
+__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "find_cluster", "launch", "restart", "retire",
+           "shutdown", "start_worker"]
 
 log = logging.getLogger("pdcluster.launcher")
 NAMESPACE = "pdcluster"
@@ -187,6 +191,50 @@ def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
         raise RuntimeError(f"a worker failed to start: {e}") from None
     log.info("%d workers ready in %.1fs", len(handles), time.monotonic() - t0)
     return members, infos
+
+
+_ACTOR = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+?)-(?P<worker>(?:%s)-\d+)$" % "|".join(ROLES))
+
+
+def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict]]:
+    """A running cluster's workers, found by their actor names on the Ray cluster this process
+    joined: (its shape and engine settings as the workers tell them, its members, each one's
+    `ready()` answer). Without `cluster_id`, the one cluster there is. A worker that does not answer within `timeout_s` (being restarted) joins
+    later, once it does (a starting member)."""
+    found: dict[str, dict[str, str]] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE and (m := _ACTOR.match(a["name"])):
+            found.setdefault(m["cluster"], {})[m["worker"]] = a["name"]
+    if cluster_id is None:
+        if len(found) != 1:
+            raise RuntimeError("no pdcluster workers on this Ray cluster" if not found else
+                               f"{len(found)} clusters run here ({', '.join(sorted(found))}): pick one with --cluster-id")
+        cluster_id = next(iter(found))
+    if cluster_id not in found:
+        raise RuntimeError(f"no workers of cluster {cluster_id!r} on this Ray cluster"
+                           + (f" (it has {', '.join(sorted(found))})" if found else ""))
+    names = found[cluster_id]
+    handles = {w: ray.get_actor(name, namespace=NAMESPACE) for w, name in sorted(names.items())}
+    refs = {w: h.ready.remote() for w, h in handles.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    members, infos = [], []
+    for w, ref in refs.items():
+        info = ray.get(ref) if ref in ready else None
+        if info is None:
+            log.warning("worker %s did not answer within %.0fs; it joins when it does", w, timeout_s)
+        else:
+            infos.append(info)
+        # Its role now (a controller may have moved it); one that did not answer, as it was named
+        members.append(Member(w, info["role"] if info else w.rsplit("-", 1)[0], handles[w], ACTIVE if info else STARTING))
+    if not infos:
+        raise RuntimeError(f"no worker of cluster {cluster_id!r} answered within {timeout_s:g}s")
+    roles = collections.Counter(m.role for m in members)
+    engine = EngineConfig.from_dict(infos[0]["engine"])
+    spec = ClusterSpec(model=engine.model, engine=engine, mode=COLOCATED if roles[COLOCATED] else DISAGGREGATED,
+                       num_prefill=max(1, roles[PREFILL]), num_decode=max(1, roles[DECODE]),
+                       num_colocated=max(1, roles[COLOCATED]), cluster_id=cluster_id,
+                       router_lease_s=infos[0]["router_lease_s"], max_workers=len(members))
+    return spec, members, infos
 
 
 def restart(handle) -> None:

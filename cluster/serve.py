@@ -27,6 +27,7 @@ from router.config import RouterConfig
 from workers.names import AUTO, COLOCATED, PREFILL, ROLES
 from workers.checkpoint import load_tokenizer
 
+
 __all__ = ["ServingCluster", "banner", "free_port", "serve_forever"]   # free_port: for tests and tools
 log = logging.getLogger("pdcluster.serve")
 
@@ -117,11 +118,18 @@ class DrainingServer(uvicorn.Server):
 
 class ServingCluster:
     """Workers + router + HTTP server. `with ServingCluster(spec, port=...) as c: c.base_url ...`
-    (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`)."""
+    (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`).
+
+    With `attach` (launcher.find_cluster's members and ready() answers), a router over pools
+    another process launched and leads (`pdcluster router`): it serves, and leaves the workers'
+    lives (restarts of hung ones, drains, the controller, their metrics) to that one; closing it
+    stops only itself."""
 
     def __init__(self, spec: ClusterSpec, router: RouterConfig | None = None, ray_num_cpus: int | None = None,
-                 **router_fields):
+                 attach: tuple[list[Member], list[dict]] | None = None, **router_fields):
         self.spec = spec
+        self.attach = attach
+        self.leads = attach is None
         self.cfg = router or RouterConfig(**router_fields)
         self.host, self.port = self.cfg.host, self.cfg.port
         self.model_name = self.cfg.served_model_name or spec.model
@@ -164,26 +172,30 @@ class ServingCluster:
         if tokenizer is None:
             raise ValueError(f"model {self.spec.model!r} has no tokenizer.json; the HTTP API needs one")
         check_port_free(self.host, self.port)          # before seconds of Ray and model loading
-        if connect(self.spec, self.ray_num_cpus):
-            check_fits(self.spec)
-        members, infos = launch(self.spec)
+        if self.attach is not None:
+            members, infos = self.attach
+        else:
+            if connect(self.spec, self.ray_num_cpus):
+                check_fits(self.spec)
+            members, infos = launch(self.spec)
         self.pools = PoolRegistry.of(members, budget=self.spec.budget)
         self.infos = infos
-        cfg = self.cfg
-        metrics = Metrics(cfg.slo)
+        cfg, leads = self.cfg, self.leads
+        metrics = Metrics(cfg.slo, cfg.router_id, workers=leads)
         dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
-                                hang_timeout_s=cfg.worker_hang_timeout_s,
-                                restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
+                                hang_timeout_s=cfg.worker_hang_timeout_s, restart_timeout_s=self.spec.ready_timeout_s,
+                                restart=restart if leads else None, retire=retire if leads else None,
                                 block_size=infos[0]["block_size"],
                                 local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
                                 decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
                                 router_lease_s=self.spec.router_lease_s)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
-        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
+        fit = (self._step_fit(dispatcher, infos) if self.spec.controller and leads or cfg.admission == SLO or local_auto
+               else None)
         if local_auto:
             dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
-        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
+        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller and leads else None
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
                                   sched.max_num_seqs) if cfg.admission == SLO else None)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
@@ -210,7 +222,7 @@ class ServingCluster:
         before serving (seconds on a GPU), so that the controller has a model from the start."""
         from workers.cost_model import StepFit
         info, profiled = infos[0], []
-        if self.spec.controller:
+        if self.spec.controller and self.leads:
             t0 = time.monotonic()
             profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
@@ -276,9 +288,10 @@ class ServingCluster:
             self._thread.join(timeout=self.cfg.drain_timeout_s + 15)
 
     def close(self) -> None:
-        """stop_serving(), then stop the workers."""
+        """stop_serving(), then stop the workers (those it launched)."""
         self.stop_serving()
-        shutdown(self.workers)
+        if self.leads:
+            shutdown(self.workers)
         self.pools = None
 
 
@@ -288,11 +301,16 @@ def banner(cluster: ServingCluster) -> list[str]:
     nodes = {i["worker_id"]: i.get("node", "?") for i in cluster.infos}
     auth = f" -H {shlex.quote('Authorization: Bearer ' + cluster.cfg.api_key)}" if cluster.cfg.api_key else ""
     body = json.dumps({"model": cluster.model_name, "prompt": "Hello", "max_tokens": 16})
-    return [f"pdcluster: serving {cluster.model_name!r} ({cluster.spec.mode}: "
-            + ", ".join(f"{w.role} {w.worker_id} on {nodes.get(w.worker_id, '?')}" for w in cluster.workers) + ")",
-            f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)",
-            f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json'{auth} "
-            f"-d {shlex.quote(body)}"]
+    how = "" if cluster.leads else f"router {cluster.cfg.router_id}, attached to "
+    lines = [f"pdcluster: serving {cluster.model_name!r} ({how}cluster {cluster.spec.cluster_id}, {cluster.spec.mode}: "
+             + ", ".join(f"{w.role} {w.worker_id} on {nodes.get(w.worker_id, '?')}" for w in cluster.workers) + ")",
+             f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)",
+             f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json'{auth} "
+             f"-d {shlex.quote(body)}"]
+    if cluster.leads and ray.is_initialized():
+        lines.append(f"  another router: pdcluster router --address {ray.get_runtime_context().gcs_address} "
+                     f"--cluster-id {cluster.spec.cluster_id} --router-id NAME --port PORT")
+    return lines
 
 
 def serve_forever(cluster: ServingCluster) -> int:
@@ -306,7 +324,8 @@ def serve_forever(cluster: ServingCluster) -> int:
     try:
         server.run()
     finally:
-        shutdown(cluster.workers)
+        if cluster.leads:
+            shutdown(cluster.workers)
         if ray.is_initialized():
             ray.shutdown()
     return 0

@@ -3,7 +3,10 @@
 Names follow vLLM's where the meaning is the same, under the `pdcluster:` prefix; counters
 are declared without `_total` (prometheus_client appends it). Workers are Ray actors with no
 HTTP endpoint of their own: the router exports their metrics with `worker` and `role` labels,
-so one scrape of the router's /metrics sees the whole cluster. The README's metrics table lists them all.
+so one scrape of the router's /metrics sees the whole cluster. With several routers, each
+exports its own requests' series, and the one that launched the pools exports the workers';
+every series carries the exporting router's `router` label. The README's metrics table lists
+them all.
 
 Every labelled series a dashboard reads is created at 0 up front (finish reasons, error
 reasons, preemption modes, SLOs, a worker's counters on its first report), so queries return
@@ -11,8 +14,9 @@ data before the first event of their kind.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from router.slo import RequestLog, SLOTargets, SLOWindow, judge
 from workers.faults import FAILURE_POINTS
@@ -44,8 +48,15 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class Metrics:
-    def __init__(self, slo: SLOTargets | None = None):
+    """`router`: this router's id, a label on every series it exports. `workers`: export the
+    workers' and pools' series too (one router of several does: the one that launched the pools;
+    the others keep them for their own use, unexported, so that sums over routers count each
+    worker once)."""
+
+    def __init__(self, slo: SLOTargets | None = None, router: str = "router", workers: bool = True):
         r = self.registry = CollectorRegistry()
+        self.exported = CollectorRegistry(auto_describe=False)
+        self.exported.register(_Labelled(r, "router", router))
         self.slo = slo or SLOTargets()
         # -- requests, as the router sees them ------------------------------------------------
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
@@ -81,7 +92,17 @@ class Metrics:
         self.slo_window = SLOWindow(self.slo.window_s)
         self.requests = RequestLog()           # what the pool controller reads
         r.register(_SLOWindowCollector(self.slo_window))
+        self.local_prefills = Counter(P + "local_prefills", "Requests prefilled on their decode worker, with no "
+                                      "KV handoff (--local-prefill-max-tokens)", registry=r)
+        self.resumed = Counter(P + "requests_resumed", "Requests resumed on live workers after a fault "
+                               "(prompt + delivered tokens prefilled again)", ["cause"], registry=r)
+        for cause in RESUME_CAUSES:
+            self.resumed.labels(cause)
         # -- workers, from their load reports and samples ------------------------------------
+        if not workers:
+            self.worker_registry = r = CollectorRegistry()
+        else:
+            self.worker_registry = r
         labels = ["worker", "role"]
         self.w_running = Gauge(P + "num_requests_running", "Sequences in the running batch", labels, registry=r)
         self.w_waiting = Gauge(P + "num_requests_waiting", "Sequences waiting for a slot (decode: for KV room)",
@@ -130,17 +151,11 @@ class Metrics:
                 self.pool_members.labels(role, state)
         for a, b in ROLE_FLIPS:
             self.role_changes.labels(a, b)
-        self.local_prefills = Counter(P + "local_prefills", "Requests prefilled on their decode worker, with no "
-                                      "KV handoff (--local-prefill-max-tokens)", registry=r)
         # -- faults and recovery ---------------------------------------------------------------
-        self.resumed = Counter(P + "requests_resumed", "Requests resumed on live workers after a fault "
-                               "(prompt + delivered tokens prefilled again)", ["cause"], registry=r)
         self.workers_lost = Counter(P + "workers_lost", "Workers that died or stopped answering", ["role", "cause"],
                                     registry=r)
         self.workers_replaced = Counter(P + "workers_replaced", "Lost workers back in their pool (restarted)",
                                         ["role"], registry=r)
-        for cause in RESUME_CAUSES:
-            self.resumed.labels(cause)
         for role in ROLES:
             self.workers_replaced.labels(role)
             for cause in LOSS_CAUSES:
@@ -148,6 +163,10 @@ class Metrics:
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
 
     # -- router side -----------------------------------------------------------------------------
+    def exposition(self) -> bytes:
+        """What /metrics serves: every exported series, with this router's label."""
+        return generate_latest(self.exported)
+
     def observe_offered(self, prompt_tokens: int, max_tokens: int) -> None:
         """A valid request reached admission, admitted or not: the demand the pool controller
         sizes the pools for (a refused request is demand the pools could not serve)."""
@@ -222,6 +241,19 @@ class Metrics:
         if delta > 0:
             counter.inc(delta)
         self._last[key] = total
+
+
+class _Labelled:
+    """Another registry's series, each with one label more (added at scrape time)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str):
+        self.registry, self.name, self.value = registry, name, value
+
+    def collect(self):
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, self.name: self.value}) for s in family.samples]
+            yield out
 
 
 class _SLOWindowCollector:

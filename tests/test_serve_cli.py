@@ -22,7 +22,7 @@ import pytest
 
 from cluster.offline import generate
 from cluster.serve import free_port
-from common import ROOT, SMALL_KV, ServeProcess, pdcluster_cmd, subprocess_env
+from common import ROOT, SMALL_KV, ServeProcess, pdcluster_cmd, still_running, subprocess_env, wait_for
 
 PROMPT, MAX_TOKENS = "The quick brown fox", 12
 
@@ -73,6 +73,20 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         rc = serve.stop(sig)
         assert rc == code, serve.output[-3000:]
         assert "Traceback" not in serve.output, serve.output[-3000:]
+
+
+def test_a_killed_serve_leaves_no_process_behind(tmp_path):
+    """SIGKILL (the OOM killer, `kill -9`): serve runs no cleanup, yet within 10 s its worker
+    actors have ended (its local Ray's raylet and GCS die with it; the workers with them), and
+    soon after everything else it started."""
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", *SMALL_KV, port=free_port()) as serve:
+        serve.signal(signal.SIGKILL)
+        assert serve.proc.wait(timeout=10) == -signal.SIGKILL
+        workers = {k: c for k, c in serve.tree.items() if "ray::Worker" in c}
+        assert len(workers) == 2                                                # they were there
+        wait_for(lambda: still_running(workers), lambda alive: not alive, 10)
+        # Ray's own agents notice the dead raylet later; they go too
+        wait_for(lambda: still_running(serve.tree), lambda alive: not alive, 60)
 
 
 def test_demo_runs_and_reports_every_request():

@@ -123,7 +123,8 @@ class Worker:
                 "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
                 "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
                 "pid": os.getpid(), "tensor_parallel_size": e.cfg.tensor_parallel_size,
-                "rank_pids": e.ranks.pids if e.ranks else [], "router_lease_s": self.leases.lease_s}
+                "rank_pids": e.ranks.pids if e.ranks else [], "router_lease_s": self.leases.lease_s,
+                "cluster_id": self.cluster_id, "engine": dataclasses.asdict(e.cfg)}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""

@@ -1,0 +1,158 @@
+"""Several routers over the same pools. `pdcluster serve` (here: a ServingCluster in this process,
+router "r0") launches 1 prefill + 2 decode workers; `pdcluster router` (a subprocess, as a user
+runs it) attaches to them as router "r1". Both serve the transformers greedy outputs; SIGKILL of
+r1 mid-stream leaves r0's streams whole, and the workers end r1's requests once its lease lapses,
+so every block comes back; a new r1 attaches and serves; and each router's /metrics carries its
+own label, the workers' series only r0's."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster import promtext
+from cluster.launcher import ClusterSpec
+from cluster.serve import ServingCluster, free_port
+from common import (MAX_NEW_TOKENS, PROMPTS, ROOT, descendants, kill_all, pdcluster_cmd, still_running,
+                    wait_for, wait_pools_clean)
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def r0(ray_session):
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, num_cpus_per_worker=0.5, router_lease_s=LEASE_S,
+                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
+    with ServingCluster(spec, port=free_port(), admission="queue", router_id="r0") as c:
+        yield c
+
+
+class Router:
+    """`pdcluster router` in its own session, attached to r0's pools."""
+
+    def __init__(self, cluster: ServingCluster, log, router_id: str = "r1"):
+        self.port, self.log = free_port(), log
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("RAY_ADDRESS", None)
+        cmd = pdcluster_cmd("router", "--address", ray.get_runtime_context().gcs_address, "--cluster-id",
+                            cluster.spec.cluster_id, "--router-id", router_id, "--port", str(self.port),
+                            "--admission", "queue")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.tree: dict = {}
+        try:
+            wait_for(self._health, lambda s: s in ("ok", "exited"), 120, lambda: self.output[-3000:], poll_s=0.2)
+            assert self.proc.poll() is None, self.output[-3000:]
+            self.tree = descendants(self.proc.pid)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def _health(self):
+        if self.proc.poll() is not None:
+            return "exited"
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).json().get("status")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing of it runs cleanup."""
+        self.tree |= descendants(self.proc.pid)
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        wait_for(lambda: still_running(self.tree), lambda left: not left, 20)
+        kill_all(self.tree)
+
+
+async def stream(url: str, prompt: list[int], tokens: list[int], max_tokens: int = MAX_NEW_TOKENS) -> None:
+    """One streaming completion through the official client (token ids in, and out: each
+    chunk's `token_ids`), appending each token to `tokens` as it arrives."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        chunks = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in chunks:
+            if chunk.choices:
+                tokens.extend(chunk.choices[0].token_ids or [])
+    finally:
+        await client.close()
+
+
+def greedy_through(urls: list[str], prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts through the routers, spread round-robin, all at once."""
+    async def run():
+        outs = [[] for _ in prompts]
+        await asyncio.gather(*(stream(urls[i % len(urls)], p, outs[i]) for i, p in enumerate(prompts)))
+        return outs
+    return asyncio.run(run())
+
+
+def metrics(url: str) -> dict[str, float]:
+    return promtext.scrape(f"{url}/metrics")
+
+
+def routers_of(m: dict[str, float]) -> set[str]:
+    return {promtext.split(series)[1].get("router") for series in m}
+
+
+def test_two_routers_serve_the_greedy_outputs_and_a_dead_one_loses_only_its_own(r0, tmp_path, hf_greedy):
+    prompts = PROMPTS[:8]
+    want = hf_greedy(prompts)
+    r1 = Router(r0, tmp_path / "r1.log")
+    try:
+        # Both routers, half the prompts each, at once: every output is transformers'.
+        url0 = r0.base_url.removesuffix("/v1")
+        assert greedy_through([url0, r1.url], prompts) == want
+        # Each router's /metrics: its own label; the workers' series only from r0 (it launched them).
+        m0, m1 = metrics(url0), metrics(r1.url)
+        assert routers_of(m0) == {"r0"} and routers_of(m1) == {"r1"}
+        assert len({promtext.split(k)[1].get("worker") for k in m0 if k.startswith("pdcluster:num_requests_running")}) == 3
+        assert not any(k.startswith("pdcluster:num_requests_running") for k in m1)
+        done = [promtext.total(m, "pdcluster:request_success_total") for m in (m0, m1)]
+        assert done == [len(prompts) / 2] * 2            # they add up: each router counts its own
+
+        # r1 dies (SIGKILL) with its streams mid-way (long ones: they would run on for many seconds);
+        # r0's streams, running beside them, finish whole.
+        long_prompts = [p for p in prompts if len(p) < 64][:4]
+
+        async def kill_mid_way():
+            mine = [[] for _ in prompts]
+            theirs = [[] for _ in long_prompts]
+            r0_runs = [asyncio.ensure_future(stream(url0, p, mine[i])) for i, p in enumerate(prompts)]
+            r1_runs = [asyncio.ensure_future(stream(r1.url, p, theirs[i], 1500)) for i, p in enumerate(long_prompts)]
+            deadline = asyncio.get_running_loop().time() + 60
+            while min(map(len, theirs)) < 4:                        # r1's streams under way
+                assert asyncio.get_running_loop().time() < deadline, theirs
+                await asyncio.wait(r1_runs, timeout=0.05)
+            await asyncio.to_thread(r1.kill)
+            results = await asyncio.gather(*r1_runs, return_exceptions=True)
+            assert all(isinstance(e, Exception) for e in results)           # cut off, as its clients see it
+            await asyncio.gather(*r0_runs)
+            return mine
+        assert asyncio.run(kill_mid_way()) == want
+        # The workers end r1's requests once its lease lapses (long before they would finish):
+        # every block comes back.
+        wait_for(lambda: promtext.total(metrics(url0), "pdcluster:router_lease_aborts_total"),
+                 lambda n: n >= len(long_prompts), LEASE_S + 20)
+        wait_pools_clean(r0, 20)
+        # A new router under the same name attaches to the running pools and serves.
+        r1 = Router(r0, tmp_path / "r1-again.log")
+        assert greedy_through([r1.url], prompts[:3]) == want[:3]
+        wait_pools_clean(r0, 20)
+    finally:
+        r1.kill()
