@@ -263,8 +263,11 @@ def cmd_serve(a) -> int:
     from cluster.ports import check_port_free
     spec = cluster_spec_from_args(a, engine_config_from_args(a))
     router = router_config_from_args(a)
+    if a.routers < 1:
+        raise ValueError(f"--routers must be >= 1, got {a.routers}")
     # What can fail in a second fails before the seconds of imports, Ray and model loading.
-    check_port_free(router.host, router.port)
+    for port in range(router.port, router.port + a.routers):
+        check_port_free(router.host, port)
     if spec.engine.device.startswith("cuda") and not (spec.address or os.environ.get("RAY_ADDRESS")):
         from workers.engine import resolve_device      # a local Ray's workers run on this machine
         resolve_device(spec.engine.device)
@@ -272,7 +275,18 @@ def cmd_serve(a) -> int:
     if connect(spec):
         check_fits(spec)
     from cluster.serve import ServingCluster, serve_forever
-    return serve_forever(ServingCluster(spec, router))
+    return serve_forever(ServingCluster(spec, router), a.routers - 1, router_args(a))
+
+
+def router_args(a: argparse.Namespace) -> list[str]:
+    """The router and SLO flags given on this command line, as given (but the port and the
+    router id, which each router has its own of)."""
+    out = []
+    for f in ROUTER_FLAGS + SLO_FLAGS:
+        dest = f.flag.removeprefix("--").replace("-", "_")
+        if hasattr(a, dest) and f.flag not in ("--port", "--router-id"):
+            out += [f.flag] if f.type is bool else [f.flag, str(getattr(a, dest))]
+    return out
 
 
 def cmd_router(a) -> int:
@@ -316,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the prefill and decode pools on Ray and the OpenAI-compatible router")
     add_flags(s.add_argument_group("cluster"), CLUSTER_FLAGS, ClusterSpec)
     add_flags(s.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
+    s.add_argument("--routers", type=int, default=1, help="routers over these pools: this process's, and N-1 "
+                   "`pdcluster router` processes on the next ports (--port + 1, ...), each with the router flags "
+                   "given here; they end with this one (default: 1)")
     add_flags(s.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)

@@ -196,15 +196,21 @@ def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
 _ACTOR = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+?)-(?P<worker>(?:%s)-\d+)$" % "|".join(ROLES))
 
 
+def named_workers() -> dict[str, dict[str, str]]:
+    """cluster id -> {worker id: actor name} of every pdcluster worker on this Ray cluster."""
+    found: dict[str, dict[str, str]] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE and (m := _ACTOR.match(a["name"])):
+            found.setdefault(m["cluster"], {})[m["worker"]] = a["name"]
+    return found
+
+
 def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict]]:
     """A running cluster's workers, found by their actor names on the Ray cluster this process
     joined: (its shape and engine settings as the workers tell them, its members, each one's
     `ready()` answer). Without `cluster_id`, the one cluster there is. A worker that does not answer within `timeout_s` (being restarted) joins
     later, once it does (a starting member)."""
-    found: dict[str, dict[str, str]] = {}
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE and (m := _ACTOR.match(a["name"])):
-            found.setdefault(m["cluster"], {})[m["worker"]] = a["name"]
+    found = named_workers()
     if cluster_id is None:
         if len(found) != 1:
             raise RuntimeError("no pdcluster workers on this Ray cluster" if not found else

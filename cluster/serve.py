@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,13 +16,13 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import (ClusterSpec, check_fits, connect, launch, restart, retire, room_for_one, shutdown,
-                              start_worker)
+from cluster.launcher import (NAMESPACE, ClusterSpec, check_fits, connect, launch, named_workers, restart, retire,
+                              room_for_one, shutdown, start_worker)
 from cluster.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
 from router.dispatch import Dispatcher
-from router.pools import STARTING, Member, PoolRegistry
+from router.pools import STARTING, STOPPED, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import RouterConfig
 from workers.names import AUTO, COLOCATED, PREFILL, ROLES
@@ -38,7 +39,11 @@ async def _lifespan(app):
     controller = app.state.controller
     if controller is not None:
         controller.start()
+    follow = app.state.follow
+    task = asyncio.ensure_future(follow()) if follow is not None else None
     yield
+    if task is not None:
+        task.cancel()
     if controller is not None:
         await controller.stop()
     await app.state.dispatcher.stop()
@@ -188,7 +193,7 @@ class ServingCluster:
                                 block_size=infos[0]["block_size"],
                                 local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
                                 decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
-                                router_lease_s=self.spec.router_lease_s)
+                                router_lease_s=self.spec.router_lease_s, leads=leads)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
         fit = (self._step_fit(dispatcher, infos) if self.spec.controller and leads or cfg.admission == SLO or local_auto
@@ -208,6 +213,7 @@ class ServingCluster:
         app = build_app(server)
         app.state.dispatcher = dispatcher
         app.state.controller = self.controller
+        app.state.follow = None if leads else lambda: self._follow(dispatcher)
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
@@ -246,6 +252,27 @@ class ServingCluster:
                               spec.controller_window_s)
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
                               sched.max_num_seqs, add_worker=lambda role: self._add_worker(dispatcher, role))
+
+    async def _follow(self, dispatcher: Dispatcher, every_s: float = 5.0) -> None:
+        """An attached router: every few seconds, take in the workers the leading router added
+        since (its controller grows pools); each joins once it answers `ready()`."""
+        cluster_id = self.spec.cluster_id
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                names = (await asyncio.to_thread(named_workers)).get(cluster_id, {})
+            except Exception as e:                       # the GCS is briefly away: next time
+                log.warning("could not list the cluster's workers: %s", e)
+                continue
+            for worker_id, name in names.items():
+                if worker_id in self.pools and self.pools[worker_id].state != STOPPED:
+                    continue
+                try:
+                    handle = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+                except ValueError:                       # gone meanwhile
+                    continue
+                log.info("worker %s joined the cluster; following it", worker_id)
+                dispatcher.watch(self.pools.add(worker_id, worker_id.rsplit("-", 1)[0], handle, STARTING))
 
     async def _add_worker(self, dispatcher: Dispatcher, role: str) -> Member | None:
         """The controller grows a pool: a new actor that joins once it has loaded (never above the
@@ -313,19 +340,54 @@ def banner(cluster: ServingCluster) -> list[str]:
     return lines
 
 
-def serve_forever(cluster: ServingCluster) -> int:
-    server = cluster.build(announce=lambda line: print(f"pdcluster serve: {line}", file=sys.stderr, flush=True))
+def serve_forever(cluster: ServingCluster, more_routers: int = 0, router_args: list[str] = ()) -> int:
+    """Serve until a signal. `more_routers`: also run that many `pdcluster router` processes
+    over these pools, on the next ports (each with `router_args`, the router flags given)."""
+    name = "serve" if cluster.leads else "router"
+    server = cluster.build(announce=lambda line: print(f"pdcluster {name}: {line}", file=sys.stderr, flush=True))
+    ports = [cluster.port + i for i in range(1, more_routers + 1)]
     print("\n".join(banner(cluster)), flush=True)
     # On SIGINT/SIGTERM the server drains (DrainingServer), then uvicorn re-raises the signal
     # with the previous handler: SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this
     # SystemExit (143); both unwind through the `finally`, so the workers and a local Ray stop
     # with the router.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    children = []
     try:
+        for i, port in enumerate(ports, 1):
+            children.append(_spawn_router(cluster, f"{cluster.cfg.router_id}-{i}", port, router_args))
+            print(f"  router {cluster.cfg.router_id}-{i}: http://{cluster.host}:{port}/v1", flush=True)
         server.run()
     finally:
+        _stop_routers(children, cluster.cfg.drain_timeout_s + 15)
         if cluster.leads:
             shutdown(cluster.workers)
         if ray.is_initialized():
             ray.shutdown()
     return 0
+
+
+def _spawn_router(cluster: ServingCluster, router_id: str, port: int, router_args: list[str]) -> subprocess.Popen:
+    """A `pdcluster router` over this cluster's pools, killed by the kernel when this process
+    dies (PR_SET_PDEATHSIG): a SIGKILLed serve leaves no router behind either."""
+    def die_with_parent():
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # 1: PR_SET_PDEATHSIG
+    cmd = [sys.executable, "-m", "cluster.cli", "router", "--address", ray.get_runtime_context().gcs_address,
+           "--cluster-id", cluster.spec.cluster_id, "--router-id", router_id, "--host", cluster.host, "--port",
+           str(port), *router_args]
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+
+
+def _stop_routers(children: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM: each drains as serve does; whatever is left after `timeout_s` is killed."""
+    for p in children:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in children:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -253,6 +253,7 @@ class _Seats(NamedTuple):
     running: int
     pending: int
     receiving: int
+    routers: int = 1               # one router: the simulator's
 
 
 @dataclass(slots=True)

@@ -241,8 +241,8 @@ class DecodeGate:
 
     def opens(self, decode: dict, num_prefill: int = 0) -> bool:
         """Whether a request may start now, given the active decode workers' latest reports
-        (worker id -> LoadReport, None before the first; only `running` is read, and
-        `observe` reads `pending` and `receiving` too) and the prefill pool's size."""
+        (worker id -> LoadReport, None before the first; only `running` and `routers` are
+        read, and `observe` reads `pending` and `receiving` too) and the prefill pool's size."""
         return len(self.ahead) < self._room(decode, num_prefill)
 
     def _room(self, decode: dict, num_prefill: int) -> float:
@@ -250,13 +250,16 @@ class DecodeGate:
         waits for one, or fails the request) or one whose capacity is unknown."""
         if not decode:
             return math.inf
-        free = 0
+        free, routers = 0, 1
         for worker_id, report in decode.items():
             cap = self.capacity.get(worker_id, self.seats)
             if cap is None or report is None:
                 return math.inf
             free += max(0, cap - report.running)
-        return free + self.limit(len(decode) + num_prefill)
+            routers = max(routers, report.routers)
+        # Several routers send to these seats: each lets through its share (its pipeline, from
+        # its own arrivals, is its own already).
+        return free / routers + self.limit(len(decode) + num_prefill)
 
     def hold(self, rid: str, item: object) -> None:
         """A request that may not start now waits in line (`item`: what its caller resumes)."""

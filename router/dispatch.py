@@ -77,7 +77,8 @@ class Dispatcher:
                  restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
                  retire: Callable[[object], None] | None = None, block_size: int = 16,
                  local_prefill_max_tokens: int | str = 0, decode_gate: bool = True,
-                 decode_seats: int | None = None, router_id: str = "router", router_lease_s: float = 10.0):
+                 decode_seats: int | None = None, router_id: str = "router", router_lease_s: float = 10.0,
+                 leads: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_local_prefill(local_prefill_max_tokens)
@@ -87,6 +88,9 @@ class Dispatcher:
         # to each worker every quarter lease keeps it; workers/leases.py).
         self.owner = owner_tag(router_id)
         self.router_lease_s = router_lease_s
+        # One router leads (it launched the pools and changes them); another follows the roles
+        # the workers report (a flip the leader's controller made).
+        self.leads = leads
         self._lapsed: set[str] = set()       # workers that said our lease had lapsed there
         self._beat: asyncio.Task | None = None
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
@@ -149,6 +153,9 @@ class Dispatcher:
         for t in pumps:
             t.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+        for w in self.pools.live():                      # our leases end now, not at a lapse
+            if w.alive:
+                _fire(w.handle.leave.remote(self.owner))
 
     # -- the pumps -----------------------------------------------------------------------------
     async def _pump(self, w: Member) -> None:
@@ -193,6 +200,10 @@ class Dispatcher:
     def _take(self, w: Member, reply: msg.PollReply, polled_at: float) -> None:
         """A worker's frame: its report, samples, cache events, then its events."""
         self._lapsed.discard(w.worker_id)               # (our outbox there is alive)
+        if not self.leads and reply.load.role != w.role and w.state == ACTIVE:
+            log.info("worker %s is a %s worker now", w.worker_id, reply.load.role)
+            self.pools.drain(w.worker_id, reply.load.role)
+            self.pools.finish_drain(w.worker_id)
         w.reported(reply.load, polled_at)
         if self.prefix_index is not None:
             self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)

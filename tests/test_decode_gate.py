@@ -23,9 +23,10 @@ from router.config import RouterConfig
 from workers.messages import LoadReport
 
 
-def report(running: int, pending: int = 0, receiving: int = 0) -> LoadReport:
+def report(running: int, pending: int = 0, receiving: int = 0, routers: int = 1) -> LoadReport:
     return LoadReport("d0", "decode", waiting=0, running=running, swapped=0, queued_prefill_tokens=0,
-                      kv_blocks_used=0, kv_blocks_total=100, steps=1, pending=pending, receiving=receiving)
+                      kv_blocks_used=0, kv_blocks_total=100, steps=1, pending=pending, receiving=receiving,
+                      routers=routers)
 
 
 class Clock:
@@ -62,6 +63,14 @@ def test_the_sequence_limit_is_the_capacity_until_seen_full():
     assert gate.opens({"d0": report(running=1)}, 1) is False        # 6 ahead >= 2 free + 2
     with pytest.raises(ValueError):
         DecodeGate(seats=0)
+
+
+def test_routers_share_the_free_seats():
+    """Two routers send to one decode worker (its report counts their leases): each lets
+    through half its free seats, plus its own pipeline; together, no more than one alone."""
+    alone, shared = DecodeGate(seats=10, per_worker=1), [DecodeGate(seats=10, per_worker=1) for _ in range(2)]
+    assert fill(alone, {"d0": report(running=2)}) == 8 + 2
+    assert [fill(g, {"d0": report(running=2, routers=2)}) for g in shared] == [4 + 2, 4 + 2]
 
 
 def test_full_pool_lets_through_the_pipeline_only():

@@ -85,6 +85,22 @@ def test_kuberay_serve_entrypoint_parses_with_our_cli():
     assert args.command == "serve" and args.address == "auto" and args.host == "0.0.0.0"
 
 
+def test_kuberay_routers_attach_to_the_serve_jobs_pools():
+    from cluster.cli import build_parser
+    job = by_kind(DEPLOY / "kuberay" / "serve-job.yaml", "RayJob")
+    serve = build_parser().parse_args(job["spec"]["entrypoint"].split()[1:])
+    routers = by_kind(DEPLOY / "kuberay" / "serve-job.yaml", "Deployment")
+    pod = routers["spec"]["template"]
+    assert routers["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (c,) = pod["spec"]["containers"]
+    args = build_parser().parse_args(c["command"][1:])
+    rc = by_kind(DEPLOY / "kuberay" / "raycluster.yaml", "RayCluster")
+    assert args.command == "router" and args.cluster_id == serve.cluster_id
+    assert args.address == f"{rc['metadata']['name']}-head-svc:6379"          # KubeRay's head service
+    assert args.served_model_name == serve.served_model_name and args.host == "0.0.0.0"
+    assert {p["containerPort"] for p in c["ports"]} == {args.port}
+
+
 def test_ray_up_config_passes_rays_validator():
     from ray.autoscaler._private.util import prepare_config, validate_config
     raw = yaml.safe_load((DEPLOY / "ray-up" / "cluster.yaml").read_text())

@@ -17,6 +17,10 @@ from workers.leases import RouterLeases
 from workers.names import check_name, owner_of, owner_tag
 from workers.sequence import SamplingParams
 
+# A worker's stream binds on Ray's view of this node's address (worker.node_ip), which starts
+# a Ray in this process when none runs: the session's, so that later modules can use it.
+pytestmark = pytest.mark.usefixtures("ray_session")
+
 
 class Clock:
     def __init__(self):
@@ -164,3 +168,21 @@ def test_a_lapsed_router_loses_only_its_own_requests():
         finally:
             ra.close()
             rb.close()
+
+
+def test_a_router_that_leaves_ends_its_requests_without_a_lapse():
+    """A router that stops cleanly says so (`leave`): its requests end at once and their blocks
+    come back; no lease lapses, so none is counted."""
+    a = owner_tag("a")
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    with local_worker(router_lease_s=30.0) as w:
+        ra = Reader(w.stream_events(a))
+        try:
+            w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, long)))
+            wait_for(lambda: ra.read(), lambda _: ra.tokens(f"{a}/r0.0"), 30)
+            w.leave(a)
+            stats = wait_for(w.stats, lambda s: s.running == 0 and s.kv_blocks_used == 0, 10)
+            assert (stats.routers, stats.lease_expiries, stats.lease_aborts) == (0, 0, 0)
+            assert len(ra.tokens(f"{a}/r0.0")) < long.max_tokens
+        finally:
+            ra.close()

@@ -75,16 +75,36 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         assert "Traceback" not in serve.output, serve.output[-3000:]
 
 
-def test_a_killed_serve_leaves_no_process_behind(tmp_path):
-    """SIGKILL (the OOM killer, `kill -9`): serve runs no cleanup, yet within 10 s its worker
-    actors have ended (its local Ray's raylet and GCS die with it; the workers with them), and
-    soon after everything else it started."""
-    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", *SMALL_KV, port=free_port()) as serve:
+def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_path):
+    """`serve --routers 2`: a `pdcluster router` on the next port serves the same pools (the
+    offline engine's output). Then SIGKILL (the OOM killer, `kill -9`): serve runs no cleanup,
+    yet within 10 s its worker actors and the other router have ended (its local Ray's raylet
+    and GCS die with it, the workers with them; the router by PR_SET_PDEATHSIG), and soon after
+    everything else it started."""
+    port = free_port()
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--routers", "2", *SMALL_KV,
+                      port=port) as serve:
+        second = f"http://127.0.0.1:{port + 1}"
+
+        def health():
+            try:
+                return httpx.get(f"{second}/health", timeout=5).json().get("status")
+            except (httpx.HTTPError, ValueError):
+                return None
+        wait_for(health, lambda s: s == "ok", 120, lambda: serve.output[-3000:], poll_s=0.2)
+        client = openai.OpenAI(base_url=f"{second}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        client.close()
+        want = generate([{"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}],
+                        model="tiny")[0]
+        assert r.choices[0].token_ids == want["token_ids"]
+
         serve.signal(signal.SIGKILL)
         assert serve.proc.wait(timeout=10) == -signal.SIGKILL
-        workers = {k: c for k, c in serve.tree.items() if "ray::Worker" in c}
-        assert len(workers) == 2                                                # they were there
-        wait_for(lambda: still_running(workers), lambda alive: not alive, 10)
+        ours = {k: c for k, c in serve.tree.items() if "ray::Worker" in c or " router " in c}
+        assert len(ours) == 3, serve.tree                   # 2 workers and the second router were there
+        wait_for(lambda: still_running(ours), lambda alive: not alive, 10)
         # Ray's own agents notice the dead raylet later; they go too
         wait_for(lambda: still_running(serve.tree), lambda alive: not alive, 60)
 

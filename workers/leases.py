@@ -55,6 +55,12 @@ class RouterLeases:
                 del self._lapsed[o]
             return gone
 
+    def drop(self, owner: str) -> None:
+        """The owner left cleanly: no lease to lapse."""
+        with self._lock:
+            self._live.pop(owner, None)
+            self._lapsed.pop(owner, None)
+
     @property
     def num_live(self) -> int:
         with self._lock:

@@ -194,6 +194,16 @@ class Worker:
         were ended (each with a retryable error in its outbox), and it resumes them."""
         return self.leases.renew(owner)
 
+    def leave(self, owner: str) -> None:
+        """A router stops (cleanly): whatever it still has here ends now, as at a lapse but not
+        counted as one, and its outbox closes."""
+        self.leases.drop(owner)
+
+        def gone():
+            self._end_owner(owner, lapsed=False)
+            self._close_outbox(owner)
+        self._call_in_loop(gone)
+
     def _open_outbox(self, owner: str) -> _Outbox:
         """(loop thread) `owner`'s outbox, made on its first request or stream."""
         box = self._outboxes.get(owner)
@@ -454,20 +464,23 @@ class Worker:
         if box is not None:
             box.events.append(event)
 
-    def _end_owner(self, owner: str) -> None:
-        """(loop thread) A router's lease lapsed: end its requests here, wherever they are, and
-        free their blocks (a send or pull under way frees them when it ends). Each gets a
-        retryable error in its outbox, which a router that was only slow reads and resumes."""
+    def _end_owner(self, owner: str, lapsed: bool = True) -> None:
+        """(loop thread) A router's lease lapsed (or it left): end its requests here, wherever
+        they are, and free their blocks (a send or pull under way frees them when it ends). Each
+        gets a retryable error in its outbox, which a router that was only slow reads and
+        resumes."""
         rids = {rid for rid in (*self.engine.request_ids(), *self.handoffs.rids()) if owner_of(rid) == owner}
-        log.warning("worker %s: the lease of router %s lapsed; ending its %d requests", self.worker_id, owner,
-                    len(rids))
+        if lapsed or rids:
+            log.warning("worker %s: router %s %s; ending its %d requests", self.worker_id, owner,
+                        "missed its lease" if lapsed else "left", len(rids))
         for rid in rids:
             self._apply(rid, self.handoffs.abort(rid), abort=True)
             self._emit(ErrorEvent(rid, f"router {owner} missed its lease on worker {self.worker_id}",
                                   retryable=True, cause="lease_expired"))
-        with self._cv:
-            self._lease_expiries += 1
-            self._lease_aborts += len(rids)
+        if lapsed:
+            with self._cv:
+                self._lease_expiries += 1
+                self._lease_aborts += len(rids)
 
     def _close_outbox(self, owner: str) -> None:
         """(loop thread) A router gone for good: its outbox and stream end."""
