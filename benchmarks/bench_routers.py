@@ -2,11 +2,11 @@
 """Several routers over the same pools (issue 17): how balanced power-of-two-choices keeps the
 workers when 1, 2 or 4 routers pick on what each knows, and what one router costs per request.
 
-    .venv/bin/python benchmarks/bench_routers.py [--routers 1,2,4] [--workers 4] [--rate 12]
+    .venv/bin/python benchmarks/bench_routers.py [--routers 1,2,4] [--prefill 2] [--decode 2] [--rate 12]
         [--duration-s 40] [--seeds 2] [--concurrency 32] [--ceiling-s 20] [--json OUT]
 
-One `pdcluster serve` (router r0: it launches --workers colocated `tiny` workers, a quarter core
-each) and 3 `pdcluster router` processes attached to it (r1..r3), all as a user runs them. All 4
+One `pdcluster serve` (router r0: it launches --prefill + --decode `tiny` workers, a quarter
+core each) and 3 `pdcluster router` processes attached to it (r1..r3), all as a user runs them. All 4
 routers run through every measurement; a run with N routers sends its requests round-robin to
 the first N, so the background (each router reads every worker's stream) is the same for all N.
 
@@ -14,9 +14,10 @@ Balance: open-loop Poisson arrivals at --rate for --duration-s per seed (the sam
 requests for every N: prompts of 32-256 random tokens, 16-64 output tokens, ignore_eos), sent
 round-robin over N routers (after a 5 s warm-up; the order of N alternates from seed to seed).
 Every 100 ms r0's /metrics gives each worker's sequences running +
-waiting (its load reports); per run: the mean over samples of the most loaded worker's load
-(and its p95), the mean load over workers, and the imbalance (the most loaded worker over the
-mean, sample by sample). The goal: max load with 2 and 4 routers within
+waiting (its load reports); per run and pool (prefill workers are picked by queued prompt
+tokens, decode workers by KV use and sequences): the mean over samples of the most loaded
+worker's load (and its p95), the mean load over workers, and the imbalance (the most loaded
+worker over the mean, sample by sample). The goal: max load with 2 and 4 routers within
 10 % of one router's.
 
 Ceiling: 1-token requests (8-token prompts, max_tokens 1), --concurrency closed-loop clients for
@@ -78,17 +79,23 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float 
 class Routers:
     """serve (r0) and routers r1..r{n-1}, in sessions of their own; stopped on exit."""
 
-    def __init__(self, workdir: Path, num_routers: int, num_workers: int):
-        self.workdir, self.procs, self.urls = workdir, [], []
+    def __init__(self, workdir: Path, num_routers: int, num_prefill: int, num_decode: int, plain: bool = False,
+                 tree: Path = ROOT):
+        self.workdir, self.procs, self.urls, self.tree = workdir, [], [], tree
         ports = free_ports(num_routers)
         env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
         env.pop("RAY_ADDRESS", None)
+        if tree != ROOT:       # its code first, in these processes and in the Ray workers they start
+            env["PYTHONPATH"] = str(tree)
         self.env = env
         common = ["--admission", "queue", "--max-pending", "100000"]
         log = workdir / "r0.log"
-        self._start(pdcluster("serve", "--mode", "colocated", "--workers", str(num_workers), "--cpus-per-worker",
-                              "0.25", "--kv-cache-memory-mib", "64", "--swap-space-mib", "0", "--cluster-id",
-                              CLUSTER_ID, "--router-id", "r0", "--port", str(ports[0]), *common), log, ports[0])
+        self._start(pdcluster("serve", "--prefill", str(num_prefill), "--decode", str(num_decode), "--cpus-per-worker",
+                              "0.25", "--kv-cache-memory-mib", "64", "--swap-space-mib", "0",
+                              *([] if plain else ["--cluster-id", CLUSTER_ID, "--router-id", "r0"]),
+                              "--port", str(ports[0]), *common), log, ports[0])
+        if num_routers == 1:
+            return
         address = re.search(r"router --address (\S+)", log.read_text())
         if address is None:
             raise RuntimeError(f"serve printed no Ray address:\n{log.read_text()[-3000:]}")
@@ -98,7 +105,7 @@ class Routers:
 
     def _start(self, cmd: list[str], log: Path, port: int) -> None:
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=self.tree, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs.append(proc)
         self.urls.append(f"http://127.0.0.1:{port}")
@@ -124,17 +131,19 @@ class Routers:
                 p.wait()
 
 
-def worker_loads(metrics: dict[str, float]) -> dict[str, float]:
-    """worker -> sequences running + waiting, from r0's /metrics."""
-    out: dict[str, float] = {}
+def worker_loads(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """role -> worker -> sequences running + waiting (decode: + waiting for room), from r0's
+    /metrics."""
+    out: dict[str, dict[str, float]] = {}
     for series, value in metrics.items():
         name, labels = promtext.split(series)
         if name in ("pdcluster:num_requests_running", "pdcluster:num_requests_waiting"):
-            out[labels["worker"]] = out.get(labels["worker"], 0.0) + value
+            pool = out.setdefault(labels["role"], {})
+            pool[labels["worker"]] = pool.get(labels["worker"], 0.0) + value
     return out
 
 
-async def sample_loads(url: str, samples: list[dict[str, float]], stop: asyncio.Event) -> None:
+async def sample_loads(url: str, samples: list[dict], stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
             async with s.get(f"{url}/metrics") as r:
@@ -160,7 +169,7 @@ async def balance_run(urls: list[str], leader: str, rate: float, duration_s: flo
         if t > duration_s:
             break
         plan.append((t, [rng.randrange(3, 250) for _ in range(rng.randint(32, 256))], rng.randint(16, 64)))
-    samples: list[dict[str, float]] = []
+    samples: list[dict] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         sampler = asyncio.ensure_future(sample_loads(leader, samples, stop))
@@ -172,14 +181,17 @@ async def balance_run(urls: list[str], leader: str, rate: float, duration_s: flo
         ok = await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan)))
         stop.set()
         await sampler
-    busy = [x for x in samples if x and sum(x.values()) > 0]
-    maxima = [max(x.values()) for x in busy]
-    return {"requests": len(plan), "failed": len(plan) - sum(ok), "samples": len(busy),
-            "mean_max_load": statistics.fmean(maxima) if maxima else 0.0,
+    out = {"requests": len(plan), "failed": len(plan) - sum(ok)}
+    for role in sorted({r for x in samples for r in x}):
+        busy = [x[role] for x in samples if sum(x.get(role, {}).values()) > 0]
+        maxima = [max(x.values()) for x in busy]
+        out[role] = {
+            "samples": len(busy), "mean_max_load": statistics.fmean(maxima) if maxima else 0.0,
             "p95_max_load": sorted(maxima)[int(0.95 * (len(maxima) - 1))] if maxima else 0.0,
             "mean_load": statistics.fmean(statistics.fmean(x.values()) for x in busy) if busy else 0.0,
             # the most loaded worker over the mean worker, sample by sample: 1.0 is perfect balance
             "imbalance": statistics.fmean(max(x.values()) / statistics.fmean(x.values()) for x in busy) if busy else 0.0}
+    return out
 
 
 async def ceiling_run(urls: list[str], concurrency: int, duration_s: float) -> tuple[int, list[int], float]:
@@ -207,43 +219,61 @@ async def ceiling_run(urls: list[str], concurrency: int, duration_s: float) -> t
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--routers", default="1,2,4", help="router counts to compare (at most 4)")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
     p.add_argument("--rate", type=float, default=12.0, help="balance: requests per second")
     p.add_argument("--duration-s", type=float, default=40.0)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=32, help="ceiling: closed-loop clients")
     p.add_argument("--ceiling-s", type=float, default=20.0)
+    p.add_argument("--parts", default="balance,ceiling", help="what to measure")
+    p.add_argument("--plain-serve", action="store_true", help="one router, started without the flags of "
+                   "several (--cluster-id, --router-id): the same run on a tree from before them, for an A/B")
+    p.add_argument("--tree", type=Path, default=ROOT, help="run the servers from this checkout (its code; this "
+                   "venv): an older commit's, for an A/B")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     counts = [int(x) for x in a.routers.split(",")]
     if not counts or min(counts) < 1 or max(counts) > 4:
         p.error("--routers: counts between 1 and 4")
     out: dict = {"balance": {}, "ceiling": {}}
     with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
-        routers = Routers(Path(tmp), max(counts), a.workers)
+        if a.plain_serve and counts != [1]:
+            p.error("--plain-serve runs one router: --routers 1")
+        routers = Routers(Path(tmp), max(counts), a.prefill, a.decode, a.plain_serve, a.tree.resolve())
         try:
             print(f"{len(routers.urls)} routers up: {', '.join(routers.urls)}", flush=True)
-            print("\nbalance (P2C): the most loaded worker's sequences (running + waiting), sampled every 100 ms")
-            print(f"{'routers':>7} {'seed':>4} {'requests':>8} {'failed':>6} {'mean max':>8} {'p95 max':>7} "
-                  f"{'mean':>6} {'max/mean':>8}")
             asyncio.run(balance_run(routers.urls, routers.urls[0], a.rate, 5.0, 99))      # warm-up, not counted
-            for seed in range(a.seeds):
+            if "balance" in parts:
+                print("\nbalance (P2C): per pool, the most loaded worker's sequences (running + waiting), every 100 ms")
+                print(f"{'routers':>7} {'seed':>4} {'requests':>8} {'failed':>6} {'pool':>7} {'mean max':>8} "
+                      f"{'p95 max':>7} {'mean':>6} {'max/mean':>8}")
+            for seed in range(a.seeds if "balance" in parts else 0):
                 for n in (counts if seed % 2 == 0 else counts[::-1]):      # each order in turn: drift cancels
                     r = asyncio.run(balance_run(routers.urls[:n], routers.urls[0], a.rate, a.duration_s, seed))
                     out["balance"].setdefault(str(n), []).append(r)
-                    print(f"{n:>7} {seed:>4} {r['requests']:>8} {r['failed']:>6} {r['mean_max_load']:>8.2f} "
-                          f"{r['p95_max_load']:>7.1f} {r['mean_load']:>6.2f} {r['imbalance']:>8.3f}", flush=True)
-            base = statistics.fmean(r["mean_max_load"] for r in out["balance"][str(counts[0])])
-            for n in counts[1:]:
-                mean = statistics.fmean(r["mean_max_load"] for r in out["balance"][str(n)])
-                skew = [statistics.fmean(r["imbalance"] for r in out["balance"][str(k)]) for k in (counts[0], n)]
-                print(f"{n} routers against {counts[0]}: max load {mean / base:.3f}x (goal <= 1.10), "
-                      f"max/mean {skew[1]:.3f} against {skew[0]:.3f}")
-                out["balance"][f"ratio_{n}"] = mean / base
+                    for role in ("prefill", "decode"):
+                        q = r[role]
+                        print(f"{n:>7} {seed:>4} {r['requests']:>8} {r['failed']:>6} {role:>7} {q['mean_max_load']:>8.2f} "
+                              f"{q['p95_max_load']:>7.1f} {q['mean_load']:>6.2f} {q['imbalance']:>8.3f}", flush=True)
+            for role in ("prefill", "decode") if "balance" in parts else ():
+                def avg(n: int, key: str) -> float:
+                    return statistics.fmean(r[role][key] for r in out["balance"][str(n)])
+                if avg(counts[0], "mean_max_load") == 0:
+                    print(f"{role}: never busy when sampled (its work is shorter than the 100 ms between samples)")
+                    continue
+                for n in counts[1:]:
+                    ratio = avg(n, "mean_max_load") / avg(counts[0], "mean_max_load")
+                    print(f"{role}: {n} routers against {counts[0]}: max load {ratio:.3f}x (goal <= 1.10); max/mean "
+                          f"{avg(n, 'imbalance'):.3f} against {avg(counts[0], 'imbalance'):.3f}; mean load "
+                          f"{avg(n, 'mean_load'):.2f} against {avg(counts[0], 'mean_load'):.2f}")
+                    out["balance"][f"{role}_ratio_{n}"] = ratio
 
-            print(f"\nceiling: 1-token requests, {a.concurrency} closed-loop clients, {a.ceiling_s:g} s")
-            print(f"{'routers':>7} {'req/s':>7} {'failed':>6}  router CPU ms per request (r0..)")
-            for n in counts:
+            if "ceiling" in parts:
+                print(f"\nceiling: 1-token requests, {a.concurrency} closed-loop clients, {a.ceiling_s:g} s")
+                print(f"{'routers':>7} {'req/s':>7} {'failed':>6}  router CPU ms per request (r0..)")
+            for n in counts if "ceiling" in parts else ():
                 before = routers.cpu_s()
                 failed, served, wall = asyncio.run(ceiling_run(routers.urls[:n], a.concurrency, a.ceiling_s))
                 after = routers.cpu_s()

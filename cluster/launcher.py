@@ -239,7 +239,7 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
     spec = ClusterSpec(model=engine.model, engine=engine, mode=COLOCATED if roles[COLOCATED] else DISAGGREGATED,
                        num_prefill=max(1, roles[PREFILL]), num_decode=max(1, roles[DECODE]),
                        num_colocated=max(1, roles[COLOCATED]), cluster_id=cluster_id,
-                       router_lease_s=infos[0]["router_lease_s"], max_workers=len(members))
+                       router_lease_s=infos[0]["router_lease_s"])
     return spec, members, infos
 
 

@@ -183,7 +183,8 @@ class ServingCluster:
             if connect(self.spec, self.ray_num_cpus):
                 check_fits(self.spec)
             members, infos = launch(self.spec)
-        self.pools = PoolRegistry.of(members, budget=self.spec.budget)
+        # (the leader keeps to the worker budget; a follower takes in whatever the leader added)
+        self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.leads else None)
         self.infos = infos
         cfg, leads = self.cfg, self.leads
         metrics = Metrics(cfg.slo, cfg.router_id, workers=leads)
@@ -269,7 +270,8 @@ class ServingCluster:
                     continue
                 try:
                     handle = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
-                except ValueError:                       # gone meanwhile
+                except Exception as e:                   # gone meanwhile
+                    log.info("worker %s: not found (%s)", worker_id, e)
                     continue
                 log.info("worker %s joined the cluster; following it", worker_id)
                 dispatcher.watch(self.pools.add(worker_id, worker_id.rsplit("-", 1)[0], handle, STARTING))

@@ -269,14 +269,17 @@ class Dispatcher:
         period = self.router_lease_s / 4
         while not self._stopping:
             live = [w for w in self.pools.live() if w.alive]
-            answers = await asyncio.gather(*(asyncio.wait_for(_awaitable(w.handle.heartbeat.remote(self.owner)),
-                                                              period * 2) for w in live), return_exceptions=True)
+            answers = await asyncio.gather(*(self._beat_one(w, period * 2) for w in live), return_exceptions=True)
             for w, kept in zip(live, answers):
                 if kept is False:
                     log.warning("worker %s: this router's lease had lapsed there; its requests there resume",
                                 w.worker_id)
                     self._lapsed.add(w.worker_id)
             await asyncio.sleep(period)
+
+    async def _beat_one(self, w: Member, timeout_s: float) -> bool:
+        """One heartbeat (a worker that fails to answer is the pump's business)."""
+        return await asyncio.wait_for(_awaitable(w.handle.heartbeat.remote(self.owner)), timeout_s)
 
     async def _await_ready(self, w: Member, timeout_s: float) -> bool:
         """Wait for a starting (or restarted) worker to load its model; then it joins its pool.

@@ -27,6 +27,7 @@ LEASE_S = 2.0
 @pytest.fixture(scope="module")
 def r0(ray_session):
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, num_cpus_per_worker=0.5, router_lease_s=LEASE_S,
+                       max_workers=4,
                        engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
     with ServingCluster(spec, port=free_port(), admission="queue", router_id="r0") as c:
         yield c
@@ -154,5 +155,59 @@ def test_two_routers_serve_the_greedy_outputs_and_a_dead_one_loses_only_its_own(
         r1 = Router(r0, tmp_path / "r1-again.log")
         assert greedy_through([r1.url], prompts[:3]) == want[:3]
         wait_pools_clean(r0, 20)
+    finally:
+        r1.kill()
+
+
+def test_an_attached_router_follows_the_leaders_pool_changes(r0, tmp_path, hf_greedy):
+    """The leading router moves a decode worker to the prefill pool (a drain, then the flip) and
+    adds a worker (as its controller does); the attached router sees both (the role in the
+    worker's reports; the new actor's name) and serves the greedy outputs on the new pools."""
+    prompts = PROMPTS[:4]
+    want = hf_greedy(prompts)
+    r1 = Router(r0, tmp_path / "r1.log")
+
+    def pools_of(url: str) -> dict:
+        return httpx.get(f"{url}/health", timeout=10).json()["workers"]
+    try:
+        assert pools_of(r1.url) == {"prefill": 1, "decode": 2, "colocated": 0}
+        dispatcher = r0.server.dispatcher
+        r0.loop.call_soon_threadsafe(r0.pools.drain, "decode-1", "prefill")
+        wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 1, "colocated": 0}, 30)
+        added = asyncio.run_coroutine_threadsafe(r0._add_worker(dispatcher, "decode"), r0.loop).result(60)
+        assert added is not None and added.worker_id == "decode-2"
+        wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 2, "colocated": 0}, 120)
+        assert greedy_through([r1.url], prompts) == want
+        wait_pools_clean(r0, 20)
+    finally:
+        r1.kill()
+
+
+def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, hf_greedy):
+    """SIGKILL of a decode worker while both routers stream through it: each router sees the
+    death on its own stream and resumes its own requests (no gap, no token twice: transformers'
+    outputs); Ray restarts the worker and every block comes back."""
+    prompts = PROMPTS[:8]
+    want = hf_greedy(prompts)
+    r1 = Router(r0, tmp_path / "r1.log")
+    url0 = r0.base_url.removesuffix("/v1")
+    try:
+        async def kill_a_decode_worker_mid_way():
+            outs = [[] for _ in prompts]
+            runs = [asyncio.ensure_future(stream([url0, r1.url][i % 2], p, outs[i])) for i, p in enumerate(prompts)]
+            deadline = asyncio.get_running_loop().time() + 60
+            while sum(map(len, outs)) < len(prompts) * MAX_NEW_TOKENS // 4:
+                assert asyncio.get_running_loop().time() < deadline, outs
+                await asyncio.wait(runs, timeout=0.05)
+            victim = next(i for w, i in r0.answering().items() if i["role"] == "decode")
+            os.kill(victim["pid"], 9)
+            await asyncio.gather(*runs)
+            return outs
+        assert asyncio.run(kill_a_decode_worker_mid_way()) == want
+        resumed = [promtext.total(metrics(u), "pdcluster:requests_resumed_total", cause="worker_died")
+                   for u in (url0, r1.url)]
+        assert sum(resumed) >= 1, resumed           # streams on it resumed (each router resumes its own)
+        wait_for(lambda: httpx.get(f"{r1.url}/health", timeout=10).json()["workers"]["decode"], lambda n: n == 2, 120)
+        wait_pools_clean(r0, 30)
     finally:
         r1.kill()

@@ -62,10 +62,12 @@ class _Outbox:
     """What one router has not read yet: its own requests' events, and every metric sample and
     prefix-cache change (each router keeps its own view of every worker). The owner "" is the
     outbox of requests without an owner tag, read by `poll` and by a stream asked for without
-    an owner."""
+    an owner; it gets samples and cache changes only once someone reads it (`fed`), so that
+    they do not pile up where no router looks."""
 
     def __init__(self, owner: str, cached: list[bytes] = ()):
         self.owner = owner
+        self.fed = bool(owner)
         self.events: list = []
         self.samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
         self.cache: dict[bytes, bool] = dict.fromkeys(cached, True)   # hash -> held now, or evicted
@@ -135,7 +137,9 @@ class Worker:
         """Long poll of the outbox of requests without an owner tag: an encoded PollReply with
         the events since the last call, a fresh load report and the metric samples since the
         last call. (Routers read a stream of their own instead: `stream_events`.)"""
-        return encode(self._take_reply(self._outboxes[""], timeout_s))
+        box = self._outboxes[""]
+        box.fed = True
+        return encode(self._take_reply(box, timeout_s))
 
     def _take_reply(self, box: _Outbox, timeout_s: float) -> PollReply:
         deadline = time.monotonic() + timeout_s
@@ -179,6 +183,7 @@ class Worker:
         if owner:
             self.leases.renew(owner)
         box = self._outboxes.get(owner) or self._in_loop(lambda: self._open_outbox(owner))
+        box.fed = True
         with self._cv:
             if box.address is None:
                 sock = zmq.Context.instance().socket(zmq.PUSH)
@@ -411,7 +416,7 @@ class Worker:
             stored, evicted = self.engine.kv.pool.take_events()
             if stored or evicted:
                 with self._cv:                           # the latest word on a hash wins
-                    for box in self._outboxes.values():
+                    for box in self._fed():
                         box.cache.update(dict.fromkeys(evicted, False))
                         box.cache.update(dict.fromkeys(stored, True))
             # The report walks the waiting queue: build it at most every REPORT_EVERY_S, not
@@ -442,7 +447,7 @@ class Worker:
         with self._cv:
             if shape.num_seqs:
                 step_shape = [step_s, *dataclasses.astuple(self.engine.last_shape)]
-                for box in self._outboxes.values():
+                for box in self._fed():
                     samples = box.samples
                     samples["step_s"].append(step_s)
                     samples["batch_size"].append(shape.num_seqs)
@@ -457,6 +462,10 @@ class Worker:
         with self._cv:
             self._route(event)
             self._cv.notify_all()
+
+    def _fed(self):
+        """(holding the lock) The outboxes that get every sample and cache change."""
+        return [box for box in self._outboxes.values() if box.fed]
 
     def _route(self, event) -> None:
         """(holding the lock) Into its owner's outbox; an owner gone for good reads nothing."""
@@ -697,7 +706,7 @@ class Worker:
             t.count += 1
             t.seconds += seconds
             t.blocks_reused += reused
-            for box in self._outboxes.values():
+            for box in self._fed():
                 box.samples["kv_transfer_s"].append(seconds)
 
     def _get_transport(self):
