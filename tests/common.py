@@ -69,6 +69,16 @@ def wait_pools_clean(cluster, deadline_s: float = 30.0) -> list:
         and s.receiving == 0 for s in stats), deadline_s)
 
 
+class Clock:
+    """A clock for policy code under test: it stands still until the test moves `t`."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float = 0.02):
     """probe() until ok(value), then the value; past the deadline an AssertionError naming
     the last value (and describe(), if given). Conditions with deadlines, never bare sleeps."""

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from common import Clock
 from router.admission import SLOAdmission
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
@@ -26,13 +27,6 @@ def fitted() -> StepFit:
 
 def report(worker_id, role, waiting=0, queued=0, running=0) -> LoadReport:
     return LoadReport(worker_id, role, waiting, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
-
-
-class Clock:
-    t = 100.0
-
-    def __call__(self):
-        return self.t
 
 
 def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None) -> SLOAdmission:

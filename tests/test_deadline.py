@@ -3,6 +3,7 @@ first, victims with the most slack; each checked against FCFS on the same input 
 slack worked out here from the definition."""
 from __future__ import annotations
 
+from common import Clock
 from hypothesis import HealthCheck, given, settings
 
 from test_scheduler import FakeModel, Workload, check_step, workloads
@@ -15,16 +16,8 @@ from workers.sequence import SamplingParams, Sequence
 SPT = 0.01                          # seconds per prefill token the tests' schedulers assume
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(policy="deadline", num_blocks=256, block_size=4, budget=64, chunked=True, **kw):
-    clock = Clock()
+    clock = Clock(0.0)
     kv = KVCacheManager(num_blocks, block_size, True, 0)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, policy=policy, chunked_prefill=chunked,
                           prefill_s_per_token=SPT, watermark=0.0, preemption_mode="recompute", **kw)
@@ -40,7 +33,7 @@ def seq(i, n, deadline=None, max_tokens=4, arrival=None, tpot=None):
 
 def step(sched, model, clock, dt=0.1):
     out = scheduler_step(sched, model)
-    clock.now += dt
+    clock.t += dt
     return out
 
 
@@ -91,7 +84,7 @@ def test_a_tight_prompt_takes_the_budget_from_a_loose_running_prefill():
         sched.add(long)
         for _ in range(3):
             step(sched, model, clock)
-        tight = seq(1, 48, deadline=clock.now + 1.0)
+        tight = seq(1, 48, deadline=clock.t + 1.0)
         sched.add(tight)
         steps = 0
         while not tight.num_output_tokens:
@@ -150,7 +143,7 @@ def test_measured_full_steps_update_the_estimate():
 
 def run_with_deadlines(w: Workload, policy: str, inheritance: bool = True, max_steps: int = 3000):
     """test_scheduler's random workloads under another policy, each sequence with a deadline."""
-    clock = Clock()
+    clock = Clock(0.0)
     kv = KVCacheManager(w.num_blocks, w.block_size, w.caching, w.num_host_blocks)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
                                       watermark=w.watermark, preemption_mode=w.mode, policy=policy,
@@ -162,8 +155,8 @@ def run_with_deadlines(w: Workload, policy: str, inheritance: bool = True, max_s
         for i, (arrival, prompt, max_tokens, priority) in enumerate(w.seqs):
             if seqs[i] is None and arrival <= k:
                 s = seqs[i] = Sequence(f"s{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                       priority=priority, arrival_time=clock.now)
-                s.ttft_deadline, s.tpot_s = (clock.now + (i % 4), 0.1 * (i % 3)) if i % 5 else (None, None)
+                                       priority=priority, arrival_time=clock.t)
+                s.ttft_deadline, s.tpot_s = (clock.t + (i % 4), 0.1 * (i % 3)) if i % 5 else (None, None)
                 sched.add(s)
         out = sched.schedule()
         check_step(sched, out)
@@ -171,7 +164,7 @@ def run_with_deadlines(w: Workload, policy: str, inheritance: bool = True, max_s
         for s, _ in out.scheduled:
             if s.num_output_tokens >= s.params.max_tokens:
                 sched.finish(s, "length")
-        clock.now += 0.25
+        clock.t += 0.25
         if all(s is not None for s in seqs) and not sched.has_unfinished():
             break
     else:

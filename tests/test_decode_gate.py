@@ -17,7 +17,7 @@ import pytest
 from cluster.launcher import ClusterSpec
 from cluster.offline import generate
 from cluster.serve import ServingCluster, free_port
-from common import random_prompts, wait_for, wait_pools_clean
+from common import Clock, random_prompts, wait_for, wait_pools_clean
 from router.admission import DecodeGate
 from router.config import RouterConfig
 from workers.messages import LoadReport
@@ -27,14 +27,6 @@ def report(running: int, pending: int = 0, receiving: int = 0, routers: int = 1)
     return LoadReport("d0", "decode", waiting=0, running=running, swapped=0, queued_prefill_tokens=0,
                       kv_blocks_used=0, kv_blocks_total=100, steps=1, pending=pending, receiving=receiving,
                       routers=routers)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def fill(gate: DecodeGate, decode: dict, num_prefill: int = 1, prefix: str = "r") -> int:

@@ -5,19 +5,12 @@ the traffic drains."""
 from __future__ import annotations
 
 import pytest
+from common import Clock
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from workers.handoff import HandoffBook, HandoffError, Outcome, Phase
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_lease_expires_only_while_held_and_restarts_after_a_send():

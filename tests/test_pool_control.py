@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from common import Clock
 from cluster.controller import ControllerConfig
 from cluster.pool_control import LiveControl, PoolController
 from router.dispatch import Dispatcher
@@ -59,14 +60,6 @@ def report(worker_id, role, queued=0, running=0) -> LoadReport:
     return LoadReport(worker_id, role, 0, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
 
 
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
-
-
 def controller(clock, num_prefill=1, num_decode=2, **cfg):
     members = [Member(f"prefill-{i}", PREFILL, f"hp{i}", ACTIVE) for i in range(num_prefill)] + \
               [Member(f"decode-{i}", DECODE, f"hd{i}", ACTIVE) for i in range(num_decode)]
@@ -94,7 +87,7 @@ def serve_window(clock, metrics, rate, prompt, output, seconds, ttft_s=0.1, tpot
 
 
 def test_signals_are_what_the_router_measured():
-    clock = Clock()
+    clock = Clock(1000.0)
     ctl, d, metrics = controller(clock)
     ctl.started_at = clock.t
     serve_window(clock, metrics, rate=4, prompt=800, output=20, seconds=30, ttft_s=2.0)   # TTFT missed
@@ -117,7 +110,7 @@ def test_signals_are_what_the_router_measured():
 
 
 def test_output_lengths_are_what_arrivals_ask_for_times_the_share_replies_use():
-    clock = Clock()
+    clock = Clock(1000.0)
     ctl, d, metrics = controller(clock)
     ctl.started_at = clock.t
     # Replies stop at 20 of the 100 tokens asked: 20 expected.
@@ -133,7 +126,7 @@ def test_output_lengths_are_what_arrivals_ask_for_times_the_share_replies_use():
 
 
 def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
-    clock = Clock()
+    clock = Clock(1000.0)
     ctl, d, metrics = controller(clock, cooldown_s=5)
     ctl.started_at = clock.t - 30
     d.pools["decode-0"].report = report("decode-0", DECODE, running=5)

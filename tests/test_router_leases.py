@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import zmq
 
-from common import wait_for
+from common import Clock, wait_for
 from workers import messages as msg
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine
@@ -22,29 +22,21 @@ from workers.sequence import SamplingParams
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_lease_lapses_without_renewal_and_says_so_once_renewed():
     clock = Clock()
     leases = RouterLeases(lease_s=2.0, forget_after_s=10.0, clock=clock)
     assert leases.renew("a~1") and leases.renew("b~1")          # new owners: nothing was lost
-    clock.now += 1.5
+    clock.t += 1.5
     assert leases.renew("b~1") and leases.lapsed() == []
-    clock.now += 1.0                                            # a: 2.5 s silent; b: 1.0 s
+    clock.t += 1.0                                            # a: 2.5 s silent; b: 1.0 s
     assert leases.lapsed() == ["a~1"] and leases.lapsed() == [] and leases.num_live == 1
     assert leases.renew("a~1") is False                         # its requests were ended: it hears so
     assert leases.renew("a~1") is True and leases.num_live == 2
-    clock.now += 3.0
+    clock.t += 3.0
     assert sorted(leases.lapsed()) == ["a~1", "b~1"]
-    clock.now += 9.0
+    clock.t += 9.0
     assert leases.forgotten() == []
-    clock.now += 1.0
+    clock.t += 1.0
     assert sorted(leases.forgotten()) == ["a~1", "b~1"] and leases.forgotten() == []
     with pytest.raises(ValueError):
         RouterLeases(lease_s=0)
