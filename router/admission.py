@@ -129,11 +129,19 @@ class SLOAdmission:
                 return measured
         if not workers:
             return math.nan, math.nan
-        queued = self.waiting_tokens / workers
+        queued = self.queued_tokens() / workers
         mean_prompt = self.waiting_tokens / self.waiting if self.waiting else prompt_tokens
         ahead = queued / rate(mean_prompt) if queued else 0.0
         own = prompt_tokens / rate(prompt_tokens)
         return (ahead + own) * self.correction, ahead * self.correction
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens ahead of a new request: this router's admitted prompts without a first
+        token, or, when more, what the prefill workers report queued (other routers send there
+        too; the reports lag this router's own sends, which its count has at once)."""
+        reported = sum(m.report.queued_prefill_tokens for m in self.pools.active(self.prefill_role)
+                       if m.report is not None)
+        return max(self.waiting_tokens, reported)
 
     def handoff_wait(self) -> float:
         """Seconds the handoffs waiting now take to clear at the rate they completed lately (0

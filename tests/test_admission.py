@@ -89,6 +89,22 @@ def test_the_prompts_ahead_predict_ttft_and_refuse_past_the_target():
     assert (a.waiting, a.waiting_tokens) == (0, 0)
 
 
+def test_prompts_other_routers_queued_count_ahead_too():
+    """Another router's prompts reach the prefill workers' reports, never this router's own
+    count: the larger of the two is what is ahead (this router's own sends are in its count
+    before any report has them)."""
+    a = cluster(prefill=2)
+    admitted(a, 4, 512)                                             # ours: 2,048 tokens
+    mine = a.predict_ttft(256)
+    for m in a.pools.active(PREFILL):                               # the workers: 10,240 each, queued
+        m.report = report(m.worker_id, PREFILL, queued=10_240)
+    ttft, ahead = a.predict_ttft(256)
+    assert ahead == pytest.approx(10_240 / prefill_rate(512), rel=0.02) and ttft > mine[0]
+    for m in a.pools.active(PREFILL):                               # reports behind our own sends
+        m.report = report(m.worker_id, PREFILL, queued=100)
+    assert a.predict_ttft(256) == pytest.approx(mine)
+
+
 def test_lower_priorities_are_shed_first():
     # Prompts ahead that predict about 0.8 s: within the target, past 0.75 of it.
     a = cluster(prefill=1)
