@@ -122,6 +122,10 @@ class Dispatcher:
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
         self.metrics.count_pools(self.pools)
+        if self.leads and DRAINING in (m.state, old_state) and m.alive:
+            # The worker itself refuses new requests while drained, those of routers that
+            # follow these pools too (they resume them elsewhere)
+            _tell(m.handle, "set_accepting", m.state != DRAINING)
         if m.state in (DEAD, STOPPED):
             if self.prefix_index is not None:            # its cache is gone with it
                 self.prefix_index.forget(m.worker_id)
@@ -200,10 +204,8 @@ class Dispatcher:
     def _take(self, w: Member, reply: msg.PollReply, polled_at: float) -> None:
         """A worker's frame: its report, samples, cache events, then its events."""
         self._lapsed.discard(w.worker_id)               # (our outbox there is alive)
-        if not self.leads and reply.load.role != w.role and w.state == ACTIVE:
-            log.info("worker %s is a %s worker now", w.worker_id, reply.load.role)
-            self.pools.drain(w.worker_id, reply.load.role)
-            self.pools.finish_drain(w.worker_id)
+        if not self.leads:                               # the leader's drains and flips, as the worker tells
+            self.pools.follow(w.worker_id, reply.load.role, reply.load.accepting)
         w.reported(reply.load, polled_at)
         if self.prefix_index is not None:
             self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
@@ -695,6 +697,15 @@ def _awaitable(ref):
 def _closed(stream: EventStream | None) -> None:
     if stream is not None:
         stream.close()
+
+
+def _tell(handle, method: str, *args) -> None:
+    """`_fire` a call, and let a handle that cannot even send it pass too (an actor Ray has
+    given up on raises at once)."""
+    try:
+        _fire(getattr(handle, method).remote(*args))
+    except Exception as e:
+        log.debug("could not call %s: %s", method, e)
 
 
 def _fire(ref) -> None:

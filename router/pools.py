@@ -194,6 +194,20 @@ class PoolRegistry:
             self._set(m, ACTIVE, old_role=old)
         return m
 
+    def follow(self, worker_id: str, role: str, accepting: bool) -> None:
+        """Another router leads these pools: take a worker's state from its own report (not
+        accepting: draining; accepting, perhaps in another role: active). Only active and
+        draining members move; a dead or starting one waits for its own way back."""
+        m = self[worker_id]
+        if m.state not in (ACTIVE, DRAINING):
+            return
+        state = ACTIVE if accepting else DRAINING
+        if state == m.state and role == m.role:
+            return
+        old_role, m.role = m.role, role
+        m.to_role, m.leaving = None, False
+        self._set(m, state, old_role=old_role)
+
     def stop(self, worker_id: str) -> None:
         """Gone for good (never came back from a restart, or never started)."""
         m = self[worker_id]

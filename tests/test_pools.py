@@ -36,6 +36,23 @@ def test_a_drained_worker_flips_and_rejoins_the_other_pool():
     assert heard == [("decode-1", ACTIVE, DECODE, DRAINING, DECODE), ("decode-1", DRAINING, DECODE, ACTIVE, PREFILL)]
 
 
+def test_a_follower_takes_each_workers_state_from_its_reports():
+    """A router over pools another leads: a worker that stops accepting is draining here too,
+    one that accepts again (in its new role) is active; dead or starting ones are left alone."""
+    reg, heard = registry()
+    reg.follow("decode-1", DECODE, accepting=True)                  # nothing new: nothing heard
+    reg.follow("decode-1", DECODE, accepting=False)
+    assert [m.worker_id for m in reg.active(DECODE)] == ["decode-0"] and reg["decode-1"].alive
+    reg.follow("decode-1", PREFILL, accepting=False)                # flipped, not taken back yet
+    reg.follow("decode-1", PREFILL, accepting=True)
+    assert [m.worker_id for m in reg.active(PREFILL)] == ["prefill-0", "decode-1"]
+    assert heard == [("decode-1", ACTIVE, DECODE, DRAINING, DECODE), ("decode-1", DRAINING, DECODE, DRAINING, PREFILL),
+                     ("decode-1", DRAINING, PREFILL, ACTIVE, PREFILL)]
+    reg.lost("decode-0")
+    reg.follow("decode-0", DECODE, accepting=True)                  # its own pump brings it back
+    assert reg["decode-0"].state == DEAD
+
+
 def test_a_worker_drained_to_leave_stops_and_frees_its_slot():
     reg, _ = registry(budget=3)
     with pytest.raises(ValueError, match="budget of 3"):

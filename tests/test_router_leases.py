@@ -133,6 +133,7 @@ def test_a_lapsed_router_loses_only_its_own_requests():
     outbox; b's request finishes with the offline engine's tokens."""
     a, b = owner_tag("a"), owner_tag("b")
     long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)     # seconds of decoding
+    want_b = offline(PROMPT_B, GREEDY)            # (before: b's lease must not lapse meanwhile)
     with local_worker(router_lease_s=1.0) as w:
         ra, rb = Reader(w.stream_events(a)), Reader(w.stream_events(b))
         try:
@@ -151,8 +152,9 @@ def test_a_lapsed_router_loses_only_its_own_requests():
             assert all(e.retryable and e.cause == "lease_expired" for e in errors)
             assert not ra.finished(f"{a}/r0.0") and len(ra.tokens(f"{a}/r0.0")) < long.max_tokens
             wait_for(beat, lambda _: rb.finished(f"{b}/r0.0"), 60)
-            assert rb.tokens(f"{b}/r0.0") == offline(PROMPT_B, GREEDY)
+            assert rb.tokens(f"{b}/r0.0") == want_b
             assert not [e for e in rb.events if isinstance(e, msg.ErrorEvent)]
+            assert w.heartbeat(b)
             stats = w.stats()
             assert (stats.kv_blocks_used, stats.running, stats.waiting, stats.held) == (0, 0, 0, 0)
             assert stats.lease_expiries == 1 and stats.lease_aborts == 2 and stats.routers == 1
@@ -176,5 +178,31 @@ def test_a_router_that_leaves_ends_its_requests_without_a_lapse():
             stats = wait_for(w.stats, lambda s: s.running == 0 and s.kv_blocks_used == 0, 10)
             assert (stats.routers, stats.lease_expiries, stats.lease_aborts) == (0, 0, 0)
             assert len(ra.tokens(f"{a}/r0.0")) < long.max_tokens
+        finally:
+            ra.close()
+
+
+def test_a_draining_worker_refuses_new_requests_for_a_retry_elsewhere():
+    """The leading router drains a worker (`set_accepting(False)`): a request from any router
+    that arrives then is refused with a retryable error (its router resumes it on another
+    worker), while what runs finishes; the reports say so; taken back, it accepts again."""
+    a = owner_tag("a")
+    with local_worker() as w:
+        ra = Reader(w.stream_events(a))
+        try:
+            w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, GREEDY)))
+            wait_for(lambda: ra.read(), lambda _: ra.tokens(f"{a}/r0.0"), 30)
+            w.set_accepting(False)
+            assert w.stats().accepting is False
+            w.submit(msg.encode(msg.GenerateOp(f"{a}/r1.0", PROMPT_B, GREEDY)))
+            wait_for(lambda: ra.read(), lambda _: ra.finished(f"{a}/r0.0") and any(
+                isinstance(e, msg.ErrorEvent) and e.rid == f"{a}/r1.0" for e in ra.events), 30)
+            refused = next(e for e in ra.events if isinstance(e, msg.ErrorEvent))
+            assert refused.retryable and refused.cause == "worker_draining" and not ra.tokens(f"{a}/r1.0")
+            assert ra.tokens(f"{a}/r0.0") == offline(PROMPT_A, GREEDY)          # what ran, finished
+            w.set_accepting(True)
+            w.submit(msg.encode(msg.GenerateOp(f"{a}/r2.0", PROMPT_B, GREEDY)))
+            wait_for(lambda: ra.read(), lambda _: ra.finished(f"{a}/r2.0"), 30)
+            assert ra.tokens(f"{a}/r2.0") == offline(PROMPT_B, GREEDY) and w.stats().accepting
         finally:
             ra.close()

@@ -160,9 +160,10 @@ def test_two_routers_serve_the_greedy_outputs_and_a_dead_one_loses_only_its_own(
 
 
 def test_an_attached_router_follows_the_leaders_pool_changes(r0, tmp_path, hf_greedy):
-    """The leading router moves a decode worker to the prefill pool (a drain, then the flip) and
-    adds a worker (as its controller does); the attached router sees both (the role in the
-    worker's reports; the new actor's name) and serves the greedy outputs on the new pools."""
+    """The leading router moves a decode worker to the prefill pool (a drain, then the flip)
+    while the attached router streams through the pools, and adds a worker (as its controller
+    does); the attached router follows both (the drain and the role in the worker's reports, the
+    new actor's name) and serves the greedy outputs throughout."""
     prompts = PROMPTS[:4]
     want = hf_greedy(prompts)
     r1 = Router(r0, tmp_path / "r1.log")
@@ -172,8 +173,19 @@ def test_an_attached_router_follows_the_leaders_pool_changes(r0, tmp_path, hf_gr
     try:
         assert pools_of(r1.url) == {"prefill": 1, "decode": 2, "colocated": 0}
         dispatcher = r0.server.dispatcher
-        r0.loop.call_soon_threadsafe(r0.pools.drain, "decode-1", "prefill")
-        wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 1, "colocated": 0}, 30)
+
+        async def drain_under_load():
+            # r1 streams while the leader drains decode-1: r1's requests that reach it after the
+            # drain began are refused there and resume on decode-0; those running finish.
+            outs = [[] for _ in prompts]
+            runs = [asyncio.ensure_future(stream(r1.url, p, outs[i])) for i, p in enumerate(prompts)]
+            while sum(map(len, outs)) < len(prompts):
+                await asyncio.wait(runs, timeout=0.05)
+            r0.loop.call_soon_threadsafe(r0.pools.drain, "decode-1", "prefill")
+            await asyncio.gather(*runs)
+            return outs
+        assert asyncio.run(drain_under_load()) == want
+        wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 1, "colocated": 0}, 60)
         added = asyncio.run_coroutine_threadsafe(r0._add_worker(dispatcher, "decode"), r0.loop).result(60)
         assert added is not None and added.worker_id == "decode-2"
         wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 2, "colocated": 0}, 120)

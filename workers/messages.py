@@ -174,6 +174,7 @@ class LoadReport:
     preemptions: dict[str, int] = field(default_factory=dict)      # mode -> count
     kv_transfer: TransferTotals = field(default_factory=TransferTotals)
     routers: int = 0                  # routers holding a live lease here (workers/leases.py)
+    accepting: bool = True            # False: draining (the leading router's word); new requests are refused
     lease_expiries: int = 0           # routers' leases that lapsed here, and the requests that ended with them
     lease_aborts: int = 0
 

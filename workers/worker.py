@@ -102,6 +102,7 @@ class Worker:
         self._outboxes: dict[str, _Outbox] = {"": _Outbox("")}
         self.leases = RouterLeases(router_lease_s)
         self._lease_expiries = self._lease_aborts = 0
+        self.accepting = True                         # False while the leading router drains it
         self._stop = False
         self._stopped = threading.Event()             # watch() returns on it
         self._peer_locks: dict[str, threading.Lock] = {}
@@ -260,6 +261,17 @@ class Worker:
                 self._load = report
             return True
         return self._in_loop(flip)
+
+    def set_accepting(self, accepting: bool) -> None:
+        """The leading router drains this worker (False) or takes it back (True). While draining,
+        new requests (of any router) are refused with a retryable error, so that a router that
+        did not know resumes them elsewhere, and the drain completes; what runs, finishes."""
+        def flip():
+            self.accepting = accepting
+            report = self._report()
+            with self._cv:
+                self._load = report
+        self._in_loop(flip)
 
     def profile(self, repeats: int = 1, timeout_s: float = 600.0) -> list[list[float]]:
         """Time this worker's own engine over the step grid (workers/step_profile.py), for the
@@ -509,6 +521,7 @@ class Worker:
         report = self.engine.load_report(self.worker_id, self.role, self.steps, h.num_held, h.num_pending,
                                          h.num_receiving, totals)
         report.routers, report.lease_expiries, report.lease_aborts = self.leases.num_live, expiries, aborts
+        report.accepting = self.accepting
         return report
 
     # -- commands (loop thread) ----------------------------------------------------------------
@@ -519,6 +532,10 @@ class Worker:
         if owner := owner_of(op.rid):       # a router's request: it has an outbox and a lease
             self._open_outbox(owner)
             self.leases.renew(owner)
+        if not self.accepting:
+            self._emit(ErrorEvent(op.rid, f"worker {self.worker_id} is draining", retryable=True,
+                                  cause="worker_draining"))
+            return
         try:
             if isinstance(op, DecodeOp):
                 self.handoffs.wait_for_room(op.rid, op)
