@@ -208,8 +208,8 @@ def named_workers() -> dict[str, dict[str, str]]:
 def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict]]:
     """A running cluster's workers, found by their actor names on the Ray cluster this process
     joined: (its shape and engine settings as the workers tell them, its members, each one's
-    `ready()` answer). Without `cluster_id`, the one cluster there is. A worker that does not answer within `timeout_s` (being restarted) joins
-    later, once it does (a starting member)."""
+    `ready()` answer). Without `cluster_id`, the one cluster there is. A worker that does not
+    answer within `timeout_s` (being restarted) joins later, once it does (a starting member)."""
     found = named_workers()
     if cluster_id is None:
         if len(found) != 1:
@@ -225,7 +225,10 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     members, infos = [], []
     for w, ref in refs.items():
-        info = ray.get(ref) if ref in ready else None
+        try:
+            info = ray.get(ref) if ref in ready else None
+        except ray.exceptions.RayActorError:          # died just now: Ray restarts it
+            info = None
         if info is None:
             log.warning("worker %s did not answer within %.0fs; it joins when it does", w, timeout_s)
         else:
