@@ -237,6 +237,9 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
         members.append(Member(w, info["role"] if info else w.rsplit("-", 1)[0], handles[w], ACTIVE if info else STARTING))
     if not infos:
         raise RuntimeError(f"no worker of cluster {cluster_id!r} answered within {timeout_s:g}s")
+    if full := [i["worker_id"] for i in infos if i["routers"] >= i["max_routers"]]:
+        raise RuntimeError(f"worker {full[0]} streams to {infos[0]['max_routers']} routers already, the most a "
+                           "worker takes: stop one first (a dead router's place frees once its lease lapses)")
     roles = collections.Counter(m.role for m in members)
     engine = EngineConfig.from_dict(infos[0]["engine"])
     spec = ClusterSpec(model=engine.model, engine=engine, mode=COLOCATED if roles[COLOCATED] else DISAGGREGATED,

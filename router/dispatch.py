@@ -159,7 +159,7 @@ class Dispatcher:
         await asyncio.gather(*pumps, return_exceptions=True)
         for w in self.pools.live():                      # our leases end now, not at a lapse
             if w.alive:
-                _fire(w.handle.leave.remote(self.owner))
+                _tell(w.handle, "leave", self.owner)
 
     # -- the pumps -----------------------------------------------------------------------------
     async def _pump(self, w: Member) -> None:

@@ -206,3 +206,23 @@ def test_a_draining_worker_refuses_new_requests_for_a_retry_elsewhere():
             assert ra.tokens(f"{a}/r2.0") == offline(PROMPT_B, GREEDY) and w.stats().accepting
         finally:
             ra.close()
+
+
+def test_a_worker_takes_at_most_max_routers():
+    """Each router holds a stream (a socket and a thread) and a pending call on a worker: past
+    MAX_ROUTERS live ones, another is refused clearly; a lapsed one's place frees."""
+    from workers.worker import MAX_ROUTERS
+    clock = Clock()
+    with local_worker() as w:
+        w.leases.clock = clock
+        owners = [owner_tag(f"r{i}") for i in range(MAX_ROUTERS)]
+        addresses = {w.stream_events(o) for o in owners}
+        assert len(addresses) == MAX_ROUTERS and w.ready()["routers"] == MAX_ROUTERS
+        with pytest.raises(RuntimeError, match="the most it takes"):
+            w.stream_events(owner_tag("one-more"))
+        assert w.stream_events(owners[0]) in addresses                  # one already in: its stream again
+        clock.t += w.leases.lease_s + 1
+        for o in owners[1:]:
+            w.heartbeat(o)
+        wait_for(lambda: w.ready()["routers"], lambda n: n == MAX_ROUTERS - 1, 10)   # owners[0] lapsed
+        w.stream_events(owner_tag("one-more"))

@@ -55,7 +55,9 @@ from workers.tensor_parallel import RankLost
 log = logging.getLogger("pdcluster.worker")
 MAX_SAMPLES = 4096                  # per kind between polls; older ones are dropped
 REPORT_EVERY_S = 0.01               # the load report's freshness (polls read the latest)
-MAX_ROUTERS = 16                    # owners with an outbox at once (each has a socket and a thread)
+# Owners with a stream at once: each has a socket and a sender thread here, and keeps one `watch`
+# call pending, which holds one of the actor's threads (launcher: max_concurrency=32).
+MAX_ROUTERS = 8
 
 
 class _Outbox:
@@ -127,7 +129,8 @@ class Worker:
                 "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
                 "pid": os.getpid(), "tensor_parallel_size": e.cfg.tensor_parallel_size,
                 "rank_pids": e.ranks.pids if e.ranks else [], "router_lease_s": self.leases.lease_s,
-                "cluster_id": self.cluster_id, "engine": dataclasses.asdict(e.cfg)}
+                "cluster_id": self.cluster_id, "engine": dataclasses.asdict(e.cfg),
+                "routers": self.leases.num_live, "max_routers": MAX_ROUTERS}
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
@@ -179,8 +182,8 @@ class Worker:
         owner's lease; a new owner's outbox starts with the prefix cache's every block, so a
         router that joins late knows what this worker holds."""
         import zmq
-        if owner not in self._outboxes and len(self._outboxes) > MAX_ROUTERS:
-            raise RuntimeError(f"worker {self.worker_id} streams to {MAX_ROUTERS} routers already")
+        if owner and owner not in self._outboxes and self.leases.num_live >= MAX_ROUTERS:
+            raise RuntimeError(f"worker {self.worker_id} streams to {MAX_ROUTERS} routers already, the most it takes")
         if owner:
             self.leases.renew(owner)
         box = self._outboxes.get(owner) or self._in_loop(lambda: self._open_outbox(owner))
