@@ -134,7 +134,6 @@ class ServingCluster:
                  attach: tuple[list[Member], list[dict]] | None = None, **router_fields):
         self.spec = spec
         self.attach = attach
-        self.leads = attach is None
         self.cfg = router or RouterConfig(**router_fields)
         self.host, self.port = self.cfg.host, self.cfg.port
         self.model_name = self.cfg.served_model_name or spec.model
@@ -144,6 +143,11 @@ class ServingCluster:
         self.infos: list[dict] = []                   # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def leads(self) -> bool:
+        """It launched the pools (not attached to another's): it keeps their lives."""
+        return self.attach is None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

@@ -68,7 +68,6 @@ class _Outbox:
     they do not pile up where no router looks."""
 
     def __init__(self, owner: str, cached: list[bytes] = ()):
-        self.owner = owner
         self.fed = bool(owner)
         self.events: list = []
         self.samples = {k: deque(maxlen=MAX_SAMPLES) for k in SAMPLE_KINDS}
