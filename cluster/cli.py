@@ -289,21 +289,42 @@ def router_args(a: argparse.Namespace) -> list[str]:
     return out
 
 
+def _join(a, what: str) -> str:
+    """Join the Ray cluster that `--address` (or RAY_ADDRESS) names, for a command on running
+    pools; the address."""
+    address = a.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ValueError(f"{what}: give their Ray cluster's address (--address, or RAY_ADDRESS; `pdcluster serve` "
+                         "prints it)")
+    if a.cluster_id is not None:
+        check_name(a.cluster_id, "--cluster-id")
+    from cluster.launcher import connect
+    connect(ClusterSpec(address=address))
+    return address
+
+
 def cmd_router(a) -> int:
     from cluster.ports import check_port_free
     router = router_config_from_args(a)
     check_port_free(router.host, router.port)
-    address = a.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        raise ValueError("a router attaches to running pools: give their Ray cluster's address (--address, or "
-                         "RAY_ADDRESS; `pdcluster serve` prints it)")
-    if a.cluster_id is not None:
-        check_name(a.cluster_id, "--cluster-id")
-    from cluster.launcher import connect, find_cluster
-    connect(ClusterSpec(address=address))
-    spec, members, infos = find_cluster(a.cluster_id, a.ready_timeout_s)
+    address = _join(a, "a router attaches to running pools")
+    from cluster.launcher import find_cluster
+    spec, members, infos, book = find_cluster(a.cluster_id, a.ready_timeout_s)
+    # The launcher's settings, on this process's Ray address: workers it adds, should it lead, are
+    # detached as the launcher's are.
+    spec = dataclasses.replace(spec, address=address)
     from cluster.serve import ServingCluster, serve_forever
-    return serve_forever(ServingCluster(spec, router, attach=(members, infos)))
+    return serve_forever(ServingCluster(spec, router, attach=(members, infos), book=book))
+
+
+def cmd_down(a) -> int:
+    if a.grace_s < 0:
+        raise ValueError(f"--grace-s must be >= 0, got {a.grace_s:g}")
+    _join(a, "down removes running pools")
+    from cluster.launcher import remove_cluster
+    cluster_id, n = remove_cluster(a.cluster_id, a.grace_s)
+    print(f"{PROG}: removed cluster {cluster_id} ({n} worker{'s' if n != 1 else ''})")
+    return 0
 
 
 def cmd_bench(a) -> int:
@@ -339,14 +360,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("router", help="another router over running pools (those a `serve` launched)",
                        description="Serve the OpenAI API over pools another `pdcluster serve` launched, beside its "
-                       "router: more front-end capacity, and one that a router's death does not take down. It "
-                       "leaves restarts, drains, the controller and the workers' metrics to that serve.")
+                       "router: more front-end capacity, and one that a router's death does not take down. One "
+                       "router leads (restarts of hung workers, drains, the controller, the workers' metrics): the "
+                       "serve that launched the pools, and, should it die, one of the routers attached.")
     r.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS)")
     r.add_argument("--cluster-id", help="which pools (default: the only ones on that Ray cluster)")
     r.add_argument("--ready-timeout-s", type=float, default=60.0, help="seconds for the workers to answer")
     add_flags(r.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
     add_flags(r.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
     r.set_defaults(func=cmd_router)
+
+    dn = sub.add_parser("down", help="remove a cluster's pools from a Ray cluster (a serve that died left them)",
+                        description="Stop a cluster's workers and remove its book; its routers then stop. On a Ray "
+                        "cluster the pools outlive the `serve` that launched them, should it die (its routers take "
+                        "over); stopping that serve cleanly removes them, as this does.")
+    dn.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS)")
+    dn.add_argument("--cluster-id", help="which pools (default: the only ones on that Ray cluster)")
+    dn.add_argument("--grace-s", type=float, default=5.0, help="seconds each worker gets to stop before it is killed")
+    dn.set_defaults(func=cmd_down)
 
     from cluster.bench import add_bench_args
     from cluster.capacity import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate

@@ -6,7 +6,6 @@ thread each, so several fit on a laptop.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -20,11 +19,11 @@ import ray
 from cluster.spec import ClusterSpec
 from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
-from workers.config import EngineConfig
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL, ROLES
+from workers.names import ROLES
 
-__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "connect", "find_cluster", "launch", "restart", "retire",
-           "shutdown", "start_worker"]
+__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "check_new", "connect", "find_book", "find_cluster", "launch",
+           "open_book", "outlives_launcher", "remove_cluster", "restart", "retire", "shutdown", "start_worker",
+           "stop_cluster"]
 
 log = logging.getLogger("pdcluster.launcher")
 NAMESPACE = "pdcluster"
@@ -143,12 +142,13 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     from workers.worker import Worker, actor_name      # torch: only once workers are made
     gpus = gpus_per_worker(spec)
     tp = spec.tensor_parallel_size(role)
-    opts = dict(name=actor_name(spec.cluster_id, worker_id), namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker,
-                num_gpus=gpus, max_concurrency=32, max_restarts=-1, max_task_retries=0)
+    name = actor_name(spec.cluster_id, worker_id)
+    opts = dict(name=name, namespace=NAMESPACE, num_cpus=spec.num_cpus_per_worker, num_gpus=gpus,
+                max_concurrency=32, max_restarts=-1, max_task_retries=0, **_lifetime(spec))
     group = None
     if tp > 1:
         bundle = {"CPU": spec.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        group = placement_group([bundle] * tp, strategy="STRICT_PACK")
+        group = placement_group([bundle] * tp, strategy="STRICT_PACK", name=f"{name}-ranks", **_lifetime(spec))
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
     elif spec.placement == "spread":      # Ray's SPREAD: each next worker on the next node with room
         opts["scheduling_strategy"] = "SPREAD"
@@ -161,6 +161,43 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     if group is not None:
         _GROUPS[handle] = group
     return handle
+
+
+def outlives_launcher(spec: ClusterSpec) -> bool:
+    """On a Ray cluster that this process joined (not a local one of its own), the workers and
+    the book are detached: they outlive the process that launched them, so that another router
+    can take over their lead (`pdcluster down` removes them). A local Ray ends with its
+    process, and everything on it."""
+    return bool(spec.address or os.environ.get("RAY_ADDRESS"))
+
+
+def _lifetime(spec: ClusterSpec) -> dict:
+    return {"lifetime": "detached"} if outlives_launcher(spec) else {}
+
+
+def open_book(spec: ClusterSpec):
+    """Create the cluster's book (cluster/book.py) with the launch settings; the handle."""
+    from cluster.book import ClusterBook, book_name
+    settings = dataclasses.asdict(spec)
+    return ray.remote(ClusterBook).options(name=book_name(spec.cluster_id), namespace=NAMESPACE, num_cpus=0,
+                                           max_restarts=-1, max_task_retries=0, **_lifetime(spec)).remote(settings)
+
+
+def find_book(cluster_id: str):
+    """A running cluster's book, or None (its cluster was removed, or never had one)."""
+    from cluster.book import book_name
+    try:
+        return ray.get_actor(book_name(cluster_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def check_new(cluster_id: str) -> None:
+    """Fail, naming the two ways on, when a cluster of this id runs on the Ray cluster already."""
+    if cluster_id in named_workers() or find_book(cluster_id) is not None:
+        raise RuntimeError(f"cluster {cluster_id!r} runs on this Ray cluster already: attach a router to it "
+                           f"(`pdcluster router --cluster-id {cluster_id}`), remove it (`pdcluster down "
+                           f"--cluster-id {cluster_id}`), or give another --cluster-id")
 
 
 def room_for_one(spec: ClusterSpec) -> str | None:
@@ -205,11 +242,9 @@ def named_workers() -> dict[str, dict[str, str]]:
     return found
 
 
-def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict]]:
-    """A running cluster's workers, found by their actor names on the Ray cluster this process
-    joined: (its shape and engine settings as the workers tell them, its members, each one's
-    `ready()` answer). Without `cluster_id`, the one cluster there is. A worker that does not
-    answer within `timeout_s` (being restarted) joins later, once it does (a starting member)."""
+def _cluster_names(cluster_id: str | None) -> tuple[str, dict[str, str]]:
+    """(the cluster id, {worker id: actor name}) of a running cluster; without `cluster_id`, of
+    the one cluster there is."""
     found = named_workers()
     if cluster_id is None:
         if len(found) != 1:
@@ -219,7 +254,20 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
     if cluster_id not in found:
         raise RuntimeError(f"no workers of cluster {cluster_id!r} on this Ray cluster"
                            + (f" (it has {', '.join(sorted(found))})" if found else ""))
-    names = found[cluster_id]
+    return cluster_id, found[cluster_id]
+
+
+def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict], object]:
+    """A running cluster, found by its actors' names on the Ray cluster this process joined:
+    (its launch settings, from its book; its members; each one's `ready()` answer; its book).
+    Without `cluster_id`, the one cluster there is. A worker that does not answer within
+    `timeout_s` (being restarted) joins later, once it does (a starting member)."""
+    cluster_id, names = _cluster_names(cluster_id)
+    book = find_book(cluster_id)
+    if book is None:
+        raise RuntimeError(f"cluster {cluster_id!r} has workers but no book (its launcher is stopping it, or an "
+                           "older pdcluster launched it): remove it with `pdcluster down` and launch it again")
+    spec = ClusterSpec(**ray.get(book.settings.remote(), timeout=timeout_s))
     handles = {w: ray.get_actor(name, namespace=NAMESPACE) for w, name in sorted(names.items())}
     refs = {w: h.ready.remote() for w, h in handles.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -240,13 +288,37 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
     if full := [i["worker_id"] for i in infos if i["routers"] >= i["max_routers"]]:
         raise RuntimeError(f"worker {full[0]} streams to {infos[0]['max_routers']} routers already, the most a "
                            "worker takes: stop one first (a dead router's place frees once its lease lapses)")
-    roles = collections.Counter(m.role for m in members)
-    engine = EngineConfig.from_dict(infos[0]["engine"])
-    spec = ClusterSpec(model=engine.model, engine=engine, mode=COLOCATED if roles[COLOCATED] else DISAGGREGATED,
-                       num_prefill=max(1, roles[PREFILL]), num_decode=max(1, roles[DECODE]),
-                       num_colocated=max(1, roles[COLOCATED]), cluster_id=cluster_id,
-                       router_lease_s=infos[0]["router_lease_s"])
-    return spec, members, infos
+    return spec, members, infos, book
+
+
+def remove_cluster(cluster_id: str | None, grace_s: float = 5.0) -> tuple[str, int]:
+    """`pdcluster down`: stop a running cluster's workers and remove its book (its routers then
+    exit). (The cluster id, how many workers it had.)"""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+    cluster_id, names = _cluster_names(cluster_id)
+    members = []
+    for w, name in names.items():
+        try:
+            members.append(Member(w, "", ray.get_actor(name, namespace=NAMESPACE)))
+        except ValueError:                            # gone meanwhile
+            pass
+    stop_cluster(members, find_book(cluster_id), grace_s)
+    for name in names.values():                       # a tensor-parallel worker's ranks
+        try:
+            remove_placement_group(get_placement_group(f"{name}-ranks"))
+        except ValueError:
+            pass
+    return cluster_id, len(members)
+
+
+def stop_cluster(workers: list[Member], book, grace_s: float = 5.0) -> None:
+    """Stop the workers, then remove the book: the routers still attached see it gone, and stop."""
+    shutdown(workers, grace_s)
+    if book is not None:
+        try:
+            ray.kill(book, no_restart=True)
+        except Exception:                 # already gone
+            pass
 
 
 def restart(handle) -> None:

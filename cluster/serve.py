@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -16,12 +17,12 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import (NAMESPACE, ClusterSpec, check_fits, connect, launch, named_workers, restart, retire,
-                              room_for_one, shutdown, start_worker)
+from cluster.launcher import (NAMESPACE, ClusterSpec, check_fits, check_new, connect, find_book, launch, named_workers,
+                              open_book, restart, retire, room_for_one, start_worker, stop_cluster)
 from cluster.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, awaitable
 from router.pools import STARTING, STOPPED, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import RouterConfig
@@ -35,18 +36,19 @@ log = logging.getLogger("pdcluster.serve")
 
 @contextlib.asynccontextmanager
 async def _lifespan(app):
-    app.state.dispatcher.start()
-    controller = app.state.controller
-    if controller is not None:
-        controller.start()
-    follow = app.state.follow
-    task = asyncio.ensure_future(follow()) if follow is not None else None
+    dispatcher, cluster = app.state.dispatcher, app.state.cluster
+    dispatcher.start()
+    tasks = []
+    if cluster is not None:
+        await cluster._claim_lead()               # before the first request: who leads is settled
+        tasks = [asyncio.ensure_future(cluster._lead()), asyncio.ensure_future(cluster._follow())]
     yield
-    if task is not None:
-        task.cancel()
-    if controller is not None:
-        await controller.stop()
-    await app.state.dispatcher.stop()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if cluster is not None:
+        await cluster._step_down()
+    await dispatcher.stop()
 
 
 class DrainingServer(uvicorn.Server):
@@ -125,15 +127,21 @@ class ServingCluster:
     """Workers + router + HTTP server. `with ServingCluster(spec, port=...) as c: c.base_url ...`
     (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`).
 
-    With `attach` (launcher.find_cluster's members and ready() answers), a router over pools
-    another process launched and leads (`pdcluster router`): it serves, and leaves the workers'
-    lives (restarts of hung ones, drains, the controller, their metrics) to that one; closing it
-    stops only itself."""
+    Without `attach`, it launches the pools and their book (cluster/book.py), and owns them:
+    closing it stops them. With `attach` (launcher.find_cluster's members and ready() answers)
+    and that cluster's `book`, a router over pools another process launched (`pdcluster
+    router`): closing it stops only itself.
+
+    Either way, the router that holds the cluster's lead keeps the workers' lives (restarts of
+    hung ones, drains, the controller, their metrics). The launcher takes it first; should it
+    die, a router attached to the pools takes it over once its lease lapses."""
 
     def __init__(self, spec: ClusterSpec, router: RouterConfig | None = None, ray_num_cpus: int | None = None,
-                 attach: tuple[list[Member], list[dict]] | None = None, **router_fields):
+                 attach: tuple[list[Member], list[dict]] | None = None, book=None, **router_fields):
         self.spec = spec
         self.attach = attach
+        self.book = book                              # the cluster's book actor (the launcher opens it)
+        self.dispatcher: Dispatcher | None = None
         self.cfg = router or RouterConfig(**router_fields)
         self.host, self.port = self.cfg.host, self.cfg.port
         self.model_name = self.cfg.served_model_name or spec.model
@@ -142,12 +150,18 @@ class ServingCluster:
         self.controller = None                        # cluster/pool_control.py's, with spec.controller
         self.infos: list[dict] = []                   # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
+        self._renewed = -math.inf                     # when this router last renewed the lead
         self._thread: threading.Thread | None = None
 
     @property
-    def leads(self) -> bool:
-        """It launched the pools (not attached to another's): it keeps their lives."""
+    def owns(self) -> bool:
+        """It launched the pools (not attached to another's): it stops them when it stops."""
         return self.attach is None
+
+    @property
+    def leads(self) -> bool:
+        """It holds the cluster's lead now (before it serves: it will claim it first, if it owns)."""
+        return self.dispatcher.leads if self.dispatcher is not None else self.owns
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -186,26 +200,26 @@ class ServingCluster:
         else:
             if connect(self.spec, self.ray_num_cpus):
                 check_fits(self.spec)
+            check_new(self.spec.cluster_id)
             members, infos = launch(self.spec)
-        # (the leader keeps to the worker budget; a follower takes in whatever the leader added)
-        self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.leads else None)
+            self.book = open_book(self.spec)
+        # Any router may come to lead (cluster/book.py): each keeps what leading needs ready.
+        self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.owns else None)
         self.infos = infos
-        cfg, leads = self.cfg, self.leads
-        metrics = Metrics(cfg.slo, cfg.router_id, workers=leads)
-        dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries,
-                                hang_timeout_s=cfg.worker_hang_timeout_s, restart_timeout_s=self.spec.ready_timeout_s,
-                                restart=restart if leads else None, retire=retire if leads else None,
-                                block_size=infos[0]["block_size"],
-                                local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
-                                decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
-                                router_lease_s=self.spec.router_lease_s, leads=leads)
+        cfg = self.cfg
+        metrics = Metrics(cfg.slo, cfg.router_id, workers=False)
+        self.dispatcher = dispatcher = Dispatcher(
+            self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries, hang_timeout_s=cfg.worker_hang_timeout_s,
+            restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
+            block_size=infos[0]["block_size"], local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+            decode_gate=cfg.decode_gate, decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
+            router_lease_s=self.spec.router_lease_s, leads=False)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
-        fit = (self._step_fit(dispatcher, infos) if self.spec.controller and leads or cfg.admission == SLO or local_auto
-               else None)
+        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
         if local_auto:
             dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
-        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller and leads else None
+        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
                                   sched.max_num_seqs) if cfg.admission == SLO else None)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
@@ -217,8 +231,7 @@ class ServingCluster:
         self.server = server
         app = build_app(server)
         app.state.dispatcher = dispatcher
-        app.state.controller = self.controller
-        app.state.follow = None if leads else lambda: self._follow(dispatcher)
+        app.state.cluster = self
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
@@ -233,7 +246,7 @@ class ServingCluster:
         before serving (seconds on a GPU), so that the controller has a model from the start."""
         from workers.cost_model import StepFit
         info, profiled = infos[0], []
-        if self.spec.controller and self.leads:
+        if self.spec.controller and self.owns:      # (a router that comes to lead fits on served steps)
             t0 = time.monotonic()
             profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
@@ -258,12 +271,88 @@ class ServingCluster:
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
                               sched.max_num_seqs, add_worker=lambda role: self._add_worker(dispatcher, role))
 
-    async def _follow(self, dispatcher: Dispatcher, every_s: float = 5.0) -> None:
-        """An attached router: every few seconds, take in the workers the leading router added
-        since (its controller grows pools); each joins once it answers `ready()`."""
-        cluster_id = self.spec.cluster_id
+    # -- the lead (cluster/book.py) ------------------------------------------------------------
+    async def _claim_lead(self) -> None:
+        """Claim the cluster's lead (the holder's claim renews it), and lead or follow as the book
+        answers. A router that cannot reach the book keeps leading only while its last renewal
+        lasts (another takes the lead once it lapses); a book gone for good means that the
+        cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops."""
+        d, lease_s = self.dispatcher, self.spec.router_lease_s
+        try:
+            holder, term = await asyncio.wait_for(awaitable(self.book.claim.remote(d.owner, lease_s)), lease_s / 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if await asyncio.to_thread(find_book, self.spec.cluster_id) is None:
+                log.error("cluster %s was removed; this router stops", self.spec.cluster_id)
+                self._uvicorn.request_exit()
+            elif d.leads and time.monotonic() - self._renewed > lease_s:
+                log.error("could not renew the lead within its lease (%s): following", e)
+                await self._demote()
+            else:
+                log.warning("could not reach the cluster's book: %s", e)
+            return
+        if holder == d.owner:
+            self._renewed = time.monotonic()
+            if not d.leads:
+                log.warning("router %s leads cluster %s now (term %d)", self.cfg.router_id, self.spec.cluster_id, term)
+                self._promote()
+        elif d.leads:
+            log.error("router %s took the lead (this one had stalled past its lease): following", holder)
+            await self._demote()
+
+    def _promote(self) -> None:
+        self.dispatcher.take_lead()
+        self.pools.budget = self.spec.budget
+        if self.controller is not None:
+            self.controller.start()
+
+    async def _demote(self) -> None:
+        self.dispatcher.give_up_lead()
+        self.pools.budget = None
+        if self.controller is not None:
+            await self.controller.stop()
+
+    async def _lead(self) -> None:
+        """Every quarter lease: claim the lead; relay requests (a follower posts its new ones to
+        the book, the leader takes the others' into its log, for the controller)."""
+        log_, posted = self.dispatcher.metrics.requests, -math.inf
+        while True:
+            await asyncio.sleep(self.spec.router_lease_s / 4)
+            await self._claim_lead()
+            try:
+                if self.dispatcher.leads:
+                    arrivals, finishes = await asyncio.wait_for(
+                        awaitable(self.book.take.remote(self.dispatcher.owner)), self.spec.router_lease_s / 2)
+                    log_.merge_aged(arrivals, finishes)
+                else:
+                    cut = log_.clock()
+                    arrivals, finishes = log_.aged_since(posted)
+                    posted = cut
+                    if arrivals or finishes:
+                        await asyncio.wait_for(awaitable(self.book.post.remote(self.dispatcher.owner, arrivals, finishes)),
+                                               self.spec.router_lease_s / 2)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                       # the next turn claims, and finds out why
+                log.warning("could not relay requests through the cluster's book: %s", e)
+
+    async def _step_down(self) -> None:
+        """Stopping: stop the controller, and hand the lead on at once (not at its lapse)."""
+        if self.dispatcher.leads:
+            if self.controller is not None:
+                await self.controller.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(awaitable(self.book.release.remote(self.dispatcher.owner)), 2)
+
+    async def _follow(self, every_s: float = 5.0) -> None:
+        """While another router leads: every few seconds, take in the workers it added since (its
+        controller grows pools); each joins once it answers `ready()`."""
+        cluster_id, dispatcher = self.spec.cluster_id, self.dispatcher
         while True:
             await asyncio.sleep(every_s)
+            if dispatcher.leads:
+                continue
             try:
                 names = (await asyncio.to_thread(named_workers)).get(cluster_id, {})
             except Exception as e:                       # the GCS is briefly away: next time
@@ -323,8 +412,8 @@ class ServingCluster:
     def close(self) -> None:
         """stop_serving(), then stop the workers (those it launched)."""
         self.stop_serving()
-        if self.leads:
-            shutdown(self.workers)
+        if self.owns:
+            stop_cluster(self.workers, self.book)
         self.pools = None
 
 
@@ -334,13 +423,13 @@ def banner(cluster: ServingCluster) -> list[str]:
     nodes = {i["worker_id"]: i.get("node", "?") for i in cluster.infos}
     auth = f" -H {shlex.quote('Authorization: Bearer ' + cluster.cfg.api_key)}" if cluster.cfg.api_key else ""
     body = json.dumps({"model": cluster.model_name, "prompt": "Hello", "max_tokens": 16})
-    how = "" if cluster.leads else f"router {cluster.cfg.router_id}, attached to "
+    how = "" if cluster.owns else f"router {cluster.cfg.router_id}, attached to "
     lines = [f"pdcluster: serving {cluster.model_name!r} ({how}cluster {cluster.spec.cluster_id}, {cluster.spec.mode}: "
              + ", ".join(f"{w.role} {w.worker_id} on {nodes.get(w.worker_id, '?')}" for w in cluster.workers) + ")",
              f"  OpenAI API at {cluster.base_url}   (metrics: http://{cluster.host}:{cluster.port}/metrics)",
              f"  try: curl {cluster.base_url}/completions -H 'Content-Type: application/json'{auth} "
              f"-d {shlex.quote(body)}"]
-    if cluster.leads and ray.is_initialized():
+    if cluster.owns and ray.is_initialized():
         lines.append(f"  another router: pdcluster router --address {ray.get_runtime_context().gcs_address} "
                      f"--cluster-id {cluster.spec.cluster_id} --router-id NAME --port PORT")
     return lines
@@ -349,7 +438,7 @@ def banner(cluster: ServingCluster) -> list[str]:
 def serve_forever(cluster: ServingCluster, more_routers: int = 0, router_args: list[str] = ()) -> int:
     """Serve until a signal. `more_routers`: also run that many `pdcluster router` processes
     over these pools, on the next ports (each with `router_args`, the router flags given)."""
-    name = "serve" if cluster.leads else "router"
+    name = "serve" if cluster.owns else "router"
     server = cluster.build(announce=lambda line: print(f"pdcluster {name}: {line}", file=sys.stderr, flush=True))
     ports = [cluster.port + i for i in range(1, more_routers + 1)]
     print("\n".join(banner(cluster)), flush=True)
@@ -366,8 +455,8 @@ def serve_forever(cluster: ServingCluster, more_routers: int = 0, router_args: l
         server.run()
     finally:
         _stop_routers(children, cluster.cfg.drain_timeout_s + 15)
-        if cluster.leads:
-            shutdown(cluster.workers)
+        if cluster.owns:
+            stop_cluster(cluster.workers, cluster.book)
         if ray.is_initialized():
             ray.shutdown()
     return 0

@@ -88,8 +88,9 @@ class Dispatcher:
         # to each worker every quarter lease keeps it; workers/leases.py).
         self.owner = owner_tag(router_id)
         self.router_lease_s = router_lease_s
-        # One router leads (it launched the pools and changes them); another follows the roles
-        # the workers report (a flip the leader's controller made).
+        # One router leads (it holds the cluster's lead: cluster/book.py): it restarts hung
+        # workers, drains, retires; another follows the roles the workers report (a flip the
+        # leader's controller made). `take_lead` and `give_up_lead` move it.
         self.leads = leads
         self._lapsed: set[str] = set()       # workers that said our lease had lapsed there
         self._beat: asyncio.Task | None = None
@@ -134,6 +135,20 @@ class Dispatcher:
         self._open_gate()                                # a decode worker more or less
         if old_role != m.role:
             self.metrics.role_changes.labels(old_role, m.role).inc()
+
+    def take_lead(self) -> None:
+        """This router leads now. A drain that the last leader left half done is called off (the
+        worker takes new requests again; the controller, if any, decides anew): no router
+        would ever finish it."""
+        self.leads = True
+        self.metrics.export_workers(True)
+        for m in list(self.pools.draining()):
+            self.pools.follow(m.worker_id, m.role, True)
+
+    def give_up_lead(self) -> None:
+        """Another router leads now: follow the pools as the workers report them."""
+        self.leads = False
+        self.metrics.export_workers(False)
 
     def start(self) -> None:
         for m in self.pools.live():
@@ -182,7 +197,7 @@ class Dispatcher:
                         self._resume_all(w, "lease_expired", "this router's lease lapsed")
                         continue
                     self._lost(w, "hung", f"no events nor heartbeat within {self.hang_timeout_s:g}s")
-                    if self._restart is not None:
+                    if self.leads and self._restart is not None:
                         self._restart(w.handle)
                     if not await self._await_ready(w, self.restart_timeout_s):
                         return
@@ -226,7 +241,7 @@ class Dispatcher:
         nothing) and rejoins; or, drained to leave, it stops."""
         if w.to_role is not None:
             try:
-                flipped = await asyncio.wait_for(_awaitable(w.handle.set_role.remote(w.to_role)), self.hang_timeout_s)
+                flipped = await asyncio.wait_for(awaitable(w.handle.set_role.remote(w.to_role)), self.hang_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:                       # the next poll finds out what happened
@@ -243,7 +258,7 @@ class Dispatcher:
         self.pools.finish_drain(w.worker_id)
         self.metrics.forget_worker(w.worker_id, w.role)
         log.info("worker %s: drained, leaving the cluster", w.worker_id)
-        if self._retire is not None:
+        if self.leads and self._retire is not None:
             await asyncio.to_thread(self._retire, w.handle)
 
     def _lost(self, w: Member, cause: str, detail: str) -> None:
@@ -281,7 +296,7 @@ class Dispatcher:
 
     async def _beat_one(self, w: Member, timeout_s: float) -> bool:
         """One heartbeat (a worker that fails to answer is the pump's business)."""
-        return await asyncio.wait_for(_awaitable(w.handle.heartbeat.remote(self.owner)), timeout_s)
+        return await asyncio.wait_for(awaitable(w.handle.heartbeat.remote(self.owner)), timeout_s)
 
     async def _await_ready(self, w: Member, timeout_s: float) -> bool:
         """Wait for a starting (or restarted) worker to load its model; then it joins its pool.
@@ -292,9 +307,9 @@ class Dispatcher:
         restarting = w.state == DEAD
         while time.monotonic() - t0 < timeout_s and w.state != STOPPED and not self._stopping:
             try:
-                await asyncio.wait_for(_awaitable(w.handle.ready.remote()), timeout_s)
+                await asyncio.wait_for(awaitable(w.handle.ready.remote()), timeout_s)
                 if restarting:
-                    await asyncio.wait_for(_awaitable(w.handle.set_role.remote(w.to_role or w.role)), timeout_s)
+                    await asyncio.wait_for(awaitable(w.handle.set_role.remote(w.to_role or w.role)), timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception:                            # still starting or restarting
@@ -316,7 +331,7 @@ class Dispatcher:
             log.error("worker %s did not %s within %.0fs; the %s pool stays smaller", w.worker_id,
                       "come back" if restarting else "start", timeout_s, w.role)
         self.pools.stop(w.worker_id)
-        if self._retire is not None:
+        if self.leads and self._retire is not None:
             await asyncio.to_thread(self._retire, w.handle)
         return False
 
@@ -686,7 +701,7 @@ def _resume_for(ev: msg.Event) -> _Resume | None:
     raise APIError(400, ev.error)
 
 
-def _awaitable(ref):
+def awaitable(ref):
     """A handle's call result as something asyncio.wait_for accepts (a Ray ObjectRef is only
     awaitable; wrapping it makes it a future that can be timed out and cancelled)."""
     async def wait():

@@ -4,7 +4,7 @@ Names follow vLLM's where the meaning is the same, under the `pdcluster:` prefix
 are declared without `_total` (prometheus_client appends it). Workers are Ray actors with no
 HTTP endpoint of their own: the router exports their metrics with `worker` and `role` labels,
 so one scrape of the router's /metrics sees the whole cluster. With several routers, each
-exports its own requests' series, and the one that launched the pools exports the workers';
+exports its own requests' series, and the one that leads exports the workers';
 every series carries the exporting router's `router` label. The README's metrics table lists
 them all.
 
@@ -49,14 +49,21 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 class Metrics:
     """`router`: this router's id, a label on every series it exports. `workers`: export the
-    workers' and pools' series too (one router of several does: the one that launched the pools;
-    the others keep them for their own use, unexported, so that sums over routers count each
-    worker once)."""
+    workers' and pools' series too (one router of several does: the one that leads; the others
+    keep them for their own use, unexported, so that sums over routers count each worker once;
+    `export_workers` switches as the lead moves)."""
 
     def __init__(self, slo: SLOTargets | None = None, router: str = "router", workers: bool = True):
-        r = self.registry = CollectorRegistry()
-        self.exported = CollectorRegistry(auto_describe=False)
+        r = CollectorRegistry()                                  # this router's own series
+        self.worker_registry = CollectorRegistry()               # the workers' and the pools'
+        self.registry = CollectorRegistry(auto_describe=False)   # both, for reading here
+        self.registry.register(r)
+        self.registry.register(self.worker_registry)
+        self.exported = CollectorRegistry(auto_describe=False)   # what /metrics serves
         self.exported.register(_Labelled(r, "router", router))
+        self._workers_exported = _Labelled(self.worker_registry, "router", router)
+        self.exporting_workers = False
+        self.export_workers(workers)
         self.slo = slo or SLOTargets()
         # -- requests, as the router sees them ------------------------------------------------
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
@@ -99,10 +106,7 @@ class Metrics:
         for cause in RESUME_CAUSES:
             self.resumed.labels(cause)
         # -- workers, from their load reports and samples ------------------------------------
-        if not workers:
-            self.worker_registry = r = CollectorRegistry()
-        else:
-            self.worker_registry = r
+        r = self.worker_registry
         labels = ["worker", "role"]
         self.w_running = Gauge(P + "num_requests_running", "Sequences in the running batch", labels, registry=r)
         self.w_waiting = Gauge(P + "num_requests_waiting", "Sequences waiting for a slot (decode: for KV room)",
@@ -161,6 +165,13 @@ class Metrics:
             for cause in LOSS_CAUSES:
                 self.workers_lost.labels(role, cause)
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
+
+    def export_workers(self, on: bool) -> None:
+        """Serve the workers' and pools' series at /metrics too (the leading router does), or
+        keep them for this router's own use only."""
+        if on != self.exporting_workers:
+            (self.exported.register if on else self.exported.unregister)(self._workers_exported)
+            self.exporting_workers = on
 
     # -- router side -----------------------------------------------------------------------------
     def exposition(self) -> bytes:

@@ -89,7 +89,9 @@ class RequestLog:
     """Recent requests as the pool controller reads them (cluster/controller.py `observe`):
     arrivals (time, prompt tokens, max_tokens asked) and finishes (time, sent at, output tokens,
     max_tokens asked, TTFT met, TPOT met), kept for `horizon_s`. The serving router and the
-    simulator each keep one (the simulator on its own clock)."""
+    simulator each keep one (the simulator on its own clock); the leading router also takes in
+    the other routers' (cluster/book.py relays them). Not ordered by time once merged: its
+    readers filter by time."""
 
     def __init__(self, horizon_s: float = 300.0, clock=time.monotonic, max_len: int = 200_000):
         self.horizon_s, self.clock = horizon_s, clock
@@ -102,6 +104,21 @@ class RequestLog:
 
     def finished(self, sent_at: float, output_tokens: int, max_tokens: int, ttft_met: bool, tpot_met: bool) -> None:
         self.finishes.append((self.clock(), sent_at, output_tokens, max_tokens, ttft_met, tpot_met))
+        self._expire()
+
+    def aged_since(self, t: float) -> tuple[list, list]:
+        """The arrivals and finishes recorded after `t` (this log's clock), with each time as an
+        age (seconds before now): what another process's log can take in (`merge_aged`),
+        whatever its clock reads."""
+        now = self.clock()
+        return ([(now - a[0], *a[1:]) for a in self.arrivals if a[0] > t],
+                [(now - f[0], now - f[1], *f[2:]) for f in self.finishes if f[0] > t])
+
+    def merge_aged(self, arrivals: list, finishes: list) -> None:
+        """Take in another router's requests (`aged_since`'s lists, aged as of now)."""
+        now = self.clock()
+        self.arrivals.extend((now - a[0], *a[1:]) for a in arrivals)
+        self.finishes.extend((now - f[0], now - f[1], *f[2:]) for f in finishes)
         self._expire()
 
     def _expire(self) -> None:

@@ -15,6 +15,7 @@ stays untouched): the test reads the cluster's state through the dashboard's HTT
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -198,7 +199,7 @@ def test_workers_span_nodes_and_kv_crosses_them(cluster):
     from cluster.offline import generate
 
     actors = [a for a in list_actors(address=cluster.dashboard, filters=[("state", "=", "ALIVE")], limit=1000)
-              if a.name and a.name.startswith("pdcluster-")]
+              if a.name and a.name.startswith("pdcluster-") and a.class_name == "Worker"]   # (and its book)
     where = {a.name.rsplit("-", 2)[-2]: cluster.node_of[a.node_id] for a in actors}
     assert len(actors) == 2 and sorted(where) == ["decode", "prefill"], actors
     assert where["prefill"] != where["decode"], f"both workers on {where['prefill']}: --placement spread failed"
@@ -254,10 +255,92 @@ def test_bench_as_ray_job_brings_its_result_back(cluster, tmp_path):
     assert len(on_head) == 1 and json.loads(on_head[0].read_text()) == result, on_head
 
 
+def _completion(router: str, prompt: str = PROMPT) -> list[int]:
+    r = httpx.post(router + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _workers(cluster) -> dict[str, int]:
+    """Worker actor name -> pid, of the pdcluster workers alive now."""
+    from ray.util.state import list_actors
+    return {a.name: a.pid for a in list_actors(address=cluster.dashboard, filters=[("state", "=", "ALIVE")],
+                                               limit=1000)
+            if a.name and a.name.startswith("pdcluster-") and a.class_name == "Worker"}
+
+
+def test_a_router_takes_the_lead_when_serve_dies_and_down_removes_the_pools(cluster, tmp_path):
+    """On a Ray cluster the pools outlive the serve that launched them: SIGKILL it, and the
+    router attached to them keeps serving the offline engine's tokens, takes the lead once the
+    dead one's lapses (it exports the workers' metrics, and restarts a hung worker itself), and
+    `pdcluster down` removes the pools, upon which that router stops on its own. (Runs last in
+    this module: it kills the module's serve.)"""
+    from cluster.offline import generate
+    want = generate([{"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}],
+                    model="tiny")[0]["token_ids"]
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    log = tmp_path / "router.log"
+    with open(log, "w") as f:
+        r1 = subprocess.Popen([str(BIN / "pdcluster"), "router", "--address", cluster.address, "--router-id", "r1",
+                               "--port", str(port), "--worker-hang-timeout-s", "3"],
+                              stdout=f, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.root,
+                              preexec_fn=_die_with_us(new_session=False))
+    try:
+        wait_for(lambda: (_alive(r1), _try(lambda: httpx.get(router + "/health", timeout=5).json()["status"])),
+                 lambda v: not v[0] or v[1] == "ok", 120, lambda: _log(log)[-3000:], poll_s=0.2)
+        assert _alive(r1), _log(log)[-3000:]
+        assert _completion(router) == want
+        m = promtext.scrape(router + "/metrics")
+        assert not any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m)    # serve leads: it exports them
+        workers = _workers(cluster)
+        assert len(workers) == 2, workers
+
+        cluster.serve.kill()                                  # SIGKILL: no cleanup of any kind
+        cluster.serve.wait(30)
+        cluster.mark("serve killed")
+        # The workers live on, the same processes; r1 takes the lead once serve's lapses (10 s).
+        led = wait_for(lambda: promtext.scrape(router + "/metrics"),
+                       lambda m: any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m), 40,
+                       lambda: _log(log)[-3000:], poll_s=0.5)
+        assert {promtext.split(k)[1].get("worker") for k in led if k.startswith("pdcluster:kv_cache_usage_perc")} \
+            == {n.split("-", 2)[2] for n in workers}
+        assert _workers(cluster) == workers
+        assert "leads cluster" in _log(log)
+        assert _completion(router) == want
+        cluster.mark("r1 leads")
+
+        # A hung decode worker: the new leader restarts it (Ray alone would wait forever).
+        decode = next(n for n in workers if "-decode-" in n)
+        os.kill(workers[decode], signal.SIGSTOP)
+        assert _completion(router) == want                    # resumed once the worker is back
+        after = _workers(cluster)
+        assert set(after) == set(workers) and after[decode] != workers[decode], (workers, after)
+        m = promtext.scrape(router + "/metrics")
+        assert promtext.total(m, "pdcluster:workers_replaced_total") == 1
+        cluster.mark("hung worker restarted by r1")
+
+        down = subprocess.run([str(BIN / "pdcluster"), "down", "--address", cluster.address], capture_output=True,
+                              text=True, env=cluster.env, cwd=cluster.root, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "(2 workers)" in down.stdout, down.stdout
+        assert _workers(cluster) == {}
+        r1.wait(60)                                           # its cluster is gone: it stops by itself
+        assert "was removed" in _log(log), _log(log)[-3000:]
+        cluster.mark("pools removed; r1 stopped")
+    finally:
+        if _alive(r1):
+            r1.kill()
+            r1.wait()
+        with contextlib.suppress(ProcessLookupError, KeyError, NameError):
+            os.kill(workers[decode], signal.SIGKILL)        # a stopped process, should the test fail first
+
+
 def test_result_block_in_a_job_log():
     """The job's log carries the result between markers: the last complete block wins, a block
     cut short is not a result, and the rest of the log is kept for the submitter to read."""
-    import contextlib
     import io
 
     from cluster.bench import RESULT_BEGIN, emit_result, extract_result

@@ -3,7 +3,8 @@ router "r0") launches 1 prefill + 2 decode workers; `pdcluster router` (a subpro
 runs it) attaches to them as router "r1". Both serve the transformers greedy outputs; SIGKILL of
 r1 mid-stream leaves r0's streams whole, and the workers end r1's requests once its lease lapses,
 so every block comes back; a new r1 attaches and serves; and each router's /metrics carries its
-own label, the workers' series only r0's."""
+own label, the workers' series only r0's (it leads). r1's requests reach r0's request log (the
+controller's) through the cluster's book."""
 from __future__ import annotations
 
 import asyncio
@@ -126,6 +127,12 @@ def test_two_routers_serve_the_greedy_outputs_and_a_dead_one_loses_only_its_own(
         assert not any(k.startswith("pdcluster:num_requests_running") for k in m1)
         done = [promtext.total(m, "pdcluster:request_success_total") for m in (m0, m1)]
         assert done == [len(prompts) / 2] * 2            # they add up: each router counts its own
+        # r1 relays its requests through the cluster's book to the leader (r0): the controller's
+        # log holds every router's requests, each once.
+        log = r0.dispatcher.metrics.requests
+        wait_for(lambda: (len(log.arrivals), len(log.finishes)), lambda n: min(n) >= len(prompts), LEASE_S + 10)
+        assert (len(log.arrivals), len(log.finishes)) == (len(prompts), len(prompts))
+        assert sorted(a[1] for a in log.arrivals) == sorted(map(len, prompts))
 
         # r1 dies (SIGKILL) with its streams mid-way (long ones: they would run on for many seconds);
         # r0's streams, running beside them, finish whole.

@@ -65,3 +65,36 @@ class RouterLeases:
     def num_live(self) -> int:
         with self._lock:
             return len(self._live)
+
+
+class LeaderLease:
+    """Which router leads a cluster (restarts hung workers, retires drained ones, runs the
+    controller, exports the workers' metrics): the one holding this lease. Each router claims
+    it every quarter lease; the holder's claim renews it, anyone else's takes it only once the
+    holder has let it lapse (it died, or stalled past the lease). `term` counts the changes of
+    holder, so that logs and tests can tell one reign from the next.
+
+    Plain Python with an injectable clock; a cluster's registry actor (cluster/book.py) keeps one."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.holder: str | None = None
+        self.expires_at = -float("inf")
+        self.term = 0
+
+    def claim(self, owner: str, lease_s: float) -> str:
+        """Renew the lease for `owner`, or take it when nobody holds it now. Returns the holder."""
+        if lease_s <= 0:
+            raise ValueError(f"the leader lease must be > 0 s, got {lease_s}")
+        now = self.clock()
+        if self.holder != owner and self.expires_at >= now:
+            return self.holder
+        if self.holder != owner:
+            self.holder, self.term = owner, self.term + 1
+        self.expires_at = now + lease_s
+        return owner
+
+    def release(self, owner: str) -> None:
+        """The holder steps down cleanly: the next claim, anyone's, takes it at once."""
+        if self.holder == owner:
+            self.expires_at = -float("inf")
