@@ -449,10 +449,12 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = {r: server.dispatcher.pools.count(r) for r in ROLES}
+        leads = server.dispatcher.leads                # this router leads the cluster (cluster/book.py)
         if server.draining:                            # a load balancer stops sending here
-            return JSONResponse({"status": "draining", "workers": alive}, status_code=503)
+            return JSONResponse({"status": "draining", "workers": alive, "leads": leads}, status_code=503)
         ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))
-        return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive, "leads": leads},
+                            status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -54,7 +54,7 @@ class Metrics:
     `export_workers` switches as the lead moves)."""
 
     def __init__(self, slo: SLOTargets | None = None, router: str = "router", workers: bool = True):
-        r = CollectorRegistry()                                  # this router's own series
+        r = self.registry_own = CollectorRegistry()              # this router's own series
         self.worker_registry = CollectorRegistry()               # the workers' and the pools'
         self.registry = CollectorRegistry(auto_describe=False)   # both, for reading here
         self.registry.register(r)
@@ -63,7 +63,6 @@ class Metrics:
         self.exported.register(_Labelled(r, "router", router))
         self._workers_exported = _Labelled(self.worker_registry, "router", router)
         self.exporting_workers = False
-        self.export_workers(workers)
         self.slo = slo or SLOTargets()
         # -- requests, as the router sees them ------------------------------------------------
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
@@ -165,6 +164,9 @@ class Metrics:
             for cause in LOSS_CAUSES:
                 self.workers_lost.labels(role, cause)
         self._last: dict[tuple, float] = {}      # (worker, counter) -> last cumulative value seen
+        self.leader = Gauge(P + "router_leader", "1 while this router leads the cluster (it restarts hung workers, "
+                            "drains, runs the controller, exports the workers' series)", registry=self.registry_own)
+        self.export_workers(workers)
 
     def export_workers(self, on: bool) -> None:
         """Serve the workers' and pools' series at /metrics too (the leading router does), or
@@ -172,6 +174,7 @@ class Metrics:
         if on != self.exporting_workers:
             (self.exported.register if on else self.exported.unregister)(self._workers_exported)
             self.exporting_workers = on
+        self.leader.set(1 if on else 0)
 
     # -- router side -----------------------------------------------------------------------------
     def exposition(self) -> bytes:

@@ -141,7 +141,11 @@ def test_export_model_writes_a_hf_checkpoint(tmp_path, capsys, tiny_dir):
     (["router", "--address", "127.0.0.1:1", "--router-id", "a~b", "--port", "0"], "--router-id takes"),
     (["serve", "--routers", "0"], "--routers must be >= 1"),
     (["serve", "--cluster-id", ""], "--cluster-id takes"),
-], ids=["no-address", "bad-cluster-id", "bad-router-id", "no-routers", "empty-cluster-id"])
+    (["down"], "give their Ray cluster's address"),
+    (["down", "--address", "127.0.0.1:1", "--cluster-id", "a/b"], "--cluster-id takes"),
+    (["down", "--address", "127.0.0.1:1", "--grace-s", "-1"], "--grace-s must be >= 0"),
+], ids=["no-address", "bad-cluster-id", "bad-router-id", "no-routers", "empty-cluster-id", "down-no-address",
+        "down-bad-cluster-id", "down-bad-grace"])
 def test_several_routers_flags_fail_clearly(args, needle, capsys, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     rc, err = run_cli(args, capsys)

@@ -255,9 +255,9 @@ def test_bench_as_ray_job_brings_its_result_back(cluster, tmp_path):
     assert len(on_head) == 1 and json.loads(on_head[0].read_text()) == result, on_head
 
 
-def _completion(router: str, prompt: str = PROMPT) -> list[int]:
+def _completion(router: str, max_tokens: int = MAX_TOKENS) -> list[int]:
     r = httpx.post(router + "/v1/completions", timeout=120,
-                   json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                          "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
@@ -277,9 +277,13 @@ def test_a_router_takes_the_lead_when_serve_dies_and_down_removes_the_pools(clus
     dead one's lapses (it exports the workers' metrics, and restarts a hung worker itself), and
     `pdcluster down` removes the pools, upon which that router stops on its own. (Runs last in
     this module: it kills the module's serve.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     from cluster.offline import generate
-    want = generate([{"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}],
-                    model="tiny")[0]["token_ids"]
+    long_tokens = 600
+    want_long = generate([{"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0, "ignore_eos": True}],
+                         model="tiny")[0]["token_ids"]
+    want = want_long[:MAX_TOKENS]
     port = free_port()
     router = f"http://127.0.0.1:{port}"
     log = tmp_path / "router.log"
@@ -298,9 +302,16 @@ def test_a_router_takes_the_lead_when_serve_dies_and_down_removes_the_pools(clus
         workers = _workers(cluster)
         assert len(workers) == 2, workers
 
-        cluster.serve.kill()                                  # SIGKILL: no cleanup of any kind
-        cluster.serve.wait(30)
-        cluster.mark("serve killed")
+        # serve dies (SIGKILL: no cleanup of any kind) while r1 streams a long request: it finishes whole.
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_completion, router, long_tokens)
+            wait_for(lambda: promtext.total(promtext.scrape(router + "/metrics"), "pdcluster:router_requests_running"),
+                     lambda n: n >= 1 or running.done(), 60, poll_s=0.1)
+            cluster.serve.kill()
+            cluster.serve.wait(30)
+            cluster.mark("serve killed")
+            assert not running.done(), "the request finished before serve died: make it longer"
+            assert running.result(timeout=120) == want_long
         # The workers live on, the same processes; r1 takes the lead once serve's lapses (10 s).
         led = wait_for(lambda: promtext.scrape(router + "/metrics"),
                        lambda m: any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m), 40,

@@ -10,7 +10,7 @@ POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.bloc
                   "workers.faults", "workers.engine_core", "cluster.simulate", "workers.cost_model", "cluster.controller",
                   "workers.messages", "workers.config", "workers.names", "router.picker", "router.slo",
                   "router.config", "cluster.spec", "router.pools", "cluster.pool_control", "router.admission",
-                  "cluster.sim_control")
+                  "cluster.sim_control", "workers.leases", "cluster.book")
 
 
 def test_policy_modules_load_neither_torch_nor_ray():

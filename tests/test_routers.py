@@ -230,3 +230,16 @@ def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, 
         wait_pools_clean(r0, 30)
     finally:
         r1.kill()
+
+
+def test_a_second_launch_of_running_pools_and_down_of_absent_ones_fail_naming_the_way(r0):
+    """`serve --cluster-id` of pools that run already fails before it launches anything, naming
+    `pdcluster router` and `pdcluster down`; `down` of pools that are not there names those that are."""
+    from cluster.launcher import remove_cluster
+    again = ServingCluster(ClusterSpec(model="tiny", num_prefill=1, num_decode=1, cluster_id=r0.spec.cluster_id),
+                           port=free_port())
+    with pytest.raises(RuntimeError, match="runs on this Ray cluster already.*pdcluster router.*pdcluster down"):
+        again.build()
+    with pytest.raises(RuntimeError, match=f"no workers of cluster 'absent'.*{r0.spec.cluster_id}"):
+        remove_cluster("absent")
+    assert set(r0.answering()) == {w.worker_id for w in r0.workers}      # r0's pools untouched
