@@ -93,6 +93,7 @@ class Dispatcher:
         # leader's controller made). `take_lead` and `give_up_lead` move it.
         self.leads = leads
         self._lapsed: set[str] = set()       # workers that said our lease had lapsed there
+        self._hung: set[str] = set()         # workers this router lost as hung while it followed, not back
         self._beat: asyncio.Task | None = None
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
@@ -139,11 +140,19 @@ class Dispatcher:
     def take_lead(self) -> None:
         """This router leads now. A drain that the last leader left half done is called off (the
         worker takes new requests again; the controller, if any, decides anew): no router
-        would ever finish it."""
+        would ever finish it. (`_restart` blocks briefly: a Ray kill.)"""
         self.leads = True
         self.metrics.export_workers(True)
         for m in list(self.pools.draining()):
             self.pools.follow(m.worker_id, m.role, True)
+        # A worker seen hung while another led is restarted now, should that leader have died
+        # before it did (if it did, the worker loads its model once more: one restart too many,
+        # rather than a worker that never comes back).
+        for worker_id in self._hung:
+            log.warning("worker %s: hung and not back; restarting it", worker_id)
+            if self._restart is not None:
+                self._restart(self.pools[worker_id].handle)
+        self._hung.clear()
 
     def give_up_lead(self) -> None:
         """Another router leads now: follow the pools as the workers report them."""
@@ -199,7 +208,11 @@ class Dispatcher:
                     self._lost(w, "hung", f"no events nor heartbeat within {self.hang_timeout_s:g}s")
                     if self.leads and self._restart is not None:
                         self._restart(w.handle)
-                    if not await self._await_ready(w, self.restart_timeout_s):
+                    else:                                # the leader restarts it; or this router, should it lead
+                        self._hung.add(w.worker_id)
+                    back = await self._await_ready(w, self.restart_timeout_s)
+                    self._hung.discard(w.worker_id)
+                    if not back:
                         return
                     continue
                 except Exception as e:                   # the actor died (Ray restarts it)

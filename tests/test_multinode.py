@@ -271,81 +271,114 @@ def _workers(cluster) -> dict[str, int]:
             if a.name and a.name.startswith("pdcluster-") and a.class_name == "Worker"}
 
 
-def test_a_router_takes_the_lead_when_serve_dies_and_down_removes_the_pools(cluster, tmp_path):
-    """On a Ray cluster the pools outlive the serve that launched them: SIGKILL it, and the
-    router attached to them keeps serving the offline engine's tokens, takes the lead once the
-    dead one's lapses (it exports the workers' metrics, and restarts a hung worker itself), and
-    `pdcluster down` removes the pools, upon which that router stops on its own. (Runs last in
-    this module: it kills the module's serve.)"""
-    from concurrent.futures import ThreadPoolExecutor
+class _Router:
+    """`pdcluster router` attached to the module's pools, with a short hang timeout."""
 
+    def __init__(self, cluster, router_id: str, log: Path):
+        self.url, self.log = f"http://127.0.0.1:{free_port()}", log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                [str(BIN / "pdcluster"), "router", "--address", cluster.address, "--router-id", router_id,
+                 "--port", self.url.rsplit(":", 1)[1], "--worker-hang-timeout-s", "3"],
+                stdout=f, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.root,
+                preexec_fn=_die_with_us(new_session=False))
+        wait_for(lambda: (_alive(self.proc), self.health()), lambda v: not v[0] or (v[1] or {}).get("status") == "ok",
+                 120, lambda: _log(log)[-3000:], poll_s=0.2)
+        assert _alive(self.proc), _log(log)[-3000:]
+
+    def health(self) -> dict | None:
+        return _try(lambda: httpx.get(self.url + "/health", timeout=5).json())
+
+    def metrics(self) -> dict[str, float]:
+        return promtext.scrape(self.url + "/metrics")
+
+    def wait_lead(self, deadline_s: float) -> dict[str, float]:
+        """Its /metrics once it leads (the workers' series appear there)."""
+        return wait_for(self.metrics, lambda m: any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m),
+                        deadline_s, lambda: _log(self.log)[-3000:], poll_s=0.5)
+
+    def stop(self) -> None:
+        if _alive(self.proc):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _while_streaming(router: _Router, max_tokens: int, act) -> list[int]:
+    """A long completion through `router`; `act()` once its tokens flow; then its token ids."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_completion, router.url, max_tokens)
+        wait_for(lambda: promtext.total(router.metrics(), "pdcluster:router_requests_running"),
+                 lambda n: n >= 1 or running.done(), 60, poll_s=0.1)
+        act()
+        assert not running.done(), "the request finished before the fault: make it longer"
+        return running.result(timeout=180)
+
+
+def test_the_lead_moves_when_serve_and_then_a_router_die_and_down_removes_the_pools(cluster, tmp_path):
+    """On a Ray cluster the pools outlive the serve that launched them. SIGKILL it while router
+    r1 streams: that stream finishes whole and untouched, and r1 takes the lead once serve's
+    lapses (the workers' series move to its /metrics). Then SIGKILL r1 and hang the decode
+    worker (SIGSTOP) at once, while r2 streams: r2 takes the lead and restarts the worker that
+    nobody else will, and its stream resumes to the offline engine's tokens. `pdcluster down`
+    then removes the pools, and r2 stops on its own. (Runs last in this module: it kills the
+    module's serve.)"""
     from cluster.offline import generate
     long_tokens = 600
     want_long = generate([{"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0, "ignore_eos": True}],
                          model="tiny")[0]["token_ids"]
-    want = want_long[:MAX_TOKENS]
-    port = free_port()
-    router = f"http://127.0.0.1:{port}"
-    log = tmp_path / "router.log"
-    with open(log, "w") as f:
-        r1 = subprocess.Popen([str(BIN / "pdcluster"), "router", "--address", cluster.address, "--router-id", "r1",
-                               "--port", str(port), "--worker-hang-timeout-s", "3"],
-                              stdout=f, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.root,
-                              preexec_fn=_die_with_us(new_session=False))
+    workers, routers = _workers(cluster), []
+    assert len(workers) == 2, workers
+    decode = next(n for n in workers if "-decode-" in n)
     try:
-        wait_for(lambda: (_alive(r1), _try(lambda: httpx.get(router + "/health", timeout=5).json()["status"])),
-                 lambda v: not v[0] or v[1] == "ok", 120, lambda: _log(log)[-3000:], poll_s=0.2)
-        assert _alive(r1), _log(log)[-3000:]
-        assert _completion(router) == want
-        m = promtext.scrape(router + "/metrics")
-        assert not any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m)    # serve leads: it exports them
-        workers = _workers(cluster)
-        assert len(workers) == 2, workers
+        r1 = _Router(cluster, "r1", tmp_path / "r1.log")
+        routers.append(r1)
+        assert _completion(r1.url) == want_long[:MAX_TOKENS]
+        assert r1.health()["leads"] is False
+        assert not any(k.startswith("pdcluster:kv_cache_usage_perc") for k in r1.metrics())   # serve exports them
 
-        # serve dies (SIGKILL: no cleanup of any kind) while r1 streams a long request: it finishes whole.
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(_completion, router, long_tokens)
-            wait_for(lambda: promtext.total(promtext.scrape(router + "/metrics"), "pdcluster:router_requests_running"),
-                     lambda n: n >= 1 or running.done(), 60, poll_s=0.1)
-            cluster.serve.kill()
+        def kill_serve():
+            cluster.serve.kill()                        # SIGKILL: no cleanup of any kind
             cluster.serve.wait(30)
             cluster.mark("serve killed")
-            assert not running.done(), "the request finished before serve died: make it longer"
-            assert running.result(timeout=120) == want_long
-        # The workers live on, the same processes; r1 takes the lead once serve's lapses (10 s).
-        led = wait_for(lambda: promtext.scrape(router + "/metrics"),
-                       lambda m: any(k.startswith("pdcluster:kv_cache_usage_perc") for k in m), 40,
-                       lambda: _log(log)[-3000:], poll_s=0.5)
-        assert {promtext.split(k)[1].get("worker") for k in led if k.startswith("pdcluster:kv_cache_usage_perc")} \
+        assert _while_streaming(r1, long_tokens, kill_serve) == want_long
+        assert promtext.total(r1.metrics(), "pdcluster:requests_resumed_total") == 0    # untouched
+        # The workers live on, the same processes; r1 leads once serve's lease lapses (10 s).
+        led = r1.wait_lead(40)
+        assert {promtext.split(k)[1]["worker"] for k in led if k.startswith("pdcluster:kv_cache_usage_perc")} \
             == {n.split("-", 2)[2] for n in workers}
+        assert promtext.total(led, "pdcluster:router_leader") == 1 and r1.health()["leads"] is True
         assert _workers(cluster) == workers
-        assert "leads cluster" in _log(log)
-        assert _completion(router) == want
         cluster.mark("r1 leads")
 
-        # A hung decode worker: the new leader restarts it (Ray alone would wait forever).
-        decode = next(n for n in workers if "-decode-" in n)
-        os.kill(workers[decode], signal.SIGSTOP)
-        assert _completion(router) == want                    # resumed once the worker is back
+        r2 = _Router(cluster, "r2", tmp_path / "r2.log")
+        routers.append(r2)
+        assert r2.health()["leads"] is False
+
+        def kill_r1_and_hang_decode():
+            r1.stop()
+            os.kill(workers[decode], signal.SIGSTOP)
+            cluster.mark("r1 killed, decode worker stopped")
+        assert _while_streaming(r2, long_tokens, kill_r1_and_hang_decode) == want_long
+        m = r2.wait_lead(40)
+        assert promtext.total(m, "pdcluster:workers_replaced_total") == 1
         after = _workers(cluster)
         assert set(after) == set(workers) and after[decode] != workers[decode], (workers, after)
-        m = promtext.scrape(router + "/metrics")
-        assert promtext.total(m, "pdcluster:workers_replaced_total") == 1
-        cluster.mark("hung worker restarted by r1")
+        assert "hung and not back; restarting it" in _log(r2.log), _log(r2.log)[-3000:]
+        cluster.mark("r2 leads; it restarted the hung worker")
 
         down = subprocess.run([str(BIN / "pdcluster"), "down", "--address", cluster.address], capture_output=True,
                               text=True, env=cluster.env, cwd=cluster.root, timeout=120)
         assert down.returncode == 0, down.stdout + down.stderr
         assert "(2 workers)" in down.stdout, down.stdout
         assert _workers(cluster) == {}
-        r1.wait(60)                                           # its cluster is gone: it stops by itself
-        assert "was removed" in _log(log), _log(log)[-3000:]
-        cluster.mark("pools removed; r1 stopped")
+        r2.proc.wait(60)                                    # its cluster is gone: it stops by itself
+        assert "was removed" in _log(r2.log), _log(r2.log)[-3000:]
+        cluster.mark("pools removed; r2 stopped")
     finally:
-        if _alive(r1):
-            r1.kill()
-            r1.wait()
-        with contextlib.suppress(ProcessLookupError, KeyError, NameError):
+        for r in routers:
+            r.stop()
+        with contextlib.suppress(ProcessLookupError):
             os.kill(workers[decode], signal.SIGKILL)        # a stopped process, should the test fail first
 
 
