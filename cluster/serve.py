@@ -283,7 +283,11 @@ class ServingCluster:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if await asyncio.to_thread(find_book, self.spec.cluster_id) is None:
+            try:
+                removed = await asyncio.to_thread(find_book, self.spec.cluster_id) is None
+            except Exception:                            # the GCS itself is away: try again next turn
+                removed = False
+            if removed:
                 log.error("cluster %s was removed; this router stops", self.spec.cluster_id)
                 self._uvicorn.request_exit()
             elif d.leads and time.monotonic() - self._renewed > lease_s:
@@ -322,6 +326,7 @@ class ServingCluster:
             await self._claim_lead()
             try:
                 if self.dispatcher.leads:
+                    posted = log_.clock()                # (should it follow again: only what is new)
                     arrivals, finishes = await asyncio.wait_for(
                         awaitable(self.book.take.remote(self.dispatcher.owner)), self.spec.router_lease_s / 2)
                     log_.merge_aged(arrivals, finishes)

@@ -201,6 +201,28 @@ def test_worker_counters_grow_from_cumulative_reports():
     assert get("pdcluster:slo_attainment", {"slo": "ttft"}) == 1.0
 
 
+def test_the_workers_series_are_exported_by_the_leading_router_only():
+    """A follower keeps the workers' series for itself; once it leads they are served, with its
+    `router` label, and `router_leader` says which router that is."""
+    from cluster import promtext
+    from workers.messages import LoadReport
+    m = Metrics(router="r1", workers=False)
+    m.observe_load(LoadReport("decode-0", "decode", waiting=0, running=2, swapped=0, queued_prefill_tokens=0,
+                              kv_blocks_used=5, kv_blocks_total=20, steps=1, pending=0))
+    m.observe_finished(ttft_s=0.2, e2e_s=1.0, num_output_tokens=5)
+
+    def served() -> dict[str, float]:
+        return promtext.parse(m.exposition().decode())
+    running = 'pdcluster:num_requests_running{role="decode",router="r1",worker="decode-0"}'
+    assert running not in served() and served()['pdcluster:router_leader{router="r1"}'] == 0
+    assert served()['pdcluster:slo_requests_total{router="r1"}'] == 1        # its own requests' series are
+    assert m.registry.get_sample_value("pdcluster:num_requests_running", {"worker": "decode-0", "role": "decode"}) == 2
+    m.export_workers(True)
+    assert served()[running] == 2 and served()['pdcluster:router_leader{router="r1"}'] == 1
+    m.export_workers(False)
+    assert running not in served() and served()['pdcluster:router_leader{router="r1"}'] == 0
+
+
 def test_engine_reports_step_shape_and_queue_times_once():
     from workers.config import CacheConfig, EngineConfig, SchedulerConfig
     from workers.engine import LLMEngine
