@@ -34,6 +34,7 @@ import pytest
 from cluster import promtext
 from cluster.ports import free_ports
 from cluster.serve import free_port
+from workers.cpu_kernels import cache_dir
 from common import descendants, kill_all, still_running, wait_for
 
 BIN = Path(sys.executable).parent            # the venv's: ray, pdcluster
@@ -411,7 +412,9 @@ class DefaultHead:
         self.address = f"127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith("RAY_") or k == "RAY_USAGE_STATS_ENABLED"}
-        self.env.update(HOME=str(root / "home"), OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+        # (the kernels this machine built already: a HOME of its own would build them anew, a minute and more)
+        self.env.update(HOME=str(root / "home"), OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+                        PDCLUSTER_CACHE_DIR=str(cache_dir()))
         self.node: subprocess.Popen | None = None
 
     def start(self) -> None:
