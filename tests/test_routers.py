@@ -243,3 +243,26 @@ def test_a_second_launch_of_running_pools_and_down_of_absent_ones_fail_naming_th
     with pytest.raises(RuntimeError, match=f"no workers of cluster 'absent'.*{r0.spec.cluster_id}"):
         remove_cluster("absent")
     assert set(r0.answering()) == {w.worker_id for w in r0.workers}      # r0's pools untouched
+
+
+def test_a_restarted_book_is_claimed_again_and_the_router_serves_on(r0, hf_greedy):
+    """The book's process dies (its node lost): Ray restarts it with the launch settings, the
+    lead is claimed anew within a lease, and serving never stopped."""
+    from cluster.launcher import find_book
+    book = find_book(r0.spec.cluster_id)
+    pid = ray.get(book.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(book, no_restart=False)
+    wait_for(lambda: _try_pid(book), lambda p: p not in (None, pid), 30)
+    url0 = r0.base_url.removesuffix("/v1")
+    assert greedy_through([url0], PROMPTS[:2]) == hf_greedy(PROMPTS[:2])
+    wait_for(lambda: ray.get(book.__ray_call__.remote(lambda self: self.lead.holder)),
+             lambda h: h == r0.dispatcher.owner, LEASE_S + 10)
+    assert r0.leads and httpx.get(f"{url0}/health").json()["leads"] is True
+    assert ray.get(book.settings.remote())["cluster_id"] == r0.spec.cluster_id
+
+
+def _try_pid(book):
+    try:
+        return ray.get(book.__ray_call__.remote(lambda self: os.getpid()), timeout=5)
+    except Exception:                   # restarting
+        return None
