@@ -151,6 +151,7 @@ class ServingCluster:
         self.infos: list[dict] = []                   # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._renewed = -math.inf                     # when this router last renewed the lead
+        self._term = 0                                # the term it last held the lead in
         self._thread: threading.Thread | None = None
 
     @property
@@ -299,14 +300,16 @@ class ServingCluster:
         if holder == d.owner:
             self._renewed = time.monotonic()
             if not d.leads:
-                log.warning("router %s leads cluster %s now (term %d)", self.cfg.router_id, self.spec.cluster_id, term)
-                self._promote()
+                (log.info if term == 1 else log.warning)("router %s leads cluster %s now (term %d)", self.cfg.router_id,
+                                                         self.spec.cluster_id, term)
+                self._promote(resume=term == self._term)
+            self._term = term
         elif d.leads:
             log.error("router %s took the lead (this one had stalled past its lease): following", holder)
             await self._demote()
 
-    def _promote(self) -> None:
-        self.dispatcher.take_lead()
+    def _promote(self, resume: bool) -> None:
+        self.dispatcher.take_lead(resume)
         self.pools.budget = self.spec.budget
         if self.controller is not None:
             self.controller.start()

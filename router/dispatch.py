@@ -137,14 +137,16 @@ class Dispatcher:
         if old_role != m.role:
             self.metrics.role_changes.labels(old_role, m.role).inc()
 
-    def take_lead(self) -> None:
-        """This router leads now. A drain that the last leader left half done is called off (the
+    def take_lead(self, resume: bool = False) -> None:
+        """This router leads now. A drain that another leader left half done is called off (the
         worker takes new requests again; the controller, if any, decides anew): no router
-        would ever finish it. (`_restart` blocks briefly: a Ray kill.)"""
+        would ever finish it. `resume`: this router led last, and only lost touch with the
+        book for a while: its own drains go on. (`_restart` blocks briefly: a Ray kill.)"""
         self.leads = True
         self.metrics.export_workers(True)
         for m in list(self.pools.draining()):
-            self.pools.follow(m.worker_id, m.role, True)
+            if not (resume and (m.to_role is not None or m.leaving)):
+                self.pools.follow(m.worker_id, m.role, True)
         # A worker seen hung while another led is restarted now, should that leader have died
         # before it did (if it did, the worker loads its model once more: one restart too many,
         # rather than a worker that never comes back).
@@ -224,7 +226,7 @@ class Dispatcher:
                         return
                     continue
                 self._take(w, reply, polled_at)
-                if w.state == DRAINING and w.idle():
+                if self.leads and w.state == DRAINING and w.idle():   # (a follower's drains are the leader's)
                     await self._finish_drain(w)
         finally:
             _closed(stream)

@@ -145,3 +145,23 @@ def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
     assert ctl.settled == clock.t                                 # attainment is judged from here on
     clock.t += 0.5
     assert asyncio.run(ctl.tick()).reason == "cooldown"
+
+
+def test_a_new_leader_calls_off_another_leaders_drains_and_restarts_what_it_saw_hang():
+    """`Dispatcher.take_lead` on plain state: a drain the last leader left half done is called
+    off (nobody would finish it), unless this router led last and only lost touch with the book
+    (its own drain goes on); and a worker it saw hang while it followed is restarted."""
+    handles = {w: object() for w in ("prefill-0", "decode-0", "decode-1")}
+    pools = PoolRegistry.of([Member(w, w.rsplit("-", 1)[0], h, ACTIVE) for w, h in handles.items()])
+    restarted = []
+    d = Dispatcher(pools, DISAGGREGATED, Metrics(workers=False), restart=restarted.append, leads=True)
+    pools.drain("decode-1", PREFILL)                       # this router's own drain, towards prefill
+    d.give_up_lead()                                       # it lost touch with the book a while
+    d.take_lead(resume=True)                               # ... and nobody else led meanwhile
+    assert (pools["decode-1"].state, pools["decode-1"].to_role) == (DRAINING, PREFILL)
+    d.give_up_lead()
+    d._hung.add("decode-0")                                # it saw decode-0 hang while it followed
+    d.take_lead(resume=False)                              # another led in between
+    assert (pools["decode-1"].state, pools["decode-1"].role, pools["decode-1"].to_role) == (ACTIVE, DECODE, None)
+    assert restarted == [handles["decode-0"]] and not d._hung
+    assert d.metrics.exporting_workers and d.metrics.registry.get_sample_value("pdcluster:router_leader") == 1
