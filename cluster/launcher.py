@@ -233,19 +233,25 @@ def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
 _ACTOR = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+?)-(?P<worker>(?:%s)-\d+)$" % "|".join(ROLES))
 
 
-def named_workers() -> dict[str, dict[str, str]]:
-    """cluster id -> {worker id: actor name} of every pdcluster worker on this Ray cluster."""
+_BOOK = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+)-book$")
+
+
+def named_workers(with_books: bool = False) -> dict[str, dict[str, str]]:
+    """cluster id -> {worker id: actor name} of every pdcluster worker on this Ray cluster
+    (`with_books`: also each cluster that has only its book left, with no worker)."""
     found: dict[str, dict[str, str]] = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] == NAMESPACE and (m := _ACTOR.match(a["name"])):
             found.setdefault(m["cluster"], {})[m["worker"]] = a["name"]
+        elif with_books and a["namespace"] == NAMESPACE and (m := _BOOK.match(a["name"])):
+            found.setdefault(m["cluster"], {})
     return found
 
 
-def _cluster_names(cluster_id: str | None) -> tuple[str, dict[str, str]]:
+def _cluster_names(cluster_id: str | None, with_books: bool = False) -> tuple[str, dict[str, str]]:
     """(the cluster id, {worker id: actor name}) of a running cluster; without `cluster_id`, of
     the one cluster there is."""
-    found = named_workers()
+    found = named_workers(with_books)
     if cluster_id is None:
         if len(found) != 1:
             raise RuntimeError("no pdcluster workers on this Ray cluster" if not found else
@@ -295,7 +301,7 @@ def remove_cluster(cluster_id: str | None, grace_s: float = 5.0) -> tuple[str, i
     """`pdcluster down`: stop a running cluster's workers and remove its book (its routers then
     exit). (The cluster id, how many workers it had.)"""
     from ray.util.placement_group import get_placement_group, remove_placement_group
-    cluster_id, names = _cluster_names(cluster_id)
+    cluster_id, names = _cluster_names(cluster_id, with_books=True)     # (a book with no worker left goes too)
     members = []
     for w, name in names.items():
         try:

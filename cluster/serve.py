@@ -280,7 +280,8 @@ class ServingCluster:
         cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops."""
         d, lease_s = self.dispatcher, self.spec.router_lease_s
         try:
-            holder, term = await asyncio.wait_for(awaitable(self.book.claim.remote(d.owner, lease_s)), lease_s / 2)
+            # (an answer later than the lease is worth nothing: the lead may have moved meanwhile)
+            holder, term = await asyncio.wait_for(awaitable(self.book.claim.remote(d.owner, lease_s)), lease_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -292,10 +293,10 @@ class ServingCluster:
                 log.error("cluster %s was removed; this router stops", self.spec.cluster_id)
                 self._uvicorn.request_exit()
             elif d.leads and time.monotonic() - self._renewed > lease_s:
-                log.error("could not renew the lead within its lease (%s): following", e)
+                log.error("could not renew the lead within its lease (%r): following", e)
                 await self._demote()
             else:
-                log.warning("could not reach the cluster's book: %s", e)
+                log.warning("could not reach the cluster's book: %r", e)
             return
         if holder == d.owner:
             self._renewed = time.monotonic()
@@ -343,7 +344,7 @@ class ServingCluster:
             except asyncio.CancelledError:
                 raise
             except Exception as e:                       # the next turn claims, and finds out why
-                log.warning("could not relay requests through the cluster's book: %s", e)
+                log.warning("could not relay requests through the cluster's book: %r", e)
 
     async def _step_down(self) -> None:
         """Stopping: stop the controller, and hand the lead on at once (not at its lapse)."""
