@@ -279,6 +279,7 @@ class ServingCluster:
         lasts (another takes the lead once it lapses); a book gone for good means that the
         cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops."""
         d, lease_s = self.dispatcher, self.spec.router_lease_s
+        sent = time.monotonic()                          # the lease runs from the claim, not its answer
         try:
             # (an answer later than the lease is worth nothing: the lead may have moved meanwhile)
             holder, term = await asyncio.wait_for(awaitable(self.book.claim.remote(d.owner, lease_s)), lease_s)
@@ -299,7 +300,7 @@ class ServingCluster:
                 log.warning("could not reach the cluster's book: %r", e)
             return
         if holder == d.owner:
-            self._renewed = time.monotonic()
+            self._renewed = sent
             if not d.leads:
                 (log.info if term == 1 else log.warning)("router %s leads cluster %s now (term %d)", self.cfg.router_id,
                                                          self.spec.cluster_id, term)
