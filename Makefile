@@ -36,7 +36,7 @@ $(PROMETHEUS): deploy/get-prometheus.sh
 	deploy/get-prometheus.sh
 
 test: $(STAMP) $(PROMETHEUS)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # vLLM's CPU build, the peer of `make bench`, in its own venv (it must not share .venv's
 # packages). torch first, on its own line: the CPU wheel (anything else pulls GBs of CUDA
