@@ -41,6 +41,7 @@ BIN = Path(sys.executable).parent            # the venv's: ray, pdcluster
 PROMPT = "Prefill on one node, decode on the other:"
 MAX_TOKENS = 24
 BENCH_PROMPTS = 6
+ROUTER_LEASE_S = 5.0
 
 
 def _alive(proc: subprocess.Popen) -> bool:
@@ -142,7 +143,8 @@ class TwoNodeCluster:
             self.serve = subprocess.Popen(
                 [str(BIN / "pdcluster"), "serve", "--address", self.address, "--placement", "spread",
                  "--prefill", "1", "--decode", "1", "--model", "tiny", "--port", str(self.router_port),
-                 "--kv-cache-memory-mib", "16", "--swap-space-mib", "0"],
+                 "--kv-cache-memory-mib", "16", "--swap-space-mib", "0",
+                 "--router-lease-s", str(ROUTER_LEASE_S)],        # (the lead moves after one)
                 stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
                 preexec_fn=_die_with_us(new_session=False))
         wait_for(lambda: (_alive(self.serve), _try(lambda: httpx.get(self.router + "/v1/models", timeout=5))),
@@ -344,8 +346,8 @@ def test_the_lead_moves_when_serve_and_then_a_router_die_and_down_removes_the_po
             cluster.mark("serve killed")
         assert _while_streaming(r1, long_tokens, kill_serve) == want_long
         assert promtext.total(r1.metrics(), "pdcluster:requests_resumed_total") == 0    # untouched
-        # The workers live on, the same processes; r1 leads once serve's lease lapses (10 s).
-        led = r1.wait_lead(40)
+            # The workers live on, the same processes; r1 leads once serve's lease lapses.
+        led = r1.wait_lead(ROUTER_LEASE_S + 30)
         assert {promtext.split(k)[1]["worker"] for k in led if k.startswith("pdcluster:kv_cache_usage_perc")} \
             == {n.split("-", 2)[2] for n in workers}
         assert promtext.total(led, "pdcluster:router_leader") == 1 and r1.health()["leads"] is True
@@ -361,7 +363,7 @@ def test_the_lead_moves_when_serve_and_then_a_router_die_and_down_removes_the_po
             os.kill(workers[decode], signal.SIGSTOP)
             cluster.mark("r1 killed, decode worker stopped")
         assert _while_streaming(r2, long_tokens, kill_r1_and_hang_decode) == want_long
-        m = r2.wait_lead(40)
+        m = r2.wait_lead(ROUTER_LEASE_S + 30)
         assert promtext.total(m, "pdcluster:workers_replaced_total") == 1
         after = _workers(cluster)
         assert set(after) == set(workers) and after[decode] != workers[decode], (workers, after)
