@@ -204,6 +204,14 @@ class ServingCluster:
             check_new(self.spec.cluster_id)
             members, infos = launch(self.spec)
             self.book = open_book(self.spec)
+        try:
+            return self._build_router(members, infos, tokenizer, announce)
+        except BaseException:
+            if self.owns:      # a launch that cannot serve leaves nothing (on a cluster its actors are detached)
+                stop_cluster(members, self.book)
+            raise
+
+    def _build_router(self, members: list[Member], infos: list[dict], tokenizer, announce) -> DrainingServer:
         # Any router may come to lead (cluster/book.py): each keeps what leading needs ready.
         self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.owns else None)
         self.infos = infos

@@ -266,3 +266,17 @@ def _try_pid(book):
         return ray.get(book.__ray_call__.remote(lambda self: os.getpid()), timeout=5)
     except Exception:                   # restarting
         return None
+
+
+def test_a_launch_that_fails_after_its_workers_started_leaves_nothing(ray_session, monkeypatch):
+    """Whatever fails between the workers' start and serving (here: building the router) stops
+    the workers and removes the book: on a Ray cluster they are detached and would outlive us."""
+    from cluster.launcher import find_book, named_workers
+
+    def broken(self, *args):
+        raise RuntimeError("the router could not be built")
+    monkeypatch.setattr(ServingCluster, "_build_router", broken)
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        ServingCluster(spec, port=free_port()).build()
+    assert spec.cluster_id not in named_workers() and find_book(spec.cluster_id) is None
