@@ -124,6 +124,8 @@ class Dispatcher:
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
         self.metrics.count_pools(self.pools)
+        if old_role != m.role:
+            self.metrics.role_changes.labels(old_role, m.role).inc()
         if self.leads and DRAINING in (m.state, old_state) and m.alive:
             # The worker itself refuses new requests while drained, those of routers that
             # follow these pools too (they resume them elsewhere)
@@ -134,8 +136,6 @@ class Dispatcher:
             if self.gate is not None:
                 self.gate.forget(m.worker_id)
         self._open_gate()                                # a decode worker more or less
-        if old_role != m.role:
-            self.metrics.role_changes.labels(old_role, m.role).inc()
 
     def take_lead(self, resume: bool = False) -> None:
         """This router leads now. A drain that another leader left half done is called off (the

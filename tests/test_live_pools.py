@@ -64,8 +64,9 @@ def test_a_decode_worker_flips_to_prefill_under_load_and_back(cluster, prompts, 
     assert fut.result(timeout=180) == reference
     wait_for(lambda: (c.pools["decode-1"].state, c.pools["decode-1"].role), lambda s: s == (ACTIVE, PREFILL), 60)
     assert ray.get(c.pools["decode-1"].handle.ready.remote())["role"] == PREFILL
-    assert metric(c, "pdcluster:pool_role_changes_total", {"from_role": DECODE, "to_role": PREFILL}) \
-        == before["dp"] + 1
+    # (the loop thread counts the change after the member's state moved: wait for it, not race it)
+    wait_for(lambda: metric(c, "pdcluster:pool_role_changes_total", {"from_role": DECODE, "to_role": PREFILL}),
+             lambda n: n == before["dp"] + 1, 10)
     assert metric(c, "pdcluster:pool_workers", {"role": PREFILL}) == 2
     # Now a prefill worker: it takes prompts (and holds their KV for the decode pool).
     steps = ray.get(c.pools["decode-1"].handle.stats.remote()).steps
@@ -75,8 +76,8 @@ def test_a_decode_worker_flips_to_prefill_under_load_and_back(cluster, prompts, 
     # And back, while idle: the flip completes at the next poll.
     on_loop(c, lambda: c.pools.drain("decode-1", DECODE))
     wait_for(lambda: (c.pools["decode-1"].state, c.pools["decode-1"].role), lambda s: s == (ACTIVE, DECODE), 30)
-    assert metric(c, "pdcluster:pool_role_changes_total", {"from_role": PREFILL, "to_role": DECODE}) \
-        == before["pd"] + 1
+    wait_for(lambda: metric(c, "pdcluster:pool_role_changes_total", {"from_role": PREFILL, "to_role": DECODE}),
+             lambda n: n == before["pd"] + 1, 10)
     wait_pools_clean(c)
 
 
