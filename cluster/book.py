@@ -14,8 +14,12 @@ its workers, that every router of the cluster reads and writes.
 
 Plain Python (a Ray actor in a running cluster: cluster/launcher.py `open_book`), so that tests
 drive it on a fake clock. On a Ray cluster it is detached with the workers, and Ray restarts it
-with the same settings should its node die (the lead and the requests in transit are claimed
-and posted again within a lease).
+with the same settings should its node die. The lead's record (its holder and term:
+workers/leases.py `LeaderLease`) lives outside the actor, in `lead_store` (Ray's internal KV:
+launcher.py `KVLeadStore`), so a restarted book goes on from it: its terms keep rising (a router
+that takes the lead back at an unchanged term knows that nobody led in between, and keeps its
+drains), and the holder before the restart holds it for one more lease, for its claim to renew.
+The requests in transit are lost with the process (they are posted again within a lease).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from workers.leases import LeaderLease
+from workers.leases import LeaderLease, LeadStore
 
 __all__ = ["ClusterBook", "book_name"]
 
@@ -37,9 +41,9 @@ def book_name(cluster_id: str) -> str:
 
 class ClusterBook:
     def __init__(self, spec: dict, horizon_s: float = 300.0, max_records: int = 200_000,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, lead_store: LeadStore | None = None):
         self.spec, self.horizon_s, self.clock = spec, horizon_s, clock
-        self.lead = LeaderLease(clock)
+        self.lead = LeaderLease(clock, lead_store)       # (goes on from lead_store's record)
         # (sequence number, poster, ARRIVAL | FINISH, when it happened, when it was sent, the rest)
         self._records: deque[tuple] = deque(maxlen=max_records)
         self._seq = 0
@@ -49,7 +53,9 @@ class ClusterBook:
         return self.spec
 
     def claim(self, owner: str, lease_s: float) -> tuple[str, int]:
-        """(the holder of the lead after this claim, its term)."""
+        """(the holder of the lead after this claim, its term). A new term is saved in the lead
+        store before it is answered: should the store fail, the claim raises (the router tries
+        again next turn) and nothing changes."""
         return self.lead.claim(owner, lease_s), self.lead.term
 
     def release(self, owner: str) -> None:

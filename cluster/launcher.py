@@ -7,6 +7,7 @@ thread each, so several fit on a laptop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -21,8 +22,8 @@ from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.names import ROLES
 
-__all__ = ["ClusterSpec", "NAMESPACE", "check_fits", "check_new", "connect", "find_book", "find_cluster", "launch",
-           "open_book", "outlives_launcher", "remove_cluster", "restart", "retire", "shutdown", "start_worker",
+__all__ = ["ClusterSpec", "KVLeadStore", "NAMESPACE", "check_fits", "check_new", "connect", "find_book", "find_cluster",
+           "launch", "open_book", "outlives_launcher", "remove_cluster", "restart", "retire", "shutdown", "start_worker",
            "stop_cluster"]
 
 log = logging.getLogger("pdcluster.launcher")
@@ -175,12 +176,41 @@ def _lifetime(spec: ClusterSpec) -> dict:
     return {"lifetime": "detached"} if outlives_launcher(spec) else {}
 
 
+class KVLeadStore:
+    """A cluster's lead record (workers/leases.py `LeadStore`: the holder and term of the last change
+    of holder, and its lease) in Ray's internal KV, in the GCS: it outlives the book's process,
+    so a book that Ray restarts goes on from its term (cluster/book.py). Made by the launcher,
+    used in the book's actor (the same object each time Ray restarts it). Only a Ray cluster
+    whose GCS itself fails loses it, and then the whole cluster with it."""
+
+    def __init__(self, cluster_id: str):
+        from cluster.book import book_name
+        self.key = f"{book_name(cluster_id)}/lead"
+
+    def load(self) -> tuple[str | None, int, float] | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+        raw = _internal_kv_get(self.key, namespace=NAMESPACE)
+        return None if raw is None else tuple(json.loads(raw))
+
+    def save(self, holder: str | None, term: int, lease_s: float) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+        _internal_kv_put(self.key, json.dumps([holder, term, lease_s]), overwrite=True, namespace=NAMESPACE)
+
+    def clear(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+        _internal_kv_del(self.key, namespace=NAMESPACE)
+
+
 def open_book(spec: ClusterSpec):
-    """Create the cluster's book (cluster/book.py) with the launch settings; the handle."""
+    """Create the cluster's book (cluster/book.py) with the launch settings; the handle. Its lead
+    record starts afresh (that of a removed cluster of the same id is dropped)."""
     from cluster.book import ClusterBook, book_name
     settings = dataclasses.asdict(spec)
+    store = KVLeadStore(spec.cluster_id)
+    store.clear()
     return ray.remote(ClusterBook).options(name=book_name(spec.cluster_id), namespace=NAMESPACE, num_cpus=0,
-                                           max_restarts=-1, max_task_retries=0, **_lifetime(spec)).remote(settings)
+                                           max_restarts=-1, max_task_retries=0, **_lifetime(spec)).remote(
+        settings, lead_store=store)
 
 
 def find_book(cluster_id: str):
@@ -309,6 +339,7 @@ def remove_cluster(cluster_id: str | None, grace_s: float = 5.0) -> tuple[str, i
         except ValueError:                            # gone meanwhile
             pass
     stop_cluster(members, find_book(cluster_id), grace_s)
+    KVLeadStore(cluster_id).clear()                   # its book's lead record
     for name in names.values():                       # a tensor-parallel worker's ranks
         try:
             remove_placement_group(get_placement_group(f"{name}-ranks"))

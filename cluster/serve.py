@@ -285,7 +285,9 @@ class ServingCluster:
         """Claim the cluster's lead (the holder's claim renews it), and lead or follow as the book
         answers. A router that cannot reach the book keeps leading only while its last renewal
         lasts (another takes the lead once it lapses); a book gone for good means that the
-        cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops."""
+        cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops.
+        Its own drains go on only when it leads again at the term it last led in (the book's
+        terms outlive the book's restarts, cluster/book.py): nobody led in between."""
         d, lease_s = self.dispatcher, self.spec.router_lease_s
         sent = time.monotonic()                          # the lease runs from the claim, not its answer
         try:
@@ -309,6 +311,10 @@ class ServingCluster:
             return
         if holder == d.owner:
             self._renewed = sent
+            if d.leads and term != self._term:           # it stalled past its lease, and another led meanwhile
+                log.error("cluster %s had another leader meanwhile (term %d, now %d): leading anew",
+                          self.spec.cluster_id, self._term, term)
+                await self._demote()
             if not d.leads:
                 (log.info if term == 1 else log.warning)("router %s leads cluster %s now (term %d)", self.cfg.router_id,
                                                          self.spec.cluster_id, term)

@@ -67,29 +67,72 @@ class RouterLeases:
             return len(self._live)
 
 
+class LeadStore:
+    """Where a `LeaderLease` keeps its record outside its own memory, so that a book restarted in a
+    new process goes on from it: `load()` gives the last record saved (None: nothing yet), `save`
+    replaces it and raises when it cannot (the lease then changes nothing). The record is
+    (holder, term, lease_s): the holder and term of the last change of holder, and the lease that
+    holder claimed with (0 once it released it). Renewals are not saved (nothing in the record
+    changes with them).
+
+    This one keeps it in memory (tests; a book whose process never restarts). On a Ray cluster
+    the book keeps it in Ray's internal KV (cluster/launcher.py `KVLeadStore`), which outlives
+    the book's process."""
+
+    def __init__(self):
+        self.record: tuple[str | None, int, float] | None = None
+
+    def load(self) -> tuple[str | None, int, float] | None:
+        return self.record
+
+    def save(self, holder: str | None, term: int, lease_s: float) -> None:
+        self.record = (holder, term, lease_s)
+
+
 class LeaderLease:
     """Which router leads a cluster (restarts hung workers, retires drained ones, runs the
     controller, exports the workers' metrics): the one holding this lease. Each router claims
     it every quarter lease; the holder's claim renews it, anyone else's takes it only once the
     holder has let it lapse (it died, or stalled past the lease). `term` counts the changes of
-    holder, so that logs and tests can tell one reign from the next.
+    holder, so that logs and tests can tell one reign from the next, and so that a router taking
+    the lead back can tell whether anyone led in between: it did not iff the term is the one it
+    last held.
+
+    The term outlives the process that keeps the lease (`store`, a `LeadStore`): each change of
+    holder, and a release, is saved before it takes effect (before the claim answers), and a
+    lease made anew (a book that Ray restarted) starts from the saved record:
+
+    - its term goes on from the saved one, so every term handed out after a restart is greater
+      than any handed out before it (never a new reign under an old number);
+    - the saved holder holds it again, for one lease from the restart (its last renewal was
+      before the restart, so it believes it leads no longer than that: nobody else takes it
+      meanwhile), and its claim renews it with its term unchanged (nobody led in between: a
+      router that led keeps its drains); anyone else takes it once that lapses, at term + 1;
+    - a holder that had released it (lease 0) holds it no longer: the next claim takes it.
 
     Plain Python with an injectable clock; a cluster's registry actor (cluster/book.py) keeps one."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, store: LeadStore | None = None):
         self.clock = clock
+        self.store = LeadStore() if store is None else store
         self.holder: str | None = None
         self.expires_at = -float("inf")
         self.term = 0
+        if (record := self.store.load()) is not None:
+            self.holder, self.term, lease_s = record
+            if lease_s > 0:
+                self.expires_at = clock() + lease_s
 
     def claim(self, owner: str, lease_s: float) -> str:
-        """Renew the lease for `owner`, or take it when nobody holds it now. Returns the holder."""
+        """Renew the lease for `owner`, or take it when nobody holds it now. Returns the holder.
+        A change of holder is saved first (should the store fail, it raises and nothing changes)."""
         if lease_s <= 0:
             raise ValueError(f"the leader lease must be > 0 s, got {lease_s}")
         now = self.clock()
         if self.holder != owner and self.expires_at >= now:
             return self.holder
         if self.holder != owner:
+            self.store.save(owner, self.term + 1, lease_s)
             self.holder, self.term = owner, self.term + 1
         self.expires_at = now + lease_s
         return owner
@@ -97,4 +140,5 @@ class LeaderLease:
     def release(self, owner: str) -> None:
         """The holder steps down cleanly: the next claim, anyone's, takes it at once."""
         if self.holder == owner:
+            self.store.save(owner, self.term, 0.0)
             self.expires_at = -float("inf")
