@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from cluster.spec import PLACEMENTS, ClusterSpec
 from router.admission import ADMISSION_POLICIES
-from router.config import RouterConfig
+from router.config import API_KEY_ENV, RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.names import (ATTENTION_BACKENDS, AUTO, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
@@ -116,7 +116,8 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--router-id", "router_id", "this router's name on the workers (letters, digits, '_', '.', '-'); a "
          "restarted router may reuse it", str),
     Flag("--port", "port", "port of the HTTP server"),
-    Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY'", str),
+    Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1 (a command line is visible to "
+         "every user of the machine: prefer PDCLUSTER_API_KEY or --api-key-file)", str),
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
     Flag("--policy", "policy", "how the router picks workers (prefix: prefill workers by the prompt blocks "
          "their prefix caches hold, against their queues)", str, PICKING_POLICIES),
@@ -140,6 +141,12 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "long (it stopped reading) is ended and its request aborted", float),
     Flag("--drain-timeout-s", "drain_timeout_s", "on SIGINT/SIGTERM: seconds in-flight requests may run to "
          "completion (new ones get 503) before the rest end with an error event", float),
+    Flag("--request-timeout-s", "request_timeout_s", "a request still running this long after it arrived ends "
+         "with an error (504, or an error event in a stream) and is aborted on the workers", float),
+    Flag("--body-timeout-s", "body_timeout_s", "a request body that has not fully arrived within this long is "
+         "refused (408)", float),
+    Flag("--max-validating", "max_validating", "request bodies being read or validated at once (before "
+         "admission); past it a new request gets 429 at once"),
 )
 
 SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line
@@ -227,8 +234,34 @@ def cluster_spec_from_args(a: argparse.Namespace, engine: EngineConfig) -> Clust
     return ClusterSpec(model=engine.model, engine=engine, **values)
 
 
+def add_router_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    add_flags(g, ROUTER_FLAGS, RouterConfig)
+    g.add_argument("--api-key-file", help=f"read the API key from this file's first line (else --api-key, else "
+                   f"${API_KEY_ENV}; none of them: no key, every client is let in)")
+
+
 def router_config_from_args(a: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(slo=SLOTargets(**given(a, SLO_FLAGS)), **given(a, ROUTER_FLAGS))
+    values = given(a, ROUTER_FLAGS)
+    values["api_key"] = api_key_from(values.get("api_key"), getattr(a, "api_key_file", None))
+    return RouterConfig(slo=SLOTargets(**given(a, SLO_FLAGS)), **values)
+
+
+def api_key_from(flag: str | None, path: str | None) -> str | None:
+    """The router's API key: --api-key, else the first line of --api-key-file, else
+    $PDCLUSTER_API_KEY; None: no key (every client is let in)."""
+    if flag is not None and path is not None:
+        raise ValueError("give the API key once: --api-key or --api-key-file")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {path} holds no key on its first line")
+        return key
+    return flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 def cmd_generate(a) -> int:
@@ -284,7 +317,7 @@ def router_args(a: argparse.Namespace) -> list[str]:
     out = []
     for f in ROUTER_FLAGS + SLO_FLAGS:
         dest = f.flag.removeprefix("--").replace("-", "_")
-        if hasattr(a, dest) and f.flag not in ("--port", "--router-id"):
+        if hasattr(a, dest) and f.flag not in ("--port", "--router-id", "--api-key"):   # the key: by env
             out += [f.flag] if f.type is bool else [f.flag, str(getattr(a, dest))]
     return out
 
@@ -350,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the prefill and decode pools on Ray and the OpenAI-compatible router")
     add_flags(s.add_argument_group("cluster"), CLUSTER_FLAGS, ClusterSpec)
-    add_flags(s.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
+    add_router_flags(s)
     s.add_argument("--routers", type=int, default=1, help="routers over these pools: this process's, and N-1 "
                    "`pdcluster router` processes on the next ports (--port + 1, ...), each with the router flags "
                    "given here; they end with this one (default: 1)")
@@ -366,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS)")
     r.add_argument("--cluster-id", help="which pools (default: the only ones on that Ray cluster)")
     r.add_argument("--ready-timeout-s", type=float, default=60.0, help="seconds for the workers to answer")
-    add_flags(r.add_argument_group("router"), ROUTER_FLAGS, RouterConfig)
+    add_router_flags(r)
     add_flags(r.add_argument_group("SLOs"), SLO_FLAGS, SLOTargets)
     r.set_defaults(func=cmd_router)
 

@@ -25,7 +25,7 @@ from router.app import Server, build_app
 from router.dispatch import Dispatcher, awaitable
 from router.pools import STARTING, STOPPED, Member, PoolRegistry
 from router.metrics import Metrics
-from router.config import RouterConfig
+from router.config import API_KEY_ENV, RouterConfig
 from workers.names import AUTO, COLOCATED, PREFILL, ROLES
 from workers.checkpoint import load_tokenizer
 
@@ -235,6 +235,8 @@ class ServingCluster:
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
+                        request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
+                        max_validating=cfg.max_validating,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
         self.server = server
@@ -244,8 +246,13 @@ class ServingCluster:
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
+        # Connections and tasks past `limit_concurrency` get 503 from uvicorn before any of ours
+        # runs: room for every admitted request, every body being validated and as many idle
+        # keep-alive connections again. A request head (line and headers) is at most 64 KiB.
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=75)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=75, http="h11",
+                                limit_concurrency=2 * (cfg.max_pending + cfg.max_validating) + 64,
+                                h11_max_incomplete_event_size=64 * 1024)
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
@@ -445,7 +452,7 @@ def banner(cluster: ServingCluster) -> list[str]:
     """What `serve` prints once it answers: the workers, the URLs, and a request that works as
     printed (with the API key's header when one is required)."""
     nodes = {i["worker_id"]: i.get("node", "?") for i in cluster.infos}
-    auth = f" -H {shlex.quote('Authorization: Bearer ' + cluster.cfg.api_key)}" if cluster.cfg.api_key else ""
+    auth = ' -H "Authorization: Bearer $PDCLUSTER_API_KEY"' if cluster.cfg.api_key else ""    # never the key
     body = json.dumps({"model": cluster.model_name, "prompt": "Hello", "max_tokens": 16})
     how = "" if cluster.owns else f"router {cluster.cfg.router_id}, attached to "
     lines = [f"pdcluster: serving {cluster.model_name!r} ({how}cluster {cluster.spec.cluster_id}, {cluster.spec.mode}: "
@@ -495,7 +502,11 @@ def _spawn_router(cluster: ServingCluster, router_id: str, port: int, router_arg
     cmd = [sys.executable, "-m", "cluster.cli", "router", "--address", ray.get_runtime_context().gcs_address,
            "--cluster-id", cluster.spec.cluster_id, "--router-id", router_id, "--host", cluster.host, "--port",
            str(port), *router_args]
-    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+    env = dict(os.environ)                 # the key by environment: a command line is public on the machine
+    env.pop(API_KEY_ENV, None)
+    if cluster.cfg.api_key:
+        env[API_KEY_ENV] = cluster.cfg.api_key
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent, env=env)
 
 
 def _stop_routers(children: list[subprocess.Popen], timeout_s: float) -> None:

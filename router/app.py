@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
+import jinja2.sandbox
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +55,11 @@ log = logging.getLogger(__name__)
 SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
 _END = object()                        # the generation task is done (queued after its last event)
 MAX_BUFFERED_EVENTS = 1024             # a request's events its client has not read yet, at most
+INLINE_BODY_BYTES = 4096               # smaller bodies are validated on the event loop (well under a ms)
+VALIDATOR_THREADS = 2                  # larger ones in these threads (json.loads and tokenizing release
+                                       # the GIL between their C calls, so the loop keeps answering)
+PROMPT_CHARS_SLACK = 2                 # a prompt text's characters over max_model_len x the longest
+                                       # token's (a normalizer may shrink a text a little)
 
 
 class Detokenizer:
@@ -92,8 +100,15 @@ class Server:
                  api_key: str | None = None, max_pending: int = 512, default_max_tokens: int = 16,
                  cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
                  admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
-                 slo: SLOTargets | None = None):
+                 slo: SLOTargets | None = None, request_timeout_s: float | None = 600.0,
+                 body_timeout_s: float = 30.0, max_validating: int = 64):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
+        self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
+        self.max_validating = max_validating     # bodies being read or validated at once, past it 429
+        self.validating = 0
+        self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
+        self.max_prompt_chars = PROMPT_CHARS_SLACK * max_model_len * tokenizer.max_token_chars
         self.slo = slo                         # the requests' default TTFT and TPOT targets (None: none)
         self.admission = admission             # SLO admission (router/admission.py); None: the queue bound only
         self.client_stall_timeout_s = client_stall_timeout_s
@@ -109,14 +124,15 @@ class Server:
         self.ended = 0                         # requests end_inflight() ended
         self._runs: set[asyncio.Task] = set()  # each running request's dispatcher.generate task
         self._idle: asyncio.Event | None = None   # set by _done when nothing is in flight
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False)
-        self.chat_template = env.from_string(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE)
+        self.chat_template = sandboxed_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE,
+                                                bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
 
     # -- validation ----------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        sent = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):      # in constant time
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
 
@@ -130,17 +146,21 @@ class Server:
             raise too_large(limit, int(declared))
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit)
-                chunks.append(chunk)
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large(limit)
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise bad_request("the client closed the connection before the whole body arrived") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g}s ({size} bytes "
+                           "came)", code="request_timeout") from None
         return b"".join(chunks)
 
-    async def _body(self, request: Request) -> dict:
-        body = parse_json(await self._read(request))
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json(raw)
         model = body.get("model")
         if model is None:
             raise bad_request("'model' is required", "model")
@@ -151,8 +171,16 @@ class Server:
                            param="model", code="model_not_found")
         return body
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, param: str) -> list[int]:
+        """The text's tokens; a text surely longer than the context is refused before tokenizing
+        (in time linear in it, not the tokenizer's)."""
+        self._check_chars(len(text), param)
         return self.tokenizer.encode(text)      # parse_json refused what no tokenizer takes (surrogates)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {chars} characters, far more than fit this model's maximum context "
+                              f"length of {self.max_model_len} tokens", param)
 
     def _check_len(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -170,7 +198,7 @@ class Server:
         for i, prompt in enumerate(prompts):
             try:
                 if isinstance(prompt, str):
-                    ids = self._encode(prompt)
+                    ids = self._encode(prompt, "prompt")
                 else:
                     ids = prompt
                     check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
@@ -185,13 +213,13 @@ class Server:
 
     def chat_request(self, body: dict) -> GenerationRequest:
         flat = chat_messages(body)
+        self._check_chars(sum(len(m["content"]) for m in flat), "messages")
         try:
-            text = self.chat_template.render(messages=flat, add_generation_prompt=True,
-                                             bos_token=self.tokenizer.bos_token or "",
-                                             eos_token=self.tokenizer.eos_token or "")
-        except jinja2.TemplateError as e:
-            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        ids = self._encode(text)
+            text = self.chat_template.render(messages=flat, add_generation_prompt=True)
+        except jinja2.TemplateError as e:     # raise_exception's too; the sandbox's SecurityError
+            raise bad_request(f"the chat template could not render these messages: {show(str(e), 200)}",
+                              "messages") from None
+        ids = self._encode(text, "messages")
         self._check_len(ids, "messages")
         return self._requests(body, "chat", [ids])[0]
 
@@ -207,9 +235,12 @@ class Server:
         n, best_of = sample_counts(body, stream, len(prompts))
         echo = echo_of(body, kind, params)
         ttft_s, tpot_s = slo_targets(body, *((self.slo.ttft_s, self.slo.tpot_s) if self.slo else (None, None)))
-        due = None if ttft_s is None else time.monotonic() + ttft_s
+        now = time.monotonic()
+        due = None if ttft_s is None else now + ttft_s
+        deadline = None if self.request_timeout_s is None else now + self.request_timeout_s
         return [GenerationRequest(kind, self.model_name, ids, params, stream, include_usage, priority=priority,
-                                  echo=echo, n=n, best_of=best_of, ttft_due=due, tpot_s=tpot_s) for ids in prompts]
+                                  echo=echo, n=n, best_of=best_of, ttft_due=due, tpot_s=tpot_s, deadline=deadline)
+                for ids in prompts]
 
     def samples(self, req: GenerationRequest) -> list[GenerationRequest]:
         """The request's samples (best_of of them): sample j seeded with `sample_seed(seed, j)`;
@@ -356,7 +387,11 @@ class Server:
         task.add_done_callback(lambda t: self._generation_done(t, events))
         try:
             while True:
-                ev = await events.get()
+                try:
+                    async with asyncio.timeout_at(_loop_time(req.deadline)):
+                        ev = await events.get()
+                except TimeoutError:
+                    raise DeadlinePassed from None
                 if ev is _END:
                     if task.cancelled():                 # ended by end_inflight
                         raise self._shutdown_error(n_out)
@@ -388,10 +423,19 @@ class Server:
                     return
         except SlowClient as e:                          # counted where it was found
             raise APIError(408, str(e), code="slow_client") from None
+        except DeadlinePassed:                           # the finally aborts it on the workers
+            m.errors.labels("request_timeout").inc()
+            log.warning("request %s: past its deadline (--request-timeout-s %gs) after %d tokens: ended",
+                        req.request_id, self.request_timeout_s, n_out)
+            raise APIError(504, f"the request did not finish within this server's request timeout of "
+                           f"{self.request_timeout_s:g}s ({n_out} tokens generated)", "server_error",
+                           code="request_timeout") from None
         except RequestFailed as e:
             m.errors.labels("worker_failure").inc()
-            raise APIError(503, f"the request could not be served: {e}", "server_error",
-                           code="service_unavailable") from None
+            # The log has the cause (worker ids, transport errors); the client gets the request id.
+            log.warning("request %s could not be served: %s", req.request_id, e)
+            raise APIError(503, f"the request could not be served (request {req.request_id}); retry it",
+                           "server_error", code="service_unavailable") from None
         except APIError as e:                            # a worker refused it (e.g. bad params), or a drain
             m.errors.labels("shutdown" if e.code == SHUTDOWN else "invalid_request").inc()
             raise
@@ -417,8 +461,9 @@ def build_app(server: Server) -> FastAPI:
         return _error_response(e)
 
     @app.exception_handler(Exception)
-    async def internal(_request, e: Exception):
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+    async def internal(request: Request, e: Exception):
+        log.error("internal error answering %s %s", request.method, request.url.path, exc_info=e)
+        return _error_response(APIError(500, "internal error; the server's log has the details", "server_error"))
 
     def endpoints() -> str:
         return ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute) for m in sorted(r.methods))
@@ -487,19 +532,81 @@ def _body(schema: dict) -> dict:
 
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
     """Authentication and validation; a request refused here counts as an invalid_request error.
+    At most `max_validating` bodies are read or validated at once (past it: 429 before reading),
+    the body must arrive within `body_timeout_s` (408), and a body larger than INLINE_BODY_BYTES
+    is parsed, tokenized and rendered in a validator thread, so that the event loop goes on
+    streaming and answering /health meanwhile.
     A bug in validation answers 500 through the APIError handler: an exception reaching
     Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
     client's keep-alive connection."""
+    if server.validating >= server.max_validating:
+        server.metrics.errors.labels("overloaded").inc()
+        raise APIError(429, f"the server is validating {server.max_validating} request bodies already; retry "
+                       "shortly", "rate_limit_exceeded", code="overloaded", headers={"Retry-After": "1"})
+    server.validating += 1
     try:
         server._check_auth(request)
-        return parse(await server._body(request))
+        _check_content_type(request)
+        raw = await server._read(request)
+
+        def check() -> GenerationRequest:
+            return parse(server._body(raw))
+        if len(raw) <= INLINE_BODY_BYTES:
+            return check()
+        return await asyncio.get_running_loop().run_in_executor(server._validator, check)
     except APIError:
         server.metrics.errors.labels("invalid_request").inc()
         raise
-    except Exception as e:
+    except Exception:
         log.exception("validating a request failed")
-        raise APIError(500, f"internal error while validating the request: {type(e).__name__}: {show(str(e), 200)}",
+        raise APIError(500, "internal error while validating the request; the server's log has the details",
                        "server_error") from None
+    finally:
+        server.validating -= 1
+
+
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only (415 otherwise): a web page may POST text/plain or a form to a server on
+    localhost without asking first, but not application/json."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                       f"{show(kind or 'none', 60)})", code="unsupported_media_type")
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A time.monotonic() deadline on the event loop's clock (asyncio.timeout_at's)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+def sandboxed_template(source: str, **constants) -> jinja2.Template:
+    """A chat template (the model repository's: untrusted) compiled in Jinja's immutable sandbox,
+    which refuses attributes that reach Python's internals and any call that changes its data,
+    with HF's `raise_exception`. Rendered once at start on a few conversations: a template that
+    reaches for what the sandbox refuses fails here, with a message, instead of on a request."""
+    def raise_exception(message):
+        raise jinja2.TemplateError(str(message))
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, trim_blocks=False)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(source, globals=constants)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the model's chat template does not compile: {e}") from None
+    probes = ([{"role": "user", "content": "Hi"}],
+              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+              [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+               {"role": "user", "content": "Bye"}])
+    for messages in probes:
+        try:
+            template.render(messages=messages, add_generation_prompt=True)
+        except jinja2.sandbox.SecurityError as e:
+            raise ValueError(f"the model's chat template reaches for what its sandbox refuses ({e}); "
+                             "this server does not run it") from None
+        except jinja2.TemplateError:
+            pass                  # e.g. its raise_exception refusing a system turn: that is its right
+    return template
 
 
 async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
@@ -508,6 +615,8 @@ async def _respond(server: Server, request: Request, req: GenerationRequest | li
     server._admit(reqs)
     req = reqs[0]
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+    for r in reqs:
+        r.request_id = rid
     created = int(time.time())
     if req.stream:
         slots = _Slots(server, sum(r.best_of for r in reqs))
@@ -688,6 +797,10 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
         yield "data: [DONE]\n\n"
     finally:
         slots.release()
+
+
+class DeadlinePassed(Exception):
+    """The request ran past its deadline (--request-timeout-s)."""
 
 
 class ClientStalled(Exception):

@@ -9,11 +9,14 @@ from router.slo import SLOTargets
 from workers.names import P2C, PICKING_POLICIES, check_name
 
 
+API_KEY_ENV = "PDCLUSTER_API_KEY"         # the API key, when neither --api-key nor --api-key-file gives it
+
+
 @dataclass(slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None                # require 'Authorization: Bearer KEY'
+    api_key: str | None = field(default=None, repr=False)   # require 'Authorization: Bearer KEY' (a secret)
     served_model_name: str | None = None      # the model name clients send (default: the model)
     policy: str = P2C                         # one of PICKING_POLICIES
     local_prefill_max_tokens: int | str = 0   # disaggregated: prefill on the decode worker up to this many tokens ("auto")
@@ -25,6 +28,9 @@ class RouterConfig:
     worker_hang_timeout_s: float = 10.0       # a worker that answers no poll for this long is restarted
     drain_timeout_s: float = 30.0             # on shutdown: how long in-flight requests may still run
     client_stall_timeout_s: float = 30.0      # a stream whose client takes no chunk for this long is ended
+    request_timeout_s: float = 600.0          # a request still running this long after it arrived ends (504)
+    body_timeout_s: float = 30.0              # a request body not whole within this long is refused (408)
+    max_validating: int = 64                  # request bodies being read or validated at once, past it 429
     slo: SLOTargets = field(default_factory=SLOTargets)
     router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)
 
@@ -45,6 +51,13 @@ class RouterConfig:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         if not self.worker_hang_timeout_s > 0:
             raise ValueError(f"--worker-hang-timeout-s must be > 0, got {self.worker_hang_timeout_s}")
+        for flag, value in (("--request-timeout-s", self.request_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+        if self.max_validating < 1:
+            raise ValueError(f"--max-validating must be >= 1, got {self.max_validating}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a non-empty key, or none")
         if not self.client_stall_timeout_s > 0:
             raise ValueError(f"--client-stall-timeout-s must be > 0, got {self.client_stall_timeout_s}")
         if not self.drain_timeout_s >= 0:          # NaN too

@@ -27,7 +27,7 @@ from workers.names import DECODE, PREEMPTION_KINDS, PREFILL, ROLES
 P = "pdcluster:"
 FINISH_REASONS = ("stop", "length")
 ERROR_REASONS = ("invalid_request", "overloaded", "slo_unattainable", "worker_failure", "client_disconnect",
-                 "slow_client", "shutdown")
+                 "slow_client", "shutdown", "request_timeout")
 POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")

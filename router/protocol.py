@@ -3,7 +3,9 @@
 Every refusal is a 4xx naming the field (`param`). The limits, so that no body, however
 hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - the body's size (`--max-body-mib`, checked while reading, in app.py): 413;
-  - JSON nesting: at most MAX_JSON_DEPTH levels, checked before parsing without recursion;
+  - JSON nesting: at most MAX_JSON_DEPTH levels, and at most MAX_JSON_VALUES values (fewer keys
+    and floats: the dear ones), checked before parsing in passes linear in the body (no regex
+    that could backtrack, no recursion), so json.loads never runs long;
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids) and token ids within the vocabulary;
@@ -69,6 +71,8 @@ class GenerationRequest:
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered
     ttft_due: float | None = None              # time.monotonic() when its first token is due (None: no target)
     tpot_s: float | None = None                # its TPOT target
+    deadline: float | None = None              # time.monotonic() past which it ends (--request-timeout-s)
+    request_id: str = ""                       # the response's id: in the log lines about it
 
     def ttft_left_s(self, delivered) -> float | None:
         """What an attempt's op carries: seconds until its next token is due (negative when
@@ -79,37 +83,75 @@ class GenerationRequest:
 
 
 # -- the body as JSON -------------------------------------------------------------------------
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')         # a JSON string literal, escapes included
+# What one body may hold, so that json.loads takes at most a few tens of ms (measured on one core:
+# 2**18 integers 10 ms, 2**16 distinct keys 17 ms, 2**16 floats 35 ms) and little memory.
+MAX_JSON_VALUES = 2**18                # values and keys: a prompt of token ids up to this long fits
+MAX_JSON_KEYS = 2**16                  # object keys (each a str and a dict insertion: the dear part)
+MAX_JSON_FLOATS = 2**16                # numbers with a fraction or an exponent (each a strtod)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _TO_SQUARE = bytes.maketrans(b"{}", b"[]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")     # maybe an escaped UTF-16 surrogate
 
 
-def _too_deep(raw: bytes) -> bool:
-    """Whether the brackets outside strings nest deeper than MAX_JSON_DEPTH or do not balance,
-    without recursion and in C-speed passes: each pass deletes the innermost pairs, so a
-    document MAX_JSON_DEPTH deep is gone after that many passes."""
-    brackets = _STRING.sub(b"", raw).translate(_TO_SQUARE, _NOT_BRACKET)
+def _structure(raw: bytes) -> bytes:
+    """The body with its strings cut out: only what lies between them, in a few passes of C-speed
+    bytes methods, each linear in the body (no regular expression, so nothing can backtrack).
+    In valid JSON a backslash only starts an escape, so dropping escaped backslashes first and
+    then escaped quotes leaves exactly the quotes that open and close strings; splitting on them,
+    every other piece is outside a string. On invalid JSON the result is still bounded and
+    linear; json.loads then names the error. Refuses bodies with too many strings before the
+    split, so the split makes a bounded number of pieces."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    quotes = unescaped.count(b'"')
+    if quotes > 2 * MAX_JSON_VALUES:
+        raise too_many_values(quotes // 2, "strings")
+    return b"".join(unescaped.split(b'"')[::2])
+
+
+def too_many_values(count: int, what: str = "values", limit: int = MAX_JSON_VALUES) -> APIError:
+    return bad_request(f"the request body holds about {count} JSON {what}; this server takes at most {limit} "
+                       "in one body")
+
+
+def check_json_shape(raw: bytes) -> None:
+    """Refuses, before any parsing and in time linear in the body, a body whose objects and
+    arrays nest deeper than MAX_JSON_DEPTH or do not balance, or that holds more than
+    MAX_JSON_VALUES values: what would make json.loads recurse or run long. The depth check
+    deletes the innermost bracket pairs once per level, so it makes at most MAX_JSON_DEPTH
+    passes over the brackets."""
+    outside = _structure(raw)
+    keys = outside.count(b":")
+    values = outside.count(b",") + keys
+    floats = outside.count(b".") + outside.count(b"e") + outside.count(b"E")   # true/false count too: a bound
+    for count, what, limit in ((values, "values", MAX_JSON_VALUES), (keys, "object keys", MAX_JSON_KEYS),
+                               (floats, "numbers with a fraction or exponent", MAX_JSON_FLOATS)):
+        if count > limit:
+            raise too_many_values(count, what, limit)
+    brackets = outside.translate(_TO_SQUARE, _NOT_BRACKET)
     for _ in range(MAX_JSON_DEPTH):
         if not brackets:
-            return False
+            return
         shorter = brackets.replace(b"[]", b"")
         if len(shorter) == len(brackets):
             break
         brackets = shorter
-    return bool(brackets)
+    if brackets:
+        raise _too_deep()
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"the request body is not valid JSON: its objects and arrays nest deeper than "
+                       f"{MAX_JSON_DEPTH} levels, or its brackets do not balance")
 
 
 def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 (never a RecursionError: depth is checked first)."""
-    deep = bad_request(f"the request body is not valid JSON: its objects and arrays nest deeper than "
-                       f"{MAX_JSON_DEPTH} levels, or its brackets do not balance")
-    if _too_deep(raw):
-        raise deep
+    """The body as a JSON object, or a 400 (never a RecursionError: the shape is checked first).
+    Linear in the body; app.py runs it off the event loop for all but small bodies."""
+    check_json_shape(raw)
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise deep from None
+        raise _too_deep() from None
     except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
         raise bad_request(f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):

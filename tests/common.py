@@ -165,8 +165,8 @@ class ServeProcess:
     """`pdcluster serve ARGS --port P` in its own session; `with` waits until it answers and its
     workers run, and afterwards kills whatever it started that is still there (a failed test)."""
 
-    def __init__(self, log: Path, *args: str, port: int, num_workers: int = 2):
-        self.log, self.port, self.num_workers = log, port, num_workers
+    def __init__(self, log: Path, *args: str, port: int, num_workers: int = 2, env: dict | None = None):
+        self.log, self.port, self.num_workers, self.env = log, port, num_workers, env or {}
         self.cmd = pdcluster_cmd("serve", "--model", "tiny", "--port", str(port), *args)
         self.tree: dict = {}
         self.proc: subprocess.Popen | None = None
@@ -178,7 +178,7 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         import httpx
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=subprocess_env(), stdout=out,
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env={**subprocess_env(), **self.env}, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         try:
             def health():

@@ -251,7 +251,8 @@ def test_bad_json_gets_400(client, raw, says):
 
 def test_nesting_at_the_limit_is_parsed(client):
     inner = b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1)       # the body's object is level 1
-    r = client.post("completions", content=b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "x": ' + inner + b"}")
+    r = client.post("completions", content=b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "x": ' + inner + b"}",
+                    headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text[:300]
 
 
@@ -288,7 +289,7 @@ class FakeRequest(Request):
 def test_the_body_is_never_buffered_past_the_limit(declared):
     """A declared length over the limit is refused before any read; a chunked body as soon as it
     passes the limit (the server holds at most the limit and one chunk)."""
-    server = SimpleNamespace(max_body_bytes=MiB)
+    server = SimpleNamespace(max_body_bytes=MiB, body_timeout_s=60.0)
     req = FakeRequest([b"x" * (64 * 1024)] * 1600, declared)          # 100 MiB
     with pytest.raises(APIError) as e:
         asyncio.run(Server._read(server, req))

@@ -10,6 +10,7 @@ graceful shutdown; cluster/serve.py turns it into an exit that runs the cleanup)
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -50,16 +51,22 @@ def replay_curl(argv: list[str]) -> httpx.Response:
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code):
     port = free_port()
-    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--api-key", "k", *SMALL_KV,
-                      port=port) as serve:
-        # The banner's example request works as printed (the API key's header included).
+    key = "k-" + os.urandom(8).hex()
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", *SMALL_KV,
+                      port=port, env={"PDCLUSTER_API_KEY": key}) as serve:
+        # The key comes from the environment and is never printed; the banner's example request
+        # works as printed, in a shell that has the key in its environment.
+        assert key not in serve.output
         try_line = next(line for line in serve.output.splitlines() if line.strip().startswith("try: curl "))
         example = shlex.split(try_line.strip().removeprefix("try: "))
-        assert "Authorization: Bearer k" in example, try_line
+        assert "Authorization: Bearer $PDCLUSTER_API_KEY" in example, try_line
+        example = [arg.replace("$PDCLUSTER_API_KEY", key) for arg in example]
+        url = next(arg for arg in example if arg.startswith("http"))
+        assert httpx.post(url, json={"model": "tiny", "prompt": "x"}, timeout=60).status_code == 401   # no key
         reply = replay_curl(example)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 16, reply.text
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
         want = generate([{"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}],

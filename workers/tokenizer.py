@@ -22,10 +22,21 @@ class Tokenizer:
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self.chat_template = chat_template
+        self._max_token_chars: int | None = None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters (of its vocabulary entry: a byte-level or
+        SentencePiece piece covers at most that many characters of the text), so that a text of
+        more than `max_token_chars` x N characters surely encodes to more than N tokens: a
+        prompt far past the context can be refused before it is tokenized."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
