@@ -52,9 +52,25 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
     if num_cpus is None:
         num_cpus = max(os.cpu_count() or 1,
                        math.ceil(spec.budget * spec.num_cpus_per_worker * spec.max_tensor_parallel_size))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
-             log_to_driver=True)
+    start_local_ray(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
     return True
+
+
+def start_local_ray(**options) -> None:
+    """`ray.init` of a local Ray of our own whose every listener is on loopback: GCS, raylet,
+    object manager, the workers' gRPC servers, the dashboard agent and the runtime-env agent
+    bind 127.0.0.1 when that is the node's address (Ray's C++ servers and agents check for it),
+    and our own listeners follow the node's address (workers/worker.py `bind_host`). Ray turns a
+    loopback `_node_ip_address` into the machine's address unless its ENABLE_RAY_CLUSTER switch
+    is off (the way it runs on macOS and Windows), so it is off for the call. No dashboard: our
+    CLI never talks to it (`ray job submit` would need one, on 127.0.0.1, `dashboard_host`'s default)."""
+    import ray._private.ray_constants as constants
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def check_reachable(address: str, timeout_s: float = 3.0) -> None:

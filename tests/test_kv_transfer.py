@@ -34,9 +34,16 @@ def _op_setup(worker_id, num_blocks, seed, layout):
     return _WORKERS[worker_id][0].store_addr
 
 
-def _op_send(worker_id, peer_id, peer_addr, block_ids, timeout_s, transfer_id=0):
+def _op_send(worker_id, peer_id, peer, block_ids, timeout_s, transfer_id=0):
+    """`peer`: the receiver's KVPeer for this sender (its `peer_for`: address and the pair's secret)."""
     t, caches = _WORKERS[worker_id]
-    return t.send_blocks(KVPeer(peer_id, peer_addr), caches, block_ids, timeout_s, transfer_id)
+    assert peer.worker_id == peer_id
+    return t.send_blocks(peer, caches, block_ids, timeout_s, transfer_id)
+
+
+def _op_peer(worker_id, sender):
+    """This (receiving) worker as `sender` addresses it."""
+    return _WORKERS[worker_id][0].peer_for(sender)
 
 
 def _op_recv(worker_id, peer_id, block_ids, timeout_s, transfer_id=0):
@@ -93,7 +100,7 @@ def test_child_sends_exactly_the_chosen_blocks(child):
     d, caches = local("d-exact", 48, 2)
     before = clone(caches)
     src, dst = [5, 17, 2, 40, 63], [30, 0, 11, 7, 47]
-    child.start("send", "p-exact", "d-exact", d.store_addr, src, 10.0)
+    child.start("send", "p-exact", "d-exact", d.peer_for("p-exact"), src, 10.0)
     nbytes = d.recv_blocks("p-exact", caches, dst, timeout_s=10.0)
     status, sent_bytes, _ = child.result()
     assert status == "ok", sent_bytes
@@ -102,12 +109,13 @@ def test_child_sends_exactly_the_chosen_blocks(child):
 
 
 def test_child_receives_exactly_the_chosen_blocks(child):
-    addr = child.call("setup", "d-exact2", 40, 3, TINY)
+    child.call("setup", "d-exact2", 40, 3, TINY)
     p, caches = local("p-exact2", 20, 4)
     before = child.call("caches", "d-exact2")
     src, dst = [19, 0, 3], [2, 39, 20]
+    peer = child.call("peer", "d-exact2", "p-exact2")
     child.start("recv", "d-exact2", "p-exact2", dst, 10.0)
-    nbytes = p.send_blocks(KVPeer("d-exact2", addr), caches, src, timeout_s=10.0)
+    nbytes = p.send_blocks(peer, caches, src, timeout_s=10.0)
     status, got, _ = child.result()
     assert status == "ok", got
     assert nbytes == got
@@ -124,7 +132,7 @@ def test_several_transfers_reuse_the_pair_and_peers_are_separate(child):
             (d1, caches1, [12], [2])]
     for i, (d, caches, src, dst) in enumerate(plan):
         before = clone(caches)
-        child.start("send", "p-multi", d.worker_id, d.store_addr, src, 10.0, i)
+        child.start("send", "p-multi", d.worker_id, d.peer_for("p-multi"), src, 10.0, i)
         d.recv_blocks("p-multi", caches, dst, timeout_s=10.0, transfer_id=i)
         status, value, _ = child.result()
         assert status == "ok", value
@@ -137,7 +145,7 @@ def test_several_transfers_reuse_the_pair_and_peers_are_separate(child):
     child.call("close", "p-multi", "d-multi0")
     d0.close("p-multi")
     before = clone(caches0)
-    child.start("send", "p-multi", "d-multi0", d0.store_addr, [33, 34], 10.0)
+    child.start("send", "p-multi", "d-multi0", d0.peer_for("p-multi"), [33, 34], 10.0)
     d0.recv_blocks("p-multi", caches0, [8, 9], timeout_s=10.0)
     assert child.result()[0] == "ok"
     assert_moved(child.call("caches", "p-multi"), caches0, before, [33, 34], [8, 9])
@@ -150,7 +158,7 @@ def test_layout_mismatch_is_refused_on_both_sides(child, field, value):
     sender, receiver = f"p-{field}", f"d-{field}"
     child.call("setup", sender, 16, 8, TINY)
     d, caches = local(receiver, 16, 9, {**TINY, field: value})
-    child.start("send", sender, receiver, d.store_addr, [0, 1], 20.0)
+    child.start("send", sender, receiver, d.peer_for(sender), [0, 1], 20.0)
     t0 = time.monotonic()
     with pytest.raises(KVLayoutMismatch) as here:
         d.recv_blocks(sender, caches, [2, 3], timeout_s=20.0)
@@ -164,14 +172,14 @@ def test_layout_mismatch_is_refused_on_both_sides(child, field, value):
 def test_block_count_mismatch_is_refused_on_both_sides_and_the_pair_survives(child):
     child.call("setup", "p-count", 16, 10, TINY)
     d, caches = local("d-count", 16, 11)
-    child.start("send", "p-count", "d-count", d.store_addr, [0, 1, 2], 10.0)
+    child.start("send", "p-count", "d-count", d.peer_for("p-count"), [0, 1, 2], 10.0)
     with pytest.raises(KVTransferMismatch, match="3 blocks"):
         d.recv_blocks("p-count", caches, [5, 6], timeout_s=10.0)
     status, (kind, *_), elapsed = child.result()
     assert (status, kind) == ("err", "KVTransferMismatch") and elapsed < 5.0
     # Both sides agreed on the refusal, so the same group carries the next transfer.
     before = clone(caches)
-    child.start("send", "p-count", "d-count", d.store_addr, [0, 1], 10.0)
+    child.start("send", "p-count", "d-count", d.peer_for("p-count"), [0, 1], 10.0)
     d.recv_blocks("p-count", caches, [5, 6], timeout_s=10.0)
     assert child.result()[0] == "ok"
     assert_moved(child.call("caches", "p-count"), caches, before, [0, 1], [5, 6])
@@ -196,7 +204,7 @@ def test_receiver_times_out_when_the_sender_never_comes():
 def test_sender_times_out_when_the_receiver_never_receives():
     d, _ = local("d-idle", 8, 13)                   # hosts the store, never calls recv_blocks
     p, caches = local("p-lonely", 8, 14)
-    _assert_times_out(lambda: p.send_blocks(KVPeer("d-idle", d.store_addr), caches, [0], timeout_s=2.0),
+    _assert_times_out(lambda: p.send_blocks(d.peer_for("p-lonely"), caches, [0], timeout_s=2.0),
                       2.0, "d-idle")
 
 
@@ -205,23 +213,23 @@ def test_sender_times_out_when_nobody_listens():
         s.bind((HOST, 0))
         port = s.getsockname()[1]
     p, caches = local("p-void", 8, 15)
-    _assert_times_out(lambda: p.send_blocks(KVPeer("d-void", f"{HOST}:{port}"), caches, [0], timeout_s=2.0),
+    _assert_times_out(lambda: p.send_blocks(KVPeer("d-void", f"{HOST}:{port}", "secret"), caches, [0], timeout_s=2.0),
                       2.0, "d-void")
 
 
 def test_a_receiver_that_stops_receiving_times_out_the_sender_and_the_pair_recovers(child):
     child.call("setup", "p-stall", 16, 16, TINY)
     d, caches = local("d-stall", 16, 17)
-    child.start("send", "p-stall", "d-stall", d.store_addr, [1], 10.0)
+    child.start("send", "p-stall", "d-stall", d.peer_for("p-stall"), [1], 10.0)
     d.recv_blocks("p-stall", caches, [2], timeout_s=10.0)
     assert child.result()[0] == "ok"
-    child.start("send", "p-stall", "d-stall", d.store_addr, [3], 2.0)     # nobody receives it
+    child.start("send", "p-stall", "d-stall", d.peer_for("p-stall"), [3], 2.0)     # nobody receives it
     status, (kind, message, *_), elapsed = child.result()
     assert (status, kind) == ("err", "KVTransferTimeout") and elapsed < 3.5, (kind, message, elapsed)
     assert "d-stall" in message
     d.close("p-stall")                                # the orchestrator closes the failed pair
     before = clone(caches)
-    child.start("send", "p-stall", "d-stall", d.store_addr, [4, 5], 10.0)
+    child.start("send", "p-stall", "d-stall", d.peer_for("p-stall"), [4, 5], 10.0)
     d.recv_blocks("p-stall", caches, [9, 10], timeout_s=10.0)
     assert child.result()[0] == "ok"
     assert_moved(child.call("caches", "p-stall"), caches, before, [4, 5], [9, 10])

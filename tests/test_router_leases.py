@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from common import Clock, wait_for
+from router.events import client_keys, curve_client
 from workers import messages as msg
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine
@@ -54,9 +55,11 @@ def test_owner_tags():
 class Reader:
     """A router's end of one worker stream (a ZeroMQ PULL socket), collecting every frame."""
 
-    def __init__(self, address: str):
+    def __init__(self, stream: tuple[str, str]):
+        address, server_key = stream          # what stream_events answers
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, server_key)
         self.sock.connect(address)
         self.events: list = []
         self.frames: list[msg.PollReply] = []
@@ -92,6 +95,7 @@ def local_worker(**kw):
         w.shutdown()
 
 
+KEY = client_keys()[0].decode()         # this process's CURVE public key, as a router gives it
 PROMPT_A, PROMPT_B = list(range(3, 40)), list(range(50, 90))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -109,8 +113,8 @@ def test_each_router_reads_its_own_requests_and_everyones_load():
     same tokens as the offline engine), and both carry the load reports and step samples."""
     a, b = owner_tag("a"), owner_tag("b")
     with local_worker() as w:
-        ra, rb = Reader(w.stream_events(a)), Reader(w.stream_events(b))
-        assert w.stream_events(a) == w.stream_events(a) != w.stream_events(b)    # one stream per owner
+        ra, rb = Reader(w.stream_events(a, KEY)), Reader(w.stream_events(b, KEY))
+        assert w.stream_events(a, KEY) == w.stream_events(a, KEY) != w.stream_events(b, KEY)    # one stream per owner
         try:
             w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, GREEDY)))
             w.submit(msg.encode(msg.GenerateOp(f"{b}/r0.0", PROMPT_B, GREEDY)))
@@ -135,7 +139,7 @@ def test_a_lapsed_router_loses_only_its_own_requests():
     long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)     # seconds of decoding
     want_b = offline(PROMPT_B, GREEDY)            # (before: b's lease must not lapse meanwhile)
     with local_worker(router_lease_s=1.0) as w:
-        ra, rb = Reader(w.stream_events(a)), Reader(w.stream_events(b))
+        ra, rb = Reader(w.stream_events(a, KEY)), Reader(w.stream_events(b, KEY))
         try:
             w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, long)))
             w.submit(msg.encode(msg.PrefillOp(f"{a}/r1.0", PROMPT_B, GREEDY)))
@@ -170,7 +174,7 @@ def test_a_router_that_leaves_ends_its_requests_without_a_lapse():
     a = owner_tag("a")
     long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
     with local_worker(router_lease_s=30.0) as w:
-        ra = Reader(w.stream_events(a))
+        ra = Reader(w.stream_events(a, KEY))
         try:
             w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, long)))
             wait_for(lambda: ra.read(), lambda _: ra.tokens(f"{a}/r0.0"), 30)
@@ -188,7 +192,7 @@ def test_a_draining_worker_refuses_new_requests_for_a_retry_elsewhere():
     worker), while what runs finishes; the reports say so; taken back, it accepts again."""
     a = owner_tag("a")
     with local_worker() as w:
-        ra = Reader(w.stream_events(a))
+        ra = Reader(w.stream_events(a, KEY))
         try:
             w.submit(msg.encode(msg.GenerateOp(f"{a}/r0.0", PROMPT_A, GREEDY)))
             wait_for(lambda: ra.read(), lambda _: ra.tokens(f"{a}/r0.0"), 30)
@@ -216,13 +220,13 @@ def test_a_worker_takes_at_most_max_routers():
     with local_worker() as w:
         w.leases.clock = clock
         owners = [owner_tag(f"r{i}") for i in range(MAX_ROUTERS)]
-        addresses = {w.stream_events(o) for o in owners}
+        addresses = {w.stream_events(o, KEY) for o in owners}
         assert len(addresses) == MAX_ROUTERS and w.ready()["routers"] == MAX_ROUTERS
         with pytest.raises(RuntimeError, match="the most it takes"):
-            w.stream_events(owner_tag("one-more"))
-        assert w.stream_events(owners[0]) in addresses                  # one already in: its stream again
+            w.stream_events(owner_tag("one-more"), KEY)
+        assert w.stream_events(owners[0], KEY) in addresses                  # one already in: its stream again
         clock.t += w.leases.lease_s + 1
         for o in owners[1:]:
             w.heartbeat(o)
         wait_for(lambda: w.ready()["routers"], lambda n: n == MAX_ROUTERS - 1, 10)   # owners[0] lapsed
-        w.stream_events(owner_tag("one-more"))
+        w.stream_events(owner_tag("one-more"), KEY)

@@ -22,7 +22,7 @@ import torch
 
 from common import CHILD_START_S, Child, wait_for
 from workers.faults import ENV_VAR, FAILURE_POINTS, FaultPlan, FaultSpecError, InjectedFault
-from workers.kv_transfer import GlooTransport, KVLayout, KVPeer, KVTransferError, KVTransferTimeout
+from workers.kv_transfer import GlooTransport, KVLayout, KVTransferError, KVTransferTimeout
 
 LAYOUT = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_dim": 16}
 HOST = "127.0.0.1"
@@ -101,9 +101,11 @@ def _op_setup(worker_id, num_blocks, seed):
     return True
 
 
-def _op_send(worker_id, peer_id, peer_addr, block_ids, timeout_s, transfer_id, faults):
+def _op_send(worker_id, peer_id, peer, block_ids, timeout_s, transfer_id, faults):
+    """`peer`: the receiver's KVPeer for this sender (its address and the pair's secret)."""
     t, caches = _SENDERS[worker_id]
-    return t.send_blocks(KVPeer(peer_id, peer_addr), caches, block_ids, timeout_s, transfer_id,
+    assert peer.worker_id == peer_id
+    return t.send_blocks(peer, caches, block_ids, timeout_s, transfer_id,
                          FaultPlan.parse(faults))
 
 
@@ -139,7 +141,7 @@ class Pair:
     def transfer(self, src, dst, send_faults="", recv_faults="", timeout_s=TIMEOUT_S):
         """Both sides at once: (receiver's bytes or exception, receiver's seconds), child's result."""
         self.tid += 1
-        self.child.start("send", self.p, self.d.worker_id, self.d.store_addr, src, timeout_s, self.tid, send_faults)
+        self.child.start("send", self.p, self.d.worker_id, self.d.peer_for(self.p), src, timeout_s, self.tid, send_faults)
         t0 = time.monotonic()
         try:
             got = self.d.recv_blocks(self.p, self.caches, dst, timeout_s, self.tid, FaultPlan.parse(recv_faults))
@@ -226,7 +228,7 @@ def test_a_peer_that_comes_after_the_failure_fails_at_once(child, side):
     pair = Pair(child, f"late-{side}")
     pair.assert_exact([0], [1])
     pair.tid += 1
-    send = ("send", pair.p, pair.d.worker_id, pair.d.store_addr, SRC, TIMEOUT_S, pair.tid)
+    send = ("send", pair.p, pair.d.worker_id, pair.d.peer_for(pair.p), SRC, TIMEOUT_S, pair.tid)
     t0 = time.monotonic()
     if side == "send":
         status, value, _ = child.call_raw(*send, "send:before_header:fail")

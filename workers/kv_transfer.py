@@ -14,6 +14,16 @@ code path is the same, only the group's constructor differs.
     payload  send the packed buffer            ──▶ recv, index_copy_ into its own block ids
              buffer = [layer, k|v, block, slot, kv_head, head_dim]
 
+Who may join: the receiver makes a secret per sender (`secret_for`), which reaches the sender
+only through the Ray call that asks it to send (KVSendRequest, then KVPeer). Every key of the
+pair lives under `kv/<secret>/<sender>-><receiver>`, so a client of the store that guesses
+worker names and transfer ids (sequential) names nothing of ours; and since a TCPStore client can
+list the keys (`list_keys`), every value the two sides act on carries an HMAC under the secret:
+the hellos (a generation whose hello does not verify is ignored), `gave_up`, `skipped` and
+`abandoned`. A stranger can neither fail a transfer nor open one as its sender. The store listens
+only on the worker's bind address (`listen_store`: loopback in a local cluster). Gloo's and
+NCCL's own sockets do not authenticate: docs/SECURITY-inner.md says what must stay private.
+
 Transfers on one pair must be issued in the same order on both sides; `transfer_id` lets
 the caller make a reordering an error instead of swapped KV.
 
@@ -36,7 +46,10 @@ a transfer at those points, for tests and drills.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import threading
 import time
@@ -127,6 +140,7 @@ class KVPeer:
     """A receiving (decode) worker as its senders address it."""
     worker_id: str
     store_addr: str                         # "host:port", that worker's `transport.store_addr`
+    secret: str                             # the receiver's for this sender (`secret_for`), through Ray
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +162,7 @@ class _Pair:
     staging: torch.Tensor                   # uint8, grown on demand, reused across transfers
     signals: dist.Store                     # the directed pair's keys in the receiver's store
     epoch: int                              # the pair's failure count when this group was built
+    secret: str                             # the pair's (its keys' namespace and MAC key)
 
 
 def _wait_listening(host: str, port: int, deadline: float) -> None:
@@ -161,6 +176,40 @@ def _wait_listening(host: str, port: int, deadline: float) -> None:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"nothing listens on {host}:{port}") from None
             time.sleep(0.05)
+
+
+def listen_store(host: str, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on `host` only (given a host, TCPStore itself still binds every
+    interface): on a socket bound here, which the store takes over (it closes it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, 0))
+        sock.listen(512)
+        store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
+
+
+def _mac(secret: str, what: str) -> str:
+    """The pair's tag of `what`: only the two ends, who hold the secret, can make it."""
+    return hmac.new(secret.encode(), what.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _signed(store: dist.Store, key: str, secret: str, value: str = "1") -> bool:
+    """`key` holds `value` signed with the pair's secret (not a stranger's write)."""
+    try:
+        return bool(store.check([key])) and hmac.compare_digest(
+            store.get(key), f"{value}:{_mac(secret, f'{key}={value}')}".encode())
+    except Exception:
+        return False
+
+
+def _namespace(secret: str, sender: str, receiver: str) -> str:
+    return f"kv/{secret}/{sender}->{receiver}"
 
 
 def _remaining(deadline: float) -> timedelta:
@@ -180,18 +229,17 @@ def _waited(store: dist.Store, key: str, deadline: float, slice_s: float = 0.02)
     return False
 
 
-def _mark(store: dist.Store, key: str, value: str = "1") -> None:
-    """Best effort: the peer reads it if it can."""
+def _mark(store: dist.Store, key: str, secret: str, value: str = "1") -> None:
+    """Best effort, signed with the pair's secret: the peer reads it if it can."""
     try:
-        store.set(key, value)
+        store.set(key, f"{value}:{_mac(secret, f'{key}={value}')}")
     except Exception:
         pass
 
 
-def _check_gave_up(store: dist.Store, side: str, transfer_id: int, peer: str) -> None:
-    """Raise when the peer (`side`) already failed this (named) transfer."""
-    key = f"gave_up/{side}"
-    if transfer_id and store.check([key]) and int(store.get(key)) == transfer_id:
+def _check_gave_up(store: dist.Store, side: str, transfer_id: int, peer: str, secret: str) -> None:
+    """Raise when the peer (`side`) already failed this (named) transfer (its signed word only)."""
+    if transfer_id and _signed(store, f"gave_up/{side}", secret, str(transfer_id)):
         raise KVTransferError(f"{peer} gave up on transfer {transfer_id}")
 
 
@@ -210,6 +258,7 @@ class KVTransport(ABC):
         self._server: dist.TCPStore | None = None
         self._pairs: dict[tuple[str, int], _Pair] = {}          # (peer id, my rank) -> group
         self._gens: dict[str, int] = {}                         # sender id -> last generation joined
+        self._secrets: dict[str, str] = {}                      # sender id -> its pair's secret (receiver)
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._mutex = threading.Lock()
 
@@ -222,18 +271,28 @@ class KVTransport(ABC):
         """Where senders rendezvous with this worker (give it to them in a KVPeer)."""
         return f"{self.host}:{self._serve().port}"
 
+    def secret_for(self, sender: str) -> str:
+        """(Receiver) the secret of the pair with `sender`, made here once, unguessable: give it
+        to that sender only, through Ray (KVSendRequest), never through the store."""
+        with self._mutex:
+            return self._secrets.setdefault(sender, secrets.token_hex(16))
+
+    def peer_for(self, sender: str) -> KVPeer:
+        """This receiver as `sender` must address it."""
+        return KVPeer(self.worker_id, self.store_addr, self.secret_for(sender))
+
     def send_blocks(self, peer: KVPeer, kv_caches: KVCaches, block_ids: list[int],
                     timeout_s: float = 30.0, transfer_id: int = 0, faults: FaultPlan | None = None) -> int:
         """Send these blocks to `peer`, which receives them into its own block ids. Returns bytes.
         `faults`: the plan's `send` rules act at their points (tests, drills)."""
         return self._transfer(peer.worker_id, _SENDER, kv_caches, block_ids, timeout_s, transfer_id,
-                              peer.store_addr, faults)
+                              peer.store_addr, faults, secret=peer.secret)
 
     def refuse(self, peer: KVPeer, kv_caches: KVCaches, timeout_s: float = 30.0, transfer_id: int = 0) -> None:
         """Tell `peer`, waiting in recv for this transfer, that there is nothing to send: its recv
         raises KVTransferRefused at once, and the pair stays usable."""
         self._transfer(peer.worker_id, _SENDER, kv_caches, [], timeout_s, transfer_id, peer.store_addr,
-                       None, refused=True)
+                       None, refused=True, secret=peer.secret)
 
     def recv_blocks(self, peer: str, kv_caches: KVCaches, block_ids: list[int],
                     timeout_s: float = 30.0, transfer_id: int = 0, faults: FaultPlan | None = None) -> int:
@@ -241,7 +300,8 @@ class KVTransport(ABC):
         On an error the blocks may hold part of the payload: the caller must not use them.
         `faults`: the plan's `recv` rules act at their points (tests, drills)."""
         self._serve()
-        return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None, faults)
+        return self._transfer(peer, _RECEIVER, kv_caches, block_ids, timeout_s, transfer_id, None, faults,
+                              secret=self.secret_for(peer))
 
     def close(self, peer: str) -> None:
         """Forget the groups with `peer`; the next transfer reconnects."""
@@ -259,8 +319,7 @@ class KVTransport(ABC):
         """The store senders rendezvous in, started on first use on a free port."""
         with self._mutex:
             if self._server is None:
-                self._server = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=_STORE_TIMEOUT_S),
-                                             wait_for_workers=False)
+                self._server = listen_store(self.host, timedelta(seconds=_STORE_TIMEOUT_S))
             return self._server
 
     def _lock_for(self, key: tuple[str, int]) -> threading.Lock:
@@ -277,10 +336,10 @@ class KVTransport(ABC):
             pair.group = None               # its last reference: Gloo closes the sockets now
         return pair
 
-    def _gave_up(self, peer: str, rank: int, pair: _Pair | None, transfer_id: int) -> None:
+    def _gave_up(self, peer: str, rank: int, pair: _Pair | None, transfer_id: int, secret: str) -> None:
         """After a failure: bump the pair's epoch and record the transfer id (best effort, bounded)."""
         if rank == _RECEIVER:
-            signals = dist.PrefixStore(f"kv/{peer}->{self.worker_id}", self._server)
+            signals = dist.PrefixStore(_namespace(self.secret_for(peer), peer, self.worker_id), self._server)
         elif pair is not None:              # a client of the receiver's store
             signals = pair.signals
             pair.store.set_timeout(timedelta(seconds=_TELL_PEER_S))
@@ -290,7 +349,7 @@ class KVTransport(ABC):
             if pair is not None:
                 signals.add("epoch", 1)
             if transfer_id:
-                signals.set(f"gave_up/{_SIDES[rank]}", str(transfer_id))
+                _mark(signals, f"gave_up/{_SIDES[rank]}", secret, str(transfer_id))
         except Exception:                   # the peer's store is gone: so is its side of the pair
             pass
 
@@ -307,7 +366,9 @@ class KVTransport(ABC):
 
     def _transfer(self, peer: str, rank: int, kv_caches: KVCaches, block_ids: list[int],
                   timeout_s: float, transfer_id: int, addr: str | None, faults: FaultPlan | None = None,
-                  refused: bool = False) -> int:
+                  refused: bool = False, secret: str = "") -> int:
+        if not secret:
+            raise ValueError("a KV transfer needs its pair's secret (the receiver's secret_for)")
         start = time.monotonic()
         deadline = start + timeout_s
         layout = KVLayout.of(kv_caches)
@@ -321,9 +382,9 @@ class KVTransport(ABC):
                 if pair is not None and self._stale(pair, rank, deadline):
                     self._drop(key, failed=True)
                     pair = None
-                if pair is None or pair.addr != addr or pair.layout != layout:
+                if pair is None or pair.addr != addr or pair.layout != layout or pair.secret != secret:
                     self._drop(key, failed=False)
-                    pair = self._connect(peer, rank, layout, addr, deadline, transfer_id)
+                    pair = self._connect(peer, rank, layout, addr, deadline, transfer_id, secret)
                     self._pairs[key] = pair
                     connect_s = time.monotonic() - start
                 stats = self._move(pair, rank, kv_caches, block_ids, transfer_id, deadline, connect_s, faults, at,
@@ -336,7 +397,7 @@ class KVTransport(ABC):
                 # when the group is destroyed: drop every reference, the failed frames' included.
                 pair = None
                 traceback.clear_frames(e.__traceback__)
-                self._gave_up(peer, rank, self._drop(key, failed=True), transfer_id)
+                self._gave_up(peer, rank, self._drop(key, failed=True), transfer_id, secret)
                 elapsed = time.monotonic() - start
                 me, arrow = self.worker_id, "->" if rank == _SENDER else "<-"
                 message = str(e).lower()
@@ -353,54 +414,85 @@ class KVTransport(ABC):
         return stats.num_bytes
 
     def _connect(self, peer: str, rank: int, layout: KVLayout, addr: str | None, deadline: float,
-                 transfer_id: int) -> _Pair:
-        hello = {"worker_id": self.worker_id, "backend": self.backend, "transfer_id": transfer_id,
+                 transfer_id: int, secret: str) -> _Pair:
+        def hello(gen: int) -> bytes:       # signed: who, for which generation and transfer
+            h = {"worker_id": self.worker_id, "backend": self.backend, "transfer_id": transfer_id, "gen": gen,
                  "layout": {f.name: getattr(layout, f.name) for f in fields(layout)}}
+            return msgpack.packb({**h, "mac": _mac(secret, f"hello/{rank}/{msgpack.packb(h).hex()}")})
+
+        def verified(raw: bytes, side: int, gen: int) -> dict | None:
+            """The other side's hello, if it is theirs (signed with the secret) for this generation."""
+            try:
+                h = msgpack.unpackb(raw)
+                mac = h.pop("mac")
+                ok = hmac.compare_digest(mac, _mac(secret, f"hello/{side}/{msgpack.packb(h).hex()}"))
+            except Exception:
+                return None
+            return h if ok and h.get("gen") == gen else None
+
         if rank == _SENDER:
             host, port = addr.rsplit(":", 1)
             _wait_listening(host, int(port), deadline)
             store = dist.TCPStore(host, int(port), None, False, _remaining(deadline), wait_for_workers=False)
             store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))   # later reads (NCCL's) are not ours
-            base = dist.PrefixStore(f"kv/{self.worker_id}->{peer}", store)
-            _check_gave_up(base, "recv", transfer_id, peer)     # the receiver failed it before we came
+            base = dist.PrefixStore(_namespace(secret, self.worker_id, peer), store)
+            _check_gave_up(base, "recv", transfer_id, peer, secret)     # the receiver failed it before we came
             gen = base.add("gen", 1)        # each connect opens a fresh generation of keys
             pair_store = dist.PrefixStore(str(gen), base)
-            pair_store.set(f"hello/{rank}", msgpack.packb(hello))
+            pair_store.set(f"hello/{rank}", hello(gen))
             try:
                 # In slices: a receiver that gives up on this transfer, or skips this generation
                 # (it moved on to a later transfer), ends this attempt at once.
                 while not _waited(pair_store, f"hello/{_RECEIVER}", deadline):
-                    _check_gave_up(base, "recv", transfer_id, peer)
-                    if pair_store.check(["skipped"]):
+                    _check_gave_up(base, "recv", transfer_id, peer, secret)
+                    if _signed(pair_store, "skipped", secret, str(gen)):
                         raise KVTransferError(f"{peer} moved on from transfer {transfer_id}")
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"timed out waiting for {peer} to join")
+                theirs = verified(pair_store.get(f"hello/{_RECEIVER}"), _RECEIVER, gen)
+                if theirs is None:
+                    raise KVTransferError(f"the answer to transfer {transfer_id} is not {peer}'s (not signed with "
+                                          "the pair's secret)")
             except Exception:
-                _mark(pair_store, "abandoned")   # a receiver arriving later skips this generation
+                _mark(pair_store, "abandoned", secret, str(gen))   # a receiver arriving later skips this generation
                 if transfer_id:
-                    _mark(base, "gave_up/send", str(transfer_id))
+                    _mark(base, "gave_up/send", secret, str(transfer_id))
                 raise
-            theirs = msgpack.unpackb(pair_store.get(f"hello/{_RECEIVER}"))
         else:
             store = self._server
-            base = dist.PrefixStore(f"kv/{peer}->{self.worker_id}", store)
+            base = dist.PrefixStore(_namespace(secret, peer, self.worker_id), store)
             # Join the newest generation not joined before (a sender that timed out and retried may
-            # have opened several while we were away), if its sender came for this transfer and is
-            # still there; else skip it (telling a sender that still waits) and wait for a newer one.
-            while True:
-                while not _waited(base, f"{self._gens.get(peer, 0) + 1}/hello/{_SENDER}", deadline):
-                    _check_gave_up(base, "send", transfer_id, peer)
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"timed out waiting for {peer} to connect")
-                gen = base.add("gen", 0)
-                self._gens[peer] = gen
-                pair_store = dist.PrefixStore(str(gen), base)
-                pair_store.wait([f"hello/{_SENDER}"], _remaining(deadline))     # set right after the add
-                theirs = msgpack.unpackb(pair_store.get(f"hello/{_SENDER}"))
-                if theirs.get("transfer_id") == transfer_id and not pair_store.check(["abandoned"]):
+            # have opened several while we were away) whose hello is the sender's own (signed), if it
+            # came for this transfer and is still there; mark the sender's others skipped (telling
+            # one that still waits), and ignore anything unsigned (a stranger's).
+            theirs = None
+            while theirs is None:
+                joined, skipped = self._gens.get(peer, 0), 0
+                latest = base.add("gen", 0)
+                for g in range(latest, max(joined, latest - 64), -1):
+                    pair_store = dist.PrefixStore(str(g), base)
+                    if not pair_store.check([f"hello/{_SENDER}"]):
+                        continue
+                    h = verified(pair_store.get(f"hello/{_SENDER}"), _SENDER, g)
+                    if h is None:
+                        continue
+                    if theirs is None and h.get("transfer_id") == transfer_id and not _signed(
+                            pair_store, "abandoned", secret, str(g)):
+                        theirs, gen = h, g
+                    else:
+                        _mark(pair_store, "skipped", secret, str(g))
+                        skipped = max(skipped, g)
+                if theirs is None and skipped:  # the sender's connects run one at a time: older ones are over
+                    self._gens[peer] = skipped
+                if theirs is not None:
+                    self._gens[peer] = gen
+                    pair_store = dist.PrefixStore(str(gen), base)
                     break
-                _mark(pair_store, "skipped")
-            pair_store.set(f"hello/{rank}", msgpack.packb(hello))
+                _check_gave_up(base, "send", transfer_id, peer, secret)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"timed out waiting for {peer} to connect")
+                _waited(base, f"{latest + 1}/hello/{_SENDER}", deadline)
+            pair_store.set(f"hello/{rank}", hello(gen))
         # Both sides read both hellos, so both refuse a mismatch before any group exists.
         if theirs["backend"] != self.backend:
             raise KVLayoutMismatch(f"KV transport differs: {self.backend} here vs {theirs['backend']} "
@@ -410,7 +502,8 @@ class KVTransport(ABC):
         epoch = base.add("epoch", 0)
         group = self._new_group(dist.PrefixStore("group", pair_store), rank, _remaining(deadline))
         self.num_connects += 1
-        return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device), base, epoch)
+        return _Pair(group, store, addr, layout, torch.empty(0, dtype=torch.uint8, device=self.device), base, epoch,
+                     secret)
 
     def _move(self, pair: _Pair, rank: int, kv_caches: KVCaches, block_ids: list[int], transfer_id: int,
               deadline: float, connect_s: float, faults: FaultPlan | None, at: list[str],

@@ -204,6 +204,7 @@ class KVSendRequest:
     store_addr: str                   # "host:port" of its rendezvous store
     transfer_id: int                  # both sides check it: a reordering fails, never swaps KV
     skip: int = 0                     # leading blocks the receiver's prefix cache holds: not sent
+    secret: str = ""                  # the receiver's secret for this pair (workers/kv_transfer.py): only via Ray
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +222,53 @@ class TransferHeader:
     @classmethod
     def from_ints(cls, ints: list[int]) -> TransferHeader:
         return cls(*ints)
+
+
+# -- tensor parallelism: rank 0's step broadcast to the other ranks (workers/tensor_parallel.py) --
+@message
+@dataclass(slots=True)
+class TPTensor:
+    """A tensor as bytes: its dtype's name, its shape and its contiguous bytes."""
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+@message
+@dataclass(slots=True)
+class TPChunk:
+    """workers/attention.py's PrefillChunk."""
+    start: int
+    end: int
+    num_context: int
+    block_table: TPTensor | None
+
+
+@message
+@dataclass(slots=True)
+class TPMeta:
+    """workers/attention.py's AttentionMetadata, without its per-rank caches (built where used)."""
+    slot_mapping: TPTensor
+    num_decodes: int
+    decode_max_context: int
+    num_paged_rows: int
+    paged_block_tables: TPTensor | None
+    paged_context_lens: TPTensor | None
+    paged_cu_seqlens_q: TPTensor | None
+    prefills: list[TPChunk]
+
+
+@message
+@dataclass(slots=True)
+class TPStep:
+    """One step for ranks 1..N-1 (tensor_parallel.StepInputs); `stop`: none follows, leave."""
+    copies: list[list[int]] = field(default_factory=list)
+    swap_out: list[list[int]] = field(default_factory=list)
+    swap_in: list[list[int]] = field(default_factory=list)
+    input_ids: TPTensor | None = None
+    positions: TPTensor | None = None
+    meta: TPMeta | None = None
+    stop: bool = False
 
 
 # -- the codec ----------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Each rank holds 1/N of every layer and 1/N of the KV heads, in a KV cache of its
 same block ids (rank 0's block pool decides for all). The ranks are Ray actors in one
 STRICT_PACK placement group, so they share a node: the all-reduce runs over Gloo on CPU and
 NCCL on GPU (step inputs always over Gloo: they are small host objects). The group meets at a
-TCPStore rank 0 hosts.
+TCPStore rank 0 hosts, on the node's bind address only (loopback in a local cluster), under a
+secret prefix rank 0 makes and hands the others through Ray. The step travels as typed msgpack
+(workers/messages.py `TPStep`), never pickle: a rank decodes nothing but that type.
 
 Faults: a rank that dies closes its sockets, and rank 0's next collective raises `RankLost`;
 the worker then ends its process, so Ray restarts it with a fresh group (the router resumes its
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
+import secrets
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,21 +57,82 @@ class StepInputs:
     meta: object
 
 
+def _wire_tensor(t):
+    from workers.messages import TPTensor
+    if t is None:
+        return None
+    t = t.detach().to("cpu").contiguous()
+    return TPTensor(str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _tensor(w, device: torch.device):
+    if w is None:
+        return None
+    dtype = getattr(torch, w.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a tensor type: {w.dtype!r}")
+    if not w.data:
+        return torch.empty(w.shape, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(w.data), dtype=torch.uint8).view(dtype).reshape(w.shape).to(device)
+
+
+def encode_step(step: StepInputs | None) -> bytes:
+    """A step (None: stop) as typed msgpack (workers/messages.py TPStep)."""
+    from workers.messages import TPChunk, TPMeta, TPStep, encode
+    if step is None:
+        return encode(TPStep(stop=True))
+    m = step.meta
+    meta = TPMeta(_wire_tensor(m.slot_mapping), m.num_decodes, m.decode_max_context, m.num_paged_rows,
+                  _wire_tensor(m.paged_block_tables), _wire_tensor(m.paged_context_lens),
+                  _wire_tensor(m.paged_cu_seqlens_q),
+                  [TPChunk(c.start, c.end, c.num_context, _wire_tensor(c.block_table)) for c in m.prefills])
+    return encode(TPStep([list(p) for p in step.copies], [list(p) for p in step.swap_out],
+                         [list(p) for p in step.swap_in], _wire_tensor(step.input_ids), _wire_tensor(step.positions),
+                         meta))
+
+
+def decode_step(payload: bytes, device: torch.device) -> StepInputs | None:
+    """The step (None: stop) out of `encode_step`'s bytes; anything else (a pickle, another
+    message) raises ContractError."""
+    from workers.attention import AttentionMetadata, PrefillChunk
+    from workers.messages import ContractError, TPStep, decode
+    try:
+        w = decode(payload, TPStep)
+    except ContractError:
+        raise
+    except Exception as e:              # not msgpack at all
+        raise ContractError(f"not a tensor-parallel step: {type(e).__name__}: {e}") from None
+    if w.stop:
+        return None
+    m = w.meta
+    meta = AttentionMetadata(_tensor(m.slot_mapping, device), m.num_decodes, m.decode_max_context, m.num_paged_rows,
+                             _tensor(m.paged_block_tables, device), _tensor(m.paged_context_lens, device),
+                             _tensor(m.paged_cu_seqlens_q, device),
+                             [PrefillChunk(c.start, c.end, c.num_context, _tensor(c.block_table, device))
+                              for c in m.prefills])
+    return StepInputs([tuple(p) for p in w.copies], [tuple(p) for p in w.swap_out], [tuple(p) for p in w.swap_in],
+                      _tensor(w.input_ids, device), _tensor(w.positions, device), meta)
+
+
 class TPGroup:
     """The collectives among one worker's ranks: `control` (Gloo) carries the step inputs and
     waits as long as rank 0 idles; `compute` (Gloo on CPU, NCCL on GPU) adds the partial sums,
     within `step_timeout`. `timeout` bounds the meeting, which waits for all of them."""
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
-                 timeout: timedelta, step_timeout: timedelta, store: dist.TCPStore | None = None):
-        self.rank, self.size = rank, size
+                 timeout: timedelta, step_timeout: timedelta, store: dist.TCPStore | None = None,
+                 secret: str = ""):
+        if not secret:
+            raise ValueError("a tensor-parallel group needs rank 0's secret")
+        self.rank, self.size, self.device = rank, size, device
         self.store = store or dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+        ours = dist.PrefixStore(f"tp/{secret}", self.store)
 
         def gloo(name: str, wait: timedelta):
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = wait
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, size, opts)
+            return dist.ProcessGroupGloo(dist.PrefixStore(name, ours), rank, size, opts)
         # Rank 0's sends wait for the others to take them (Gloo sends when the receiver is ready):
         # bounded there like the all-reduce; the others wait out rank 0's idle time.
         self.control = gloo("control", step_timeout if rank == 0 else _IDLE_TIMEOUT)
@@ -77,14 +140,15 @@ class TPGroup:
         if device.type == "cuda":
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = step_timeout
-            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", self.store), rank, size, nccl)
+            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", ours), rank, size, nccl)
         else:
             self.compute = gloo("compute", step_timeout)
 
     @staticmethod
     def host(host: str, timeout: timedelta) -> dist.TCPStore:
-        """Rank 0's store, on a free port (`store.port`), for the others to meet at."""
-        return dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        """Rank 0's store, on a free port (`store.port`) of `host` only, for the others to meet at."""
+        from workers.kv_transfer import listen_store
+        return listen_store(host, timeout)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks, in place."""
@@ -96,7 +160,7 @@ class TPGroup:
 
     def send(self, obj) -> None:
         """Rank 0: broadcast one object (None tells the others to stop)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode_step(obj)), dtype=torch.uint8)
         try:
             self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
             self.control.broadcast(data, 0).wait()
@@ -105,12 +169,13 @@ class TPGroup:
             raise RankLost(f"a tensor-parallel rank failed: {e}") from e
 
     def recv(self):
-        """Ranks 1..N-1: the next object rank 0 broadcast."""
+        """Ranks 1..N-1: the next step rank 0 broadcast (None: stop). Raises ContractError on
+        anything but a typed step."""
         n = torch.zeros(1, dtype=torch.int64)
         self.control.broadcast(n, 0).wait()
         data = torch.empty(int(n.item()), dtype=torch.uint8)
         self.control.broadcast(data, 0).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return decode_step(data.numpy().tobytes(), self.device)
 
     def close(self) -> None:
         for g in {id(self.control): self.control, id(self.compute): self.compute}.values():
@@ -152,10 +217,11 @@ class Rank:
         shared = self.runner.shared_kv
         return None if shared is None else shared.segment(node_id()).to_dict()
 
-    def join(self, host: str, port: int, timeout_s: float, step_timeout_s: float) -> int:
-        """Meet the other ranks (waits for all of them), then serve rank 0's steps in a thread."""
+    def join(self, host: str, port: int, timeout_s: float, step_timeout_s: float, secret: str) -> int:
+        """Meet the other ranks (waits for all of them) under rank 0's `secret` (given through
+        Ray), then serve rank 0's steps in a thread."""
         self.group = TPGroup(self.rank, self.size, host, port, self.device, timedelta(seconds=timeout_s),
-                             timedelta(seconds=step_timeout_s))
+                             timedelta(seconds=step_timeout_s), secret=secret)
         threading.Thread(target=self._serve, name=f"tp-rank-{self.rank}", daemon=True).start()
         return self.rank
 
@@ -179,7 +245,11 @@ class RankGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         if not ray.is_initialized():            # offline `generate`: RAY_ADDRESS, else a local Ray
-            ray.init(include_dashboard=False, log_to_driver=False)
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(include_dashboard=False, log_to_driver=False)
+            else:
+                from cluster.launcher import start_local_ray     # all on loopback
+                start_local_ray(include_dashboard=False, log_to_driver=False)
         from workers.engine import resolve_device
         device = resolve_device(engine_cfg.device)
         self._own_pg = None
@@ -213,13 +283,15 @@ class RankGroup:
         import ray
         try:
             self.pids = ray.get([a.pid.remote() for a in self.ranks], timeout=self.timeout_s)
-            host = ray.util.get_node_ip_address()
+            from workers.worker import bind_host
+            host = bind_host()
             timeout = timedelta(seconds=self.timeout_s)
             store = TPGroup.host(host, timeout)
             step_timeout_s = STEP_TIMEOUT_S
-            joined = [a.join.remote(host, store.port, self.timeout_s, step_timeout_s) for a in self.ranks]
+            secret = secrets.token_hex(16)
+            joined = [a.join.remote(host, store.port, self.timeout_s, step_timeout_s, secret) for a in self.ranks]
             self.group = TPGroup(0, self.size, host, store.port, self.device, timeout,
-                                 timedelta(seconds=step_timeout_s), store)
+                                 timedelta(seconds=step_timeout_s), store, secret)
             ray.get(joined, timeout=self.timeout_s)
         except Exception:
             self.close()

@@ -76,6 +76,31 @@ class _Outbox:
         self.closed = False
 
 
+class _StreamKeys:
+    """The event streams' security: a ZeroMQ context of this worker's own, its CURVE server
+    keypair, and a ZAP handler (pyzmq's, on a thread) that admits on each stream's socket (its
+    ZAP domain) only the client key its router gave when asking for it (`readers`)."""
+
+    def __init__(self):
+        import zmq
+        from zmq.auth.thread import ThreadAuthenticator
+        self.context = zmq.Context()
+        self.public, self.secret = zmq.curve_keypair()
+        self.readers: dict[str, bytes] = {}             # ZAP domain -> the admitted client key (z85)
+        self.auth = ThreadAuthenticator(self.context)
+        self.auth.start()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """(the ZAP thread) Whether the CURVE client `key` (z85) may read the stream `domain`."""
+        return self.readers.get(domain) == key
+
+    def close(self) -> None:
+        try:
+            self.auth.stop()
+        except Exception:
+            pass
+
+
 class Worker:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, transport: str = "auto",
                  num_threads: int = 1, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
@@ -106,6 +131,7 @@ class Worker:
         self.accepting = True                         # False while the leading router drains it
         self._stop = False
         self._stopped = threading.Event()             # watch() returns on it
+        self._streams: _StreamKeys | None = None      # the event streams' CURVE keys and ZAP handler
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peer_caches = PeerCaches()              # same-node prefill peers' caches, mapped
         self._segments, self._parts = self._own_caches()
@@ -172,15 +198,21 @@ class Worker:
             box.cache = {**older, **box.cache}
             self._cv.notify_all()
 
-    def stream_events(self, owner: str = "") -> str:
+    def stream_events(self, owner: str = "", client_key: str = "") -> tuple[str, str]:
         """Push poll replies of `owner`'s outbox over ZeroMQ from now on (a PUSH socket on this
-        node's address; the router connects a PULL socket, router/events.py): one frame per poll,
-        so at least one every half second, while a reader is connected (without one, events
-        wait for the next reader or poll). Returns the address; asked again, the same one (one
-        reader per owner: its router; a replacement connects to the same socket). Renews the
-        owner's lease; a new owner's outbox starts with the prefix cache's every block, so a
-        router that joins late knows what this worker holds."""
+        worker's bind address; the router connects a PULL socket, router/events.py): one frame
+        per poll, so at least one every half second, while a reader is connected (without one,
+        events wait for the next reader or poll). The socket is a CURVE server: only a reader
+        holding the secret key of `client_key` (the router's CURVE public key, z85, given in this
+        Ray call) completes the handshake (this worker's ZAP handler admits that key alone, the
+        latest asked with, for this owner's socket); the traffic is encrypted. Returns (the
+        address, this worker's CURVE public key, z85); asked again, the same socket (one reader
+        per owner: its router; a replacement connects to it). Renews the owner's lease; a new
+        owner's outbox starts with the prefix cache's every block, so a router that joins late
+        knows what this worker holds."""
         import zmq
+        if len(client_key) != 40:
+            raise ValueError("stream_events needs the reader's CURVE public key (40 characters of z85)")
         if owner and owner not in self._outboxes and self.leases.num_live >= MAX_ROUTERS:
             raise RuntimeError(f"worker {self.worker_id} streams to {MAX_ROUTERS} routers already, the most it takes")
         if owner:
@@ -188,14 +220,29 @@ class Worker:
         box = self._outboxes.get(owner) or self._in_loop(lambda: self._open_outbox(owner))
         box.fed = True
         with self._cv:
+            keys = self._stream_keys()
+            domain = f"stream/{owner or '-'}"
+            keys.readers[domain] = client_key.encode()
             if box.address is None:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock = keys.context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
-                port = sock.bind_to_random_port(f"tcp://{node_ip()}")
-                box.address = f"tcp://{node_ip()}:{port}"
+                sock.curve_secretkey = keys.secret
+                sock.curve_publickey = keys.public
+                sock.curve_server = True
+                sock.zap_domain = domain.encode()
+                keys.auth.configure_curve_callback(domain, keys)
+                host = bind_host()
+                port = sock.bind_to_random_port(f"tcp://{host}")
+                box.address = f"tcp://{host}:{port}"
                 threading.Thread(target=self._push_events, args=(box, sock), daemon=True,
                                  name=f"events-{self.worker_id}-{owner or 'any'}").start()
-            return box.address
+            return box.address, keys.public.decode()
+
+    def _stream_keys(self) -> _StreamKeys:
+        """(holding the lock) This worker's CURVE keypair and ZAP handler, made on first use."""
+        if self._streams is None:
+            self._streams = _StreamKeys()
+        return self._streams
 
     def heartbeat(self, owner: str) -> bool:
         """A router is alive: its lease here runs on. False when it had lapsed: its requests here
@@ -300,6 +347,8 @@ class Worker:
             transport = self._transport
         self._stopped.set()
         self._loop.join(timeout=5)
+        if self._streams is not None:
+            self._streams.close()
         if transport is not None:
             transport.shutdown()
         self.engine.close()
@@ -313,7 +362,7 @@ class Worker:
         from workers.kv_transfer import KVPeer
         req = decode(payload, KVSendRequest)
         block_ids = self.handoffs.start_send(req.rid)      # None: released, aborted, expired
-        peer = KVPeer(req.peer_id, req.store_addr)
+        peer = KVPeer(req.peer_id, req.store_addr, req.secret)
         if block_ids is None:
             self._get_transport().refuse(peer, self._wire_caches(0), self.transfer_timeout_s, req.transfer_id)
             raise HandoffError(f"request {req.rid}: no KV held here (released, aborted or its lease expired)")
@@ -621,7 +670,8 @@ class Worker:
         with self._peer_lock(prefill_id):
             self._transfer_ids += 1
             tid = self._transfer_ids
-            sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid, skip)))
+            sent = prefill.send_kv.remote(encode(KVSendRequest(rid, self.worker_id, transport.store_addr, tid, skip,
+                                                               transport.secret_for(prefill_id))))
             caches = self._wire_caches(len(dst))
             into = dst if caches is self.engine.runner.kv_caches else list(range(len(dst)))
             nbytes = transport.recv_blocks(prefill_id, caches, into, self.transfer_timeout_s, tid, self.faults)
@@ -733,7 +783,7 @@ class Worker:
             if self._transport is None:
                 from workers.kv_transfer import make_transport
                 self._transport = make_transport(self._transport_kind, self.engine.device, self.worker_id,
-                                                 host=node_ip())
+                                                 host=bind_host())
             return self._transport
 
 
@@ -760,9 +810,18 @@ def node_id() -> str:
 
 
 def node_ip() -> str:
-    """The address other nodes reach this one at (Ray's view of it)."""
+    """The address other nodes reach this one at (Ray's view of it): 127.0.0.1 in a local Ray
+    (cluster/launcher.py `start_local_ray`)."""
     import ray
     return ray.util.get_node_ip_address()
+
+
+def bind_host() -> str:
+    """The one address every listener of a worker binds: its event streams, the KV rendezvous
+    store and Gloo's pairs, the tensor-parallel store. Ray's address of this node: loopback in a
+    local Ray, so nothing is reachable from off the machine; on a Ray cluster the node's own
+    address (never every interface), which its peers on other nodes reach."""
+    return node_ip()
 
 
 def _release_on(cluster_id: str, worker_id: str, rid: str) -> None:
