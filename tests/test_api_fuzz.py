@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -21,8 +24,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from common import VOCAB
+from common import VOCAB, metric_sum, nothing_left_running, sse_events, wait_for
 from router.app import Server
+from router.dispatch import RequestFailed
 from router.protocol import MAX_JSON_DEPTH, APIError
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -342,3 +346,175 @@ def test_openapi_documents_the_request_bodies_and_each_bound_is_the_one_enforced
     for name in required:                       # and a required field left out
         r = client.post(endpoint, json={k: v for k, v in body_for(endpoint).items() if k != name})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text[:200])
+
+
+# -- shapes built to be slow (issue 26) ----------------------------------------------------------
+def slow_shapes(size: int) -> dict[str, tuple[bytes, int]]:
+    """Bodies of about `size` bytes, each a shape that costs a naive front door time out of
+    proportion to its size (a backtracking string regex, recursion, dict growth, big-number
+    parsing, a tokenizer's work), and the status it must get."""
+    head = b'{"model": "tiny", "prompt": "'
+    n = size - 64
+    return {
+        "unclosed string of escaped quotes": (head + b'\\"' * (n // 2), 400),
+        "unclosed string of escaped backslashes and quotes": (head + b'\\\\\\"' * (n // 4), 400),
+        "100k-deep arrays": (b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+        "deep objects to the limit": (b'{"a":' * (n // 5), 400),
+        "200k keys": (b'{"model": "tiny", "prompt": "x", ' + b",".join(b'"k%d":1' % i for i in range(200_000))
+                      + b"}", 400),
+        "empty strings to the limit": (b'{"model": "tiny", "x": [' + b'"",' * (n // 3) + b'""]}', 400),
+        "a huge integer": (b'{"model": "tiny", "prompt": "x", "seed": ' + b"9" * n + b"}", 400),
+        "a huge float": (b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": 0.' + b"9" * n + b"}", 200),
+        "a huge exponent": (b'{"model": "tiny", "prompt": "x", "temperature": 1e' + b"9" * n + b"}", 400),
+        "long unicode escapes": (head + b"\\u00e9" * (n // 6) + b'"}', 400),
+        "a batch of long unicode prompts": (b'{"model": "tiny", "prompt": [' + b",".join(
+            [b'"' + b"\\u00e9" * (n // 1536) + b'"'] * 256) + b"]}", 400),
+        "chat with many long messages": (b'{"model": "tiny", "messages": [' + b",".join(
+            [b'{"role": "user", "content": "' + b"a" * (n // 4096) + b'"}'] * 4000) + b"]}", 400),
+    }
+
+
+def timed_post(url: str, raw: bytes) -> tuple[int, float]:
+    t0 = time.monotonic()
+    r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=120)
+    return r.status_code, time.monotonic() - t0
+
+
+def health_while(cluster, work) -> tuple[object, list[float]]:
+    """Runs `work()` in a thread and asks /health over and over meanwhile: (its result, each
+    /health's latency)."""
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=cluster.base_url.removesuffix("/v1"),
+                                                     timeout=120) as c:
+        c.get("/health")                       # the connection up before timing
+        running = pool.submit(work)
+        latencies = []
+        while not running.done() or not latencies:
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+        return running.result(), latencies
+
+
+def test_bodies_built_to_be_slow_are_refused_as_fast_as_a_benign_body_and_health_answers_meanwhile(cluster):
+    """Every slow shape, near the body limit, is answered (4xx) about as fast as a benign body
+    of the same size is served, and /health answers meanwhile. The bounds are the issue's (1 s,
+    100 ms) or three times the benign body's, whichever is larger, so that a busy CI box does
+    not fail them; quiet, the shapes take 0.1-0.3 s and /health under 0.1 s (BENCHMARKS.md)."""
+    url = f"{cluster.base_url}/completions"
+    size = cluster.cfg.max_body_bytes - 1024
+    benign = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "x": "a" * (size - 80)}).encode()
+    (status, benign_s), benign_health = health_while(cluster, lambda: timed_post(url, benign))
+    assert status == 200
+    slowest_health = max(0.1, 3 * max(benign_health))
+    for name, (raw, want) in slow_shapes(size).items():
+        assert len(raw) <= cluster.cfg.max_body_bytes, name
+        (status, took), health = health_while(cluster, lambda: timed_post(url, raw))
+        assert status == want, name
+        assert took <= max(1.0, 3 * benign_s), (name, took, benign_s)
+        assert max(health) <= slowest_health, (name, max(health), benign_health)
+
+
+def test_only_json_bodies_are_read(client):
+    """A web page may POST text/plain or a form to a server on localhost without asking first:
+    those get 415, as does a body with no Content-Type."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        r = client.post("completions", content=body, headers={"content-type": kind} if kind else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+    r = client.post("completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_counts_no_longer(cluster):
+    """A client that sends its head and then trickles (or stops) is answered 408 at the body
+    deadline, and no longer counts among the bodies being validated."""
+    server = cluster.server
+    old = server.body_timeout_s
+    server.body_timeout_s = 0.5
+    host, port = cluster.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\":")
+            wait_for(lambda: server.validating, lambda n: n == 1, deadline_s=30)
+            reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"request_timeout" in reply
+        wait_for(lambda: server.validating, lambda n: n == 0, deadline_s=30)
+    finally:
+        server.body_timeout_s = old
+
+
+def test_bodies_being_read_are_bounded(cluster):
+    """Past `max_validating` bodies being read at once, a new request gets 429 before its body
+    is read; once they are answered, requests are served again."""
+    server = cluster.server
+    old = server.max_validating
+    server.max_validating = 2
+    host, port = cluster.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    socks = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection((host, int(port)), timeout=60)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+            socks.append(s)
+        wait_for(lambda: server.validating, lambda n: n == 2, deadline_s=30)
+        r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 429 and r.headers["retry-after"], r.text
+    finally:
+        for s in socks:
+            s.close()
+        server.max_validating = old
+    wait_for(lambda: server.validating, lambda n: n == 0, deadline_s=30)
+    r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_past_its_deadline_ends_with_an_error_and_frees_everything(cluster, stream):
+    """--request-timeout-s: a request still running at its deadline ends with an OpenAI error (504,
+    or an error event then [DONE] in a stream), is aborted on the workers (every block back), and
+    the server serves on."""
+    server = cluster.server
+    old = server.request_timeout_s
+    server.request_timeout_s = 1.0
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200_000 // 100, "ignore_eos": True, "stream": stream}
+    try:
+        body["max_tokens"] = cluster.server.max_model_len - 8
+        r = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=120)
+    finally:
+        server.request_timeout_s = old
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout", events[-3:]
+    else:
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+    assert metric_sum(cluster, "pdcluster:request_errors_total", reason="request_timeout") >= 1
+    nothing_left_running(cluster)
+    r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_5xx_names_no_worker_and_no_cause(cluster):
+    """A request that cannot be served (here: its attempts run out) gets a 503 whose body names
+    the request, not the workers or the transport's error; the log has those."""
+    dispatcher = cluster.server.dispatcher
+
+    async def failing(req, first=None):
+        raise RequestFailed("3 attempts in a row failed (last: KV transfer decode-0 <- prefill-0 at 10.0.0.7)")
+        yield                                       # an async generator, as generate is
+    real = dispatcher.generate
+    dispatcher.generate = failing
+    try:
+        r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+    finally:
+        dispatcher.generate = real
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert "prefill" not in message and "decode" not in message and "10.0.0.7" not in message, message
+    assert "cmpl-" in message
