@@ -97,6 +97,7 @@ class Dispatcher:
         self._beat: asyncio.Task | None = None
         self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
         self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
+        self.request_silence_s = hang_timeout_s   # a request silent this long: is it still on its worker?
         self._restart = restart              # kills a hung worker's process so that Ray restarts it
         self._retire = retire                # ends a drained worker that leaves the cluster (blocking)
         self.prefill_picker = Picker(policy, seed)
@@ -524,7 +525,7 @@ class Dispatcher:
         _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
                                                    ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
         while True:
-            ev = await q.get()
+            ev = await self._next_event(q, w, rid)
             if (resume := _resume_for(ev)) is not None:
                 yield resume
                 return
@@ -547,7 +548,7 @@ class Dispatcher:
                                                              w.worker_id, req.priority, tpot_s=req.tpot_s,
                                                              kv=held_kv))))
         while True:
-            ev = await q.get()
+            ev = await self._next_event(q, d, rid)
             if (resume := _resume_for(ev)) is not None:
                 yield resume
                 return
@@ -561,6 +562,35 @@ class Dispatcher:
             yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
+
+
+    async def _next_event(self, q: asyncio.Queue, w: Member, rid: str) -> msg.Event:
+        """The attempt's next event from worker `w`. After `hang_timeout_s` without one, asks the
+        worker whether it still has the request (a request may wait that long in a queue): one
+        that does not, once a frame polled after its answer has come and brought nothing, lost
+        the request's events (a stream reader that is not ours, a bug): the request resumes.
+        A worker that does not answer is left to the pump, which judges it hung."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), self.request_silence_s)
+            except asyncio.TimeoutError:
+                pass
+            try:
+                held = await asyncio.wait_for(awaitable(w.handle.holds.remote(rid)), self.hang_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                continue
+            if held:
+                continue
+            asked = time.monotonic()
+            while w.alive and w.polled_at <= asked and q.empty() and time.monotonic() < asked + self.hang_timeout_s:
+                await asyncio.sleep(0.05)
+            if q.empty():
+                log.warning("request %s: worker %s no longer has it and sent nothing for %gs", rid, w.worker_id,
+                            self.request_silence_s)
+                return msg.ErrorEvent(rid, f"worker {w.worker_id} lost the request's events", retryable=True,
+                                      cause="request_lost")
 
 
 class _Start:

@@ -31,7 +31,7 @@ ERROR_REASONS = ("invalid_request", "overloaded", "slo_unattainable", "worker_fa
 POOL_STATES = (STARTING, ACTIVE, DRAINING, DEAD)
 ROLE_FLIPS = ((PREFILL, DECODE), (DECODE, PREFILL))
 LOSS_CAUSES = ("died", "hung")
-RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung", "lease_expired", "worker_draining")
+RESUME_CAUSES = ("handoff_failed", "worker_died", "worker_hung", "lease_expired", "worker_draining", "request_lost")
 
 # Request latencies: 1 ms .. 80 s (TTFT of a long prompt under load, E2E of a long answer).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

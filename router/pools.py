@@ -49,6 +49,7 @@ class Member:
     report: LoadReport | None = None                   # the latest, None before the first poll
     assigned: set = field(default_factory=set)         # requests open on this worker (for failover)
     unreported: dict = field(default_factory=dict)     # rid -> (prompt tokens, sent at): not yet in a report
+    polled_at: float = 0.0                             # its latest report covers what was sent before this
 
     @property
     def alive(self) -> bool:
@@ -61,7 +62,7 @@ class Member:
 
     def reported(self, report: LoadReport, polled_at: float) -> None:
         """A report covers what was sent before the poll that carried it was issued."""
-        self.report = report
+        self.report, self.polled_at = report, polled_at
         for rid in [r for r, (_, t) in self.unreported.items() if t < polled_at]:
             del self.unreported[rid]
 

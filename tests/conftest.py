@@ -6,8 +6,13 @@ our own engine, and only once per prompt for the whole session.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo root: tests reuse benchmarks' bodies
 
 from common import MAX_NEW_TOKENS, VOCAB
 

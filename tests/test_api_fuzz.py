@@ -15,7 +15,6 @@ import asyncio
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -24,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
+from benchmarks.bench_front_door import benign_body, health_while, slow_shapes, timed_post
 from common import VOCAB, metric_sum, nothing_left_running, sse_events, wait_for
 from router.app import Server
 from router.dispatch import RequestFailed
@@ -349,66 +349,20 @@ def test_openapi_documents_the_request_bodies_and_each_bound_is_the_one_enforced
 
 
 # -- shapes built to be slow (issue 26) ----------------------------------------------------------
-def slow_shapes(size: int) -> dict[str, tuple[bytes, int]]:
-    """Bodies of about `size` bytes, each a shape that costs a naive front door time out of
-    proportion to its size (a backtracking string regex, recursion, dict growth, big-number
-    parsing, a tokenizer's work), and the status it must get."""
-    head = b'{"model": "tiny", "prompt": "'
-    n = size - 64
-    return {
-        "unclosed string of escaped quotes": (head + b'\\"' * (n // 2), 400),
-        "unclosed string of escaped backslashes and quotes": (head + b'\\\\\\"' * (n // 4), 400),
-        "100k-deep arrays": (b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
-        "deep objects to the limit": (b'{"a":' * (n // 5), 400),
-        "200k keys": (b'{"model": "tiny", "prompt": "x", ' + b",".join(b'"k%d":1' % i for i in range(200_000))
-                      + b"}", 400),
-        "empty strings to the limit": (b'{"model": "tiny", "x": [' + b'"",' * (n // 3) + b'""]}', 400),
-        "a huge integer": (b'{"model": "tiny", "prompt": "x", "seed": ' + b"9" * n + b"}", 400),
-        "a huge float": (b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": 0.' + b"9" * n + b"}", 200),
-        "a huge exponent": (b'{"model": "tiny", "prompt": "x", "temperature": 1e' + b"9" * n + b"}", 400),
-        "long unicode escapes": (head + b"\\u00e9" * (n // 6) + b'"}', 400),
-        "a batch of long unicode prompts": (b'{"model": "tiny", "prompt": [' + b",".join(
-            [b'"' + b"\\u00e9" * (n // 1536) + b'"'] * 256) + b"]}", 400),
-        "chat with many long messages": (b'{"model": "tiny", "messages": [' + b",".join(
-            [b'{"role": "user", "content": "' + b"a" * (n // 4096) + b'"}'] * 4000) + b"]}", 400),
-    }
-
-
-def timed_post(url: str, raw: bytes) -> tuple[int, float]:
-    t0 = time.monotonic()
-    r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=120)
-    return r.status_code, time.monotonic() - t0
-
-
-def health_while(cluster, work) -> tuple[object, list[float]]:
-    """Runs `work()` in a thread and asks /health over and over meanwhile: (its result, each
-    /health's latency)."""
-    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=cluster.base_url.removesuffix("/v1"),
-                                                     timeout=120) as c:
-        c.get("/health")                       # the connection up before timing
-        running = pool.submit(work)
-        latencies = []
-        while not running.done() or not latencies:
-            t0 = time.monotonic()
-            assert c.get("/health").status_code == 200
-            latencies.append(time.monotonic() - t0)
-        return running.result(), latencies
-
-
 def test_bodies_built_to_be_slow_are_refused_as_fast_as_a_benign_body_and_health_answers_meanwhile(cluster):
-    """Every slow shape, near the body limit, is answered (4xx) about as fast as a benign body
-    of the same size is served, and /health answers meanwhile. The bounds are the issue's (1 s,
-    100 ms) or three times the benign body's, whichever is larger, so that a busy CI box does
-    not fail them; quiet, the shapes take 0.1-0.3 s and /health under 0.1 s (BENCHMARKS.md)."""
+    """Every slow shape (benchmarks/bench_front_door.py's), near the body limit, is answered
+    about as fast as a benign body of the same size is served, and /health answers meanwhile.
+    The bounds are the issue's (1 s, 100 ms) or three times the benign body's, whichever is
+    larger, so that a busy CI box does not fail them (quiet numbers: BENCHMARKS.md)."""
     url = f"{cluster.base_url}/completions"
+    root = cluster.base_url.removesuffix("/v1")
     size = cluster.cfg.max_body_bytes - 1024
-    benign = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "x": "a" * (size - 80)}).encode()
-    (status, benign_s), benign_health = health_while(cluster, lambda: timed_post(url, benign))
+    (status, benign_s), benign_health = health_while(root, lambda: timed_post(url, benign_body(size)))
     assert status == 200
     slowest_health = max(0.1, 3 * max(benign_health))
     for name, (raw, want) in slow_shapes(size).items():
         assert len(raw) <= cluster.cfg.max_body_bytes, name
-        (status, took), health = health_while(cluster, lambda: timed_post(url, raw))
+        (status, took), health = health_while(root, lambda: timed_post(url, raw))
         assert status == want, name
         assert took <= max(1.0, 3 * benign_s), (name, took, benign_s)
         assert max(health) <= slowest_health, (name, max(health), benign_health)
@@ -518,3 +472,32 @@ def test_a_5xx_names_no_worker_and_no_cause(cluster):
     message = r.json()["error"]["message"]
     assert "prefill" not in message and "decode" not in message and "10.0.0.7" not in message, message
     assert "cmpl-" in message
+
+
+def test_a_request_whose_events_are_lost_resumes_and_answers_as_without_the_loss(cluster, client):
+    """A request whose events stop reaching the router (here: every event of its first attempt
+    after the first token is dropped at the router, as a stranger reading the worker's stream
+    would take them) is not left hanging: once it has been silent for the silence timeout, the
+    router asks its worker, which no longer has it, and it resumes from the tokens delivered.
+    Its answer equals the same request's without the loss (greedy)."""
+    body = {"model": MODEL, "prompt": "the lost events", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    want = client.post("completions", json=body).json()["choices"][0]["token_ids"]
+    dispatcher = cluster.server.dispatcher
+    deliver, seen = dispatcher._deliver, {}
+
+    def lossy(ev):
+        if ev.rid.endswith(".0"):                        # a first attempt: its first event passes
+            seen[ev.rid] = seen.get(ev.rid, 0) + 1
+            if seen[ev.rid] > 1:
+                return
+        deliver(ev)
+    lost_before = metric_sum(cluster, "pdcluster:requests_resumed_total", cause="request_lost")
+    dispatcher._deliver, dispatcher.request_silence_s = lossy, 1.0
+    try:
+        r = client.post("completions", json=body)
+    finally:
+        dispatcher._deliver, dispatcher.request_silence_s = deliver, dispatcher.hang_timeout_s
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert metric_sum(cluster, "pdcluster:requests_resumed_total", cause="request_lost") == lost_before + 1
+    nothing_left_running(cluster)

@@ -249,6 +249,12 @@ class Worker:
         were ended (each with a retryable error in its outbox), and it resumes them."""
         return self.leases.renew(owner)
 
+    def holds(self, rid: str) -> bool:
+        """Whether the request is here, in the engine or in a handoff (a router whose request
+        has been silent for long asks: see the dispatcher's `_next_event`). Answered on the loop
+        thread, after every command that came before."""
+        return self._in_loop(lambda: rid in self.engine.request_ids() or rid in self.handoffs.rids())
+
     def leave(self, owner: str) -> None:
         """A router stops (cleanly): whatever it still has here ends now, as at a lapse but not
         counted as one, and its outbox closes."""
