@@ -55,9 +55,8 @@ log = logging.getLogger(__name__)
 SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
 _END = object()                        # the generation task is done (queued after its last event)
 MAX_BUFFERED_EVENTS = 1024             # a request's events its client has not read yet, at most
-INLINE_BODY_BYTES = 4096               # smaller bodies are validated on the event loop (well under a ms)
-VALIDATOR_THREADS = 2                  # larger ones in these threads (json.loads and tokenizing release
-                                       # the GIL between their C calls, so the loop keeps answering)
+VALIDATOR_THREADS = 2                  # bodies are validated in these threads (json.loads and tokenizing
+                                       # release the GIL between their C calls: the loop keeps answering)
 PROMPT_CHARS_SLACK = 2                 # a prompt text's characters over max_model_len x the longest
                                        # token's (a normalizer may shrink a text a little)
 
@@ -533,9 +532,9 @@ def _body(schema: dict) -> dict:
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
     """Authentication and validation; a request refused here counts as an invalid_request error.
     At most `max_validating` bodies are read or validated at once (past it: 429 before reading),
-    the body must arrive within `body_timeout_s` (408), and a body larger than INLINE_BODY_BYTES
-    is parsed, tokenized and rendered in a validator thread, so that the event loop goes on
-    streaming and answering /health meanwhile.
+    the body must arrive within `body_timeout_s` (408), and it is parsed, tokenized and rendered
+    in a validator thread (even a small body may hold 256 prompts to tokenize: milliseconds), so
+    that the event loop goes on streaming and answering /health meanwhile.
     A bug in validation answers 500 through the APIError handler: an exception reaching
     Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
     client's keep-alive connection."""
@@ -551,8 +550,6 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
 
         def check() -> GenerationRequest:
             return parse(server._body(raw))
-        if len(raw) <= INLINE_BODY_BYTES:
-            return check()
         return await asyncio.get_running_loop().run_in_executor(server._validator, check)
     except APIError:
         server.metrics.errors.labels("invalid_request").inc()
