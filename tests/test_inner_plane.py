@@ -132,12 +132,20 @@ def test_a_stranger_on_every_worker_port_gets_nothing_and_changes_nothing(served
             c = socket.create_connection(("127.0.0.1", port), timeout=5)
             c.setblocking(False)
             raw.append(c)
-        for port in ports:                            # a TCPStore client where one connects
+        def store_client(port: int) -> None:
             try:
-                st = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=2), wait_for_workers=False)
+                stores.append(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=2),
+                                            wait_for_workers=False))
             except Exception:                         # not a store
-                continue
-            stores.append(st)
+                pass
+        # A TCPStore client where one connects; on a port that is not a store its handshake may
+        # wait for an answer that never comes: such a client stays connected, stuck, a stranger too.
+        probes = [threading.Thread(target=store_client, args=(port,), daemon=True) for port in ports]
+        for t in probes:
+            t.start()
+        for t in probes:
+            t.join(10)
+        assert stores, "no TCPStore among the workers' listeners: the KV rendezvous was not exercised"
         for st in stores:                             # guessing: old ids, the pair's names without the secret
             for key in ("kv/prefill-0->decode-0/gave_up/send", "kv/prefill-0->decode-0/gen"):
                 try:
