@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import memory_bandwidth, write_json  # noqa: E402
-from workers.kv_transfer import KVLayout, KVPeer, make_transport  # noqa: E402
+from workers.kv_transfer import KVLayout, make_transport  # noqa: E402
 
 LAYOUTS = {   # num_layers, block_size, num_kv_heads, head_dim (fp32), as the built-in models
     "tiny": (4, 16, 4, 32),
@@ -97,7 +97,8 @@ def scattered(n: int, seed: int) -> list[int]:
 
 
 def receiver_main(conn, threads: int, device: str = "cpu", dtype: str = "float32", shared_gpu: bool = False) -> None:
-    """The decode side: answers `setup` with its store address, `recv` with (end time, stats)."""
+    """The decode side: answers `setup` with how the sender addresses it (its store and the pair's
+    secret: a KVPeer), `recv` with (end time, stats)."""
     torch.set_num_threads(threads)
     receiver = transport("decode-0", device, shared_gpu)
     caches = None
@@ -105,7 +106,7 @@ def receiver_main(conn, threads: int, device: str = "cpu", dtype: str = "float32
         op, args = msg
         if op == "setup":
             caches = make_caches(*args, device=device, dtype=dtype)
-            conn.send(receiver.store_addr)
+            conn.send(receiver.peer_for("prefill-0"))
         elif op == "recv":
             block_ids, = args
             conn.send("ready")
@@ -167,9 +168,8 @@ def main() -> None:
     print("-" * len(header))
     for name, layout in LAYOUTS.items():
         conn.send(("setup", (layout, 2)))
-        addr = reply(conn)
+        peer = reply(conn)
         caches = make_caches(layout, 1, send_dev, args.dtype)
-        peer = KVPeer("decode-0", addr)
         bytes_per_block = KVLayout.of(caches).bytes_per_block
         for tokens in [0] + prompts:        # 0 tokens: the header round trip alone
             n = math.ceil(tokens / layout[1])

@@ -79,15 +79,21 @@ def _op_setup(worker_id, kind, device, num_blocks, seed, layout, one_gpu):
     return _WORKERS[worker_id][0].store_addr
 
 
-def _op_send(worker_id, peer_id, peer_addr, block_ids, timeout_s, transfer_id=0, faults=None):
+def _op_send(worker_id, peer_id, peer: KVPeer, block_ids, timeout_s, transfer_id=0, faults=None):
+    """`peer`: the receiver's KVPeer for this sender (its `peer_for`: address and the pair's secret)."""
     t, caches = _WORKERS[worker_id]
-    return t.send_blocks(KVPeer(peer_id, peer_addr), caches, block_ids, timeout_s, transfer_id,
+    return t.send_blocks(peer, caches, block_ids, timeout_s, transfer_id,
                          FaultPlan.parse(faults) if faults else None)
 
 
-def _op_refuse(worker_id, peer_id, peer_addr, timeout_s, transfer_id):
+def _op_refuse(worker_id, peer_id, peer: KVPeer, timeout_s, transfer_id):
     t, caches = _WORKERS[worker_id]
-    t.refuse(KVPeer(peer_id, peer_addr), caches, timeout_s, transfer_id)
+    t.refuse(peer, caches, timeout_s, transfer_id)
+
+
+def _op_peer(worker_id, sender):
+    """(Receiver) how `sender` addresses it: its store and the pair's secret."""
+    return _WORKERS[worker_id][0].peer_for(sender)
 
 
 def _op_recv(worker_id, peer_id, block_ids, timeout_s, transfer_id=0):
@@ -142,12 +148,15 @@ class Side:
     def caches(self):
         return self.child.call("caches", self.id, deadline_s=MOVE_S)
 
+    def peer_for(self, sender: Side) -> KVPeer:
+        return self.child.call("peer", self.id, sender.id, deadline_s=MOVE_S)
+
 
 def move(sender: Side, receiver: Side, src: list[int], dst: list[int], transfer_id: int = 0,
          send_timeout_s: float = MOVE_S, recv_timeout_s: float = MOVE_S):
     """Start the receive, then the send; both results ((status, value, seconds) each)."""
     receiver.child.start("recv", receiver.id, sender.id, dst, recv_timeout_s, transfer_id)
-    sender.child.start("send", sender.id, receiver.id, receiver.addr, src, send_timeout_s, transfer_id)
+    sender.child.start("send", sender.id, receiver.id, receiver.peer_for(sender), src, send_timeout_s, transfer_id)
     return sender.child.result(send_timeout_s + 30), receiver.child.result(recv_timeout_s + 30)
 
 
@@ -226,7 +235,7 @@ def test_a_refusal_ends_the_receivers_wait_at_once(pair):
     p, d = Side(a, "p-refuse", "nccl", dev_a, 8, 7, TINY), Side(b, "d-refuse", "nccl", dev_b, 8, 8, TINY)
     assert_ok(*move(p, d, [1], [2], transfer_id=1))
     b.start("recv", d.id, p.id, [3, 4], 30.0, 2)
-    a.start("refuse", p.id, d.id, d.addr, 30.0, 2)
+    a.start("refuse", p.id, d.id, d.peer_for(p), 30.0, 2)
     assert a.result(MOVE_S)[0] == "ok"
     status, value, elapsed = b.result(MOVE_S)
     assert status == "err" and value[0] == "KVTransferRefused" and elapsed < 5.0, (status, value, elapsed)
@@ -255,7 +264,7 @@ def test_a_sender_stalled_mid_payload_times_the_receiver_out_and_the_pair_recove
     p, d = Side(a, "p-stall", "nccl", dev_a, 16, 9, TINY), Side(b, "d-stall", "nccl", dev_b, 16, 10, TINY)
     assert_ok(*move(p, d, [1], [2], transfer_id=1))          # connected: the stall is inside NCCL
     b.start("recv", d.id, p.id, [3], RECV_TIMEOUT_S, 2)
-    a.start("send", p.id, d.id, d.addr, [4], 20.0, 2, "send:mid_payload:delay=8*1")
+    a.start("send", p.id, d.id, d.peer_for(p), [4], 20.0, 2, "send:mid_payload:delay=8*1")
     status, value, elapsed = b.result(RECV_TIMEOUT_S + SLACK_S + 30)
     assert status == "err" and value[0] == "KVTransferTimeout", \
         f"the pull's {RECV_TIMEOUT_S}s deadline over NCCL: {status} {value} after {elapsed:.1f}s"
@@ -272,7 +281,7 @@ def test_a_sender_that_dies_mid_transfer_fails_the_pull_and_the_receiver_lives_o
     p, d = Side(a, "p-dies", "nccl", dev_a, 16, 11, TINY), Side(b, "d-dies", "nccl", dev_b, 16, 12, TINY)
     assert_ok(*move(p, d, [1], [2], transfer_id=1))
     b.start("recv", d.id, p.id, [3], RECV_TIMEOUT_S * 2, 2)
-    a.start("send", p.id, d.id, d.addr, [4], 60.0, 2, "send:mid_payload:delay=60")
+    a.start("send", p.id, d.id, d.peer_for(p), [4], 60.0, 2, "send:mid_payload:delay=60")
     time.sleep(1.0)                                           # header agreed, payload pending
     a.proc.kill()
     status, value, elapsed = b.result(RECV_TIMEOUT_S * 2 + SLACK_S + 30)
