@@ -22,7 +22,7 @@ list the keys (`list_keys`), every value the two sides act on carries an HMAC un
 the hellos (a generation whose hello does not verify is ignored), `gave_up`, `skipped` and
 `abandoned`. A stranger can neither fail a transfer nor open one as its sender. The store listens
 only on the worker's bind address (`listen_store`: loopback in a local cluster). Gloo's and
-NCCL's own sockets do not authenticate: docs/SECURITY-inner.md says what must stay private.
+NCCL's own sockets do not authenticate: docs/ARCHITECTURE.md, "Trust boundaries", says what must stay private.
 
 Transfers on one pair must be issued in the same order on both sides; `transfer_id` lets
 the caller make a reordering an error instead of swapped KV.
