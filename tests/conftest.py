@@ -69,6 +69,8 @@ def ray_session():
     import ray
 
     from cluster.launcher import NAMESPACE
+    if ray.is_initialized():      # one a Worker made in this process started implicitly (test_contract's)
+        ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     yield
     ray.shutdown()
