@@ -248,11 +248,11 @@ class ServingCluster:
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
         # Connections and tasks past `limit_concurrency` get 503 from uvicorn before any of ours
         # runs: room for every admitted request, every body being validated and as many idle
-        # keep-alive connections again. A request head (line and headers) is at most 64 KiB.
+        # keep-alive connections again. A request head (line and headers) is at most 16 KiB.
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5, timeout_keep_alive=75, http="h11",
                                 limit_concurrency=2 * (cfg.max_pending + cfg.max_validating) + 64,
-                                h11_max_incomplete_event_size=64 * 1024)
+                                h11_max_incomplete_event_size=16 * 1024)
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
