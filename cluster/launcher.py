@@ -6,7 +6,9 @@ thread each, so several fit on a laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import math
@@ -42,7 +44,11 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
         check_reachable(address)
         _use_auth_token_if_any()
         try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+            if _is_loopback(address):          # a local serve's Ray (it binds loopback only): join it there
+                with _loopback_node():
+                    ray.init(address=address, _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True)
+            else:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:
             raise RuntimeError(f"cannot join the Ray cluster at {address}: {_first_line(e)}. Check the address "
                                "(`ray status` on the head prints it); a cluster with token authentication also "
@@ -64,13 +70,32 @@ def start_local_ray(**options) -> None:
     loopback `_node_ip_address` into the machine's address unless its ENABLE_RAY_CLUSTER switch
     is off (the way it runs on macOS and Windows), so it is off for the call. No dashboard: our
     CLI never talks to it (`ray job submit` would need one, on 127.0.0.1, `dashboard_host`'s default)."""
+    with _loopback_node():
+        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """Ray's ENABLE_RAY_CLUSTER off: Ray then keeps a loopback node address (and a loopback GCS
+    address a driver joins) instead of turning it into the machine's address."""
     import ray._private.ray_constants as constants
     saved = constants.ENABLE_RAY_CLUSTER
     constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
+        yield
     finally:
         constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _is_loopback(address: str) -> bool:
+    """A GCS address (host:port) on loopback; "auto", "local" and ray:// client addresses are not."""
+    if "://" in address:
+        return False
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def check_reachable(address: str, timeout_s: float = 3.0) -> None:

@@ -53,6 +53,18 @@ async def _result(ref):
     return await ref
 
 
+async def _outcome(ref) -> BaseException | None:
+    """How a call ended: None, or its error without a traceback. A traceback would hold this
+    coroutine's frame, and with it the call's ObjectRef, for as long as the error lives (in a
+    cycle through the stream, until a full garbage collection): one reference kept per dead
+    worker."""
+    try:
+        await ref
+    except Exception as e:
+        return e.with_traceback(None)
+    return None
+
+
 class EventStream:
     """Read with `next`; `close` when done (or when the worker is given up on)."""
 
@@ -61,7 +73,7 @@ class EventStream:
         self._sock.setsockopt(zmq.LINGER, 0)
         curve_client(self._sock, server_key)
         self._sock.connect(address)
-        self._watch = asyncio.ensure_future(_result(handle.watch.remote()))
+        self._watch: asyncio.Future | None = asyncio.ensure_future(_outcome(handle.watch.remote()))
         self._last = time.monotonic()
 
     @classmethod
@@ -84,10 +96,14 @@ class EventStream:
             return recv.result().bytes, covered
         recv.cancel()
         if self._watch in done:
-            self._watch.result()                 # raises the worker's death
+            error, self._watch = self._watch.result(), None
+            if error is not None:
+                raise error                      # the worker's death
             raise WorkerStopped("the worker shut down")
         raise asyncio.TimeoutError
 
     def close(self) -> None:
-        self._watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         self._sock.close()
