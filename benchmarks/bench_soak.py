@@ -80,6 +80,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from benchmarks.common import proc_stats  # noqa: E402
 from cluster import promtext  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 
@@ -119,17 +120,7 @@ PER_WORKER = ("prefill_rss_mib", "prefill_rss_nokv_mib", "decode_rss_mib", "deco
 # -- /proc ---------------------------------------------------------------------------------------
 def proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, start time) of every live process."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(name)] = (int(fields[1]), fields[19])
-    return out
+    return {pid: (int(fields[1]), fields[19]) for pid, fields in proc_stats()}
 
 
 def start_time(pid: int, running: bool = False) -> str | None:

@@ -47,12 +47,8 @@ def memory_bandwidth(mib: int = 256, tries: int = 7, device: str = "cpu") -> dic
 
 
 # -- the rest of the machine -------------------------------------------------------------------
-def _tree_cpu_seconds() -> float:
-    """CPU-seconds of this process and all its live descendants (Ray's raylet and workers,
-    subprocesses), each with the reaped children it waited for (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    cpu: dict[int, int] = {}
+def proc_stats():
+    """(pid, the fields of /proc/PID/stat after the command name) of every live process."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -61,7 +57,16 @@ def _tree_cpu_seconds() -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:                     # exited meanwhile
             continue
-        pid = int(name)
+        yield int(name), fields
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU-seconds of this process and all its live descendants (Ray's raylet and workers,
+    subprocesses), each with the reaped children it waited for (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, int] = {}
+    for pid, fields in proc_stats():
         children.setdefault(int(fields[1]), []).append(pid)        # ppid
         cpu[pid] = sum(int(x) for x in fields[11:15])              # utime stime cutime cstime
     total, todo = 0, [os.getpid()]
