@@ -57,6 +57,8 @@ _END = object()                        # the generation task is done (queued aft
 MAX_BUFFERED_EVENTS = 1024             # a request's events its client has not read yet, at most
 VALIDATOR_THREADS = 2                  # bodies are validated in these threads (json.loads and tokenizing
                                        # release the GIL between their C calls: the loop keeps answering)
+INLINE_BODY_BYTES = 1024               # but for one prompt in a body this small: on the loop, in well
+                                       # under a millisecond (a thread's hop would cost more)
 PROMPT_CHARS_SLACK = 2                 # a prompt text's characters over max_model_len x the longest
                                        # token's (a normalizer may shrink a text a little)
 
@@ -533,8 +535,9 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
     """Authentication and validation; a request refused here counts as an invalid_request error.
     At most `max_validating` bodies are read or validated at once (past it: 429 before reading),
     the body must arrive within `body_timeout_s` (408), and it is parsed, tokenized and rendered
-    in a validator thread (even a small body may hold 256 prompts to tokenize: milliseconds), so
-    that the event loop goes on streaming and answering /health meanwhile.
+    in a validator thread, so that the event loop goes on streaming and answering /health
+    meanwhile; only a body of at most INLINE_BODY_BYTES with one prompt (or a few messages) is
+    checked on the loop (a small body may still hold 256 prompts to tokenize: milliseconds).
     A bug in validation answers 500 through the APIError handler: an exception reaching
     Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
     client's keep-alive connection."""
@@ -548,9 +551,12 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
         _check_content_type(request)
         raw = await server._read(request)
 
-        def check() -> GenerationRequest:
-            return parse(server._body(raw))
-        return await asyncio.get_running_loop().run_in_executor(server._validator, check)
+        if len(raw) <= INLINE_BODY_BYTES:
+            body = server._body(raw)
+            if _one_prompt(body):
+                return parse(body)
+            return await asyncio.get_running_loop().run_in_executor(server._validator, parse, body)
+        return await asyncio.get_running_loop().run_in_executor(server._validator, lambda: parse(server._body(raw)))
     except APIError:
         server.metrics.errors.labels("invalid_request").inc()
         raise
@@ -560,6 +566,14 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
                        "server_error") from None
     finally:
         server.validating -= 1
+
+
+def _one_prompt(body: dict) -> bool:
+    """A completions body with one prompt, or a chat body with a few messages: cheap to finish."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if messages is not None:
+        return isinstance(messages, list) and len(messages) <= 8
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
 
 
 def _check_content_type(request: Request) -> None:

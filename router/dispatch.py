@@ -572,8 +572,9 @@ class Dispatcher:
         A worker that does not answer is left to the pump, which judges it hung."""
         while True:
             try:
-                return await asyncio.wait_for(q.get(), self.request_silence_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.request_silence_s):      # a timer, not a task per event
+                    return await q.get()
+            except TimeoutError:
                 pass
             try:
                 held = await asyncio.wait_for(awaitable(w.handle.holds.remote(rid)), self.hang_timeout_s)
