@@ -44,7 +44,7 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
         check_reachable(address)
         _use_auth_token_if_any()
         try:
-            if _is_loopback(address):          # a local serve's Ray (it binds loopback only): join it there
+            if _loopback_only(address):        # a local serve's Ray (it binds loopback only): join it there
                 with _loopback_node():
                     ray.init(address=address, _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True)
             else:
@@ -85,6 +85,19 @@ def _loopback_node():
         yield
     finally:
         constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _loopback_only(address: str) -> bool:
+    """Whether `address` is a GCS that listens on loopback only (a local serve's Ray): Ray joins a
+    loopback address at the machine's address instead, which works for a head `ray start`ed on
+    every interface but not for that one."""
+    if not _is_loopback(address):
+        return False
+    try:
+        with socket.create_connection((ray.util.get_node_ip_address(), int(address.rpartition(":")[2])), 2):
+            return False
+    except OSError:
+        return True
 
 
 def _is_loopback(address: str) -> bool:
