@@ -105,3 +105,21 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
 def test_the_router_config_never_shows_its_key():
     from router.config import RouterConfig
     assert "s3cret" not in repr(RouterConfig(api_key="s3cret"))
+
+
+def test_the_shape_check_reads_the_same_a_piece_at_a_time(monkeypatch):
+    """The strings are cut out a piece at a time (the GIL passes between pieces): with 3-byte
+    pieces, every body of quotes, backslashes and brackets reads as it does whole (one
+    replace-and-split over the body: the definition)."""
+    import random
+
+    import router.protocol as protocol
+
+    def whole(raw: bytes) -> bytes:
+        unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+        return b"".join(unescaped.split(b'"')[::2])
+    monkeypatch.setattr(protocol, "_PIECE_BYTES", 3)
+    rnd = random.Random(26)
+    for _ in range(5000):
+        raw = bytes(rnd.choice(b'ab\\"[]{},:') for _ in range(rnd.randint(0, 40)))
+        assert protocol._structure(raw) == whole(raw), raw
