@@ -565,7 +565,7 @@ class Dispatcher:
 
 
     async def _next_event(self, q: asyncio.Queue, w: Member, rid: str) -> msg.Event:
-        """The attempt's next event from worker `w`. After `hang_timeout_s` without one, asks the
+        """The attempt's next event from worker `w`. After `request_silence_s` (the hang timeout) without one, asks the
         worker whether it still has the request (a request may wait that long in a queue): one
         that does not, once a frame polled after its answer has come and brought nothing, lost
         the request's events (a stream reader that is not ours, a bug): the request resumes.
