@@ -146,7 +146,7 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--body-timeout-s", "body_timeout_s", "a request body that has not fully arrived within this long is "
          "refused (408)", float),
     Flag("--max-validating", "max_validating", "request bodies being read or validated at once (before "
-         "admission); past it a new request gets 429 at once"),
+         "admission); the others wait in line unread, 429 past --max-pending waiting or --body-timeout-s"),
 )
 
 SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line

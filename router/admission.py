@@ -6,27 +6,38 @@
            to miss its SLO costs the ones that could have met theirs, so under overload goodput
            falls while throughput holds.
 
-The predictions, from what the router itself knows and the step cost model fitted on the
-workers' own steps (workers/cost_model.py StepFit, shared with the pool controller):
+A refusal is a failure to every client that counts non-200 answers (vLLM's benchmark client,
+GuideLLM): a closed loop of clients that the server serves within its targets must never see
+one. So the predictions lean on what the router observes, and are checked against it:
 
-- TTFT: the prompt tokens of the requests admitted and still without a first token, spread over
-  the prefill pool, plus the new prompt, at the pool's prefill throughput. The router's count
-  holds every request ahead wherever it waits (a worker's queue, a resume, a call in transit),
-  where the workers' reports would miss some. Corrected online: the ratio of each admitted
-  request's measured TTFT to its prediction, smoothed, scales the next predictions (what the step
-  model leaves out: the router, contention, the steps' mix).
-- TPOT: the decode pool's room (sequences it runs within the TPOT target at this context, by the
-  cost model), and the handoffs waiting between first and second token against the rate they
-  complete at: the wait must fit in half the request's TPOT budget.
+- TTFT: the larger of two estimates of the wait for the work ahead, plus the request's own
+  prefill. The line's drain: the requests admitted and still without a first token, at the rate
+  first tokens have come out lately (Little's law; whatever holds first tokens back, a prefill
+  queue, the decode gate, a slow step, is in that rate). And the prefill work: the prompt tokens
+  queued over the prefill pool at the step cost model's throughput (workers/cost_model.py
+  StepFit, shared with the pool controller), which knows a burst's cost before any of it is
+  served. A bias learnt online, the mean of measured minus predicted TTFT over admitted
+  requests, adds what neither sees (the router, the event path); it is additive, never a
+  factor, so a short queue's overhead is never multiplied into a long queue's prediction. A
+  request is let in while its prediction, times the 90th percentile of measured over predicted
+  TTFT near the target lately (`spread`), is within its target.
+- TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
+  of the requests that had it lately, against half the request's TPOT budget.
 
-Only work already in the cluster refuses a request; until the fit has enough steps, only the
-queue bound applies. Under pressure lower priorities go first: a request of priority p > 0
-(vLLM's sense: larger is less urgent) is let in only while its predicted TTFT is within
+Refusals are checked: some of the requests the predictions would refuse are let in instead,
+probes, at most `explore_share` of the requests let in, and the router records whether it met its targets (what llm-d's predictor
+does with its exploration share); the probes' share that met is the share of refusals that
+would have met. Probes also correct the bias, where admitted requests alone (those predicted to
+meet) would never show a pessimistic prediction. Only work already in the cluster refuses a
+request; until the line has drained a few requests and the fit has enough steps, only the queue
+bound applies. Under pressure lower priorities go first: a request of priority p > 0 (vLLM's
+sense: larger is less urgent) is let in only while its predicted TTFT is within
 `ttft_s * shed_ratio ** p`.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -37,44 +48,92 @@ from workers.cost_model import StepFit
 from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL
 
 QUEUE, SLO = ADMISSION_POLICIES = ("queue", "slo")
+TTFT, TPOT = TARGETS = ("ttft", "tpot")
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     admit: bool
     reason: str = ""                      # why not, for the 429's message
-    code: str = ""                        # "ttft" or "tpot": the SLO it would miss
+    code: str = ""                        # "ttft" or "tpot": the SLO it would miss (a probe's too)
     retry_after_s: float = 0.0
-    predicted_ttft_s: float = math.nan    # nan: no prediction (no cost model yet)
+    predicted_ttft_s: float = math.nan    # nan: no prediction (no cost model, no drain seen yet)
+    probe: bool = False                   # admitted although predicted to miss (its outcome is recorded)
+    ttft_limit_s: float = math.nan        # the TTFT it was admitted against (priority applied)
 
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
+NEAR = 0.25             # predictions of at least this share of the TTFT target inform `spread`
 
 
 class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
-    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage")
+    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage", "first_at")
 
     def __init__(self, prompt_tokens: int, predicted_ttft_s: float):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
+        self.first_at = math.nan
+
+
+class DrainRate:
+    """How fast the line of requests waiting for their first token drains: first tokens per
+    second of time the line was not empty, over the last `window_s`; None with fewer than
+    `min_events` first tokens in it. Counting only busy time makes it the service's rate, not the
+    arrivals': at light load each request's own wait is the time, so a line of one predicts about
+    one recent TTFT, where first tokens per wall second would predict a second per request at
+    one request per second."""
+
+    def __init__(self, window_s: float = 5.0, min_events: int = 8):
+        self.window_s, self.min_events = window_s, min_events
+        self.busy_s = 0.0                 # seconds the line was not empty, since the start
+        self.since = 0.0                  # when the line's length last changed
+        self.marks: deque[tuple[float, float]] = deque()   # (when, busy_s then) at each first token
+
+    def line(self, now: float, waiting: int) -> None:
+        """The line is about to change length; it held `waiting` until now."""
+        if waiting > 0:
+            self.busy_s += max(0.0, now - self.since)
+        self.since = now
+
+    def first(self, now: float) -> None:
+        self.marks.append((now, self.busy_s))
+
+    def per_s(self, now: float, waiting: int) -> float | None:
+        while self.marks and self.marks[0][0] < now - self.window_s:
+            self.marks.popleft()
+        n = len(self.marks)
+        if n < self.min_events:
+            return None
+        busy = self.busy_s + (max(0.0, now - self.since) if waiting > 0 else 0.0) - self.marks[0][1]
+        return (n - 1) / max(busy, 1e-3)
 
 
 class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
-                 max_num_seqs: int, shed_ratio: float = 0.75, correction_weight: float = 0.1,
-                 handoff_window_s: float = 5.0, clock=time.monotonic):
+                 max_num_seqs: int, shed_ratio: float = 0.75, bias_weight: float = 0.05,
+                 window_s: float = 5.0, explore_share: float = 0.05, clock=time.monotonic):
+        if not 0 <= explore_share <= 1:
+            raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
         self.prefill_role = PREFILL if mode == DISAGGREGATED else COLOCATED
         self.decode_role = DECODE if mode == DISAGGREGATED else COLOCATED
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.shed_ratio, self.weight, self.handoff_window_s = shed_ratio, correction_weight, handoff_window_s
-        self.correction = 1.0             # measured TTFT / predicted, smoothed
+        self.shed_ratio, self.weight, self.explore_share = shed_ratio, bias_weight, explore_share
+        self.probe_credit = 0.0           # grows by explore_share per request let in; a probe takes 1
+        self.bias = 0.0                   # measured TTFT - predicted, smoothed (seconds)
+        self.ratios: deque[float] = deque(maxlen=200)   # measured / predicted TTFT, of predictions near the target
+        self._spread: float | None = 1.0  # spread() of `ratios` (None: to compute again)
         self.waiting = self.waiting_tokens = self.in_handoff = 0
-        self.handoffs: deque[float] = deque()   # when recent handoffs completed
+        self.drain = DrainRate(window_s)  # first tokens per busy second
+        self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
+        self.window_s = window_s
+        self.would_refuse = 0             # requests the predictions would have refused, probes included
+        self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
     # -- the router's counts ------------------------------------------------------------------------
     def started(self, prompt_tokens: int, predicted_ttft_s: float = math.nan) -> Ticket:
+        self.drain.line(self.clock(), self.waiting)
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
         return Ticket(prompt_tokens, predicted_ttft_s)
@@ -84,12 +143,15 @@ class SLOAdmission:
         if t.stage == WAITING and tokens_out >= 1:
             self._leave(t)
             t.stage = HANDOFF
+            t.first_at = self.clock()
             self.in_handoff += 1
+            self.drain.first(t.first_at)
             self._learn(t.predicted_ttft_s, ttft_s)
         if t.stage == HANDOFF and tokens_out >= 2:
             self._leave(t)
             t.stage = DECODING
-            self.handoffs.append(self.clock())
+            now = self.clock()
+            self.gaps.append((now, now - t.first_at))
 
     def ended(self, t: Ticket) -> None:
         self._leave(t)
@@ -97,43 +159,69 @@ class SLOAdmission:
 
     def _leave(self, t: Ticket) -> None:
         if t.stage == WAITING:
+            self.drain.line(self.clock(), self.waiting)
             self.waiting -= 1
             self.waiting_tokens -= t.prompt_tokens
         elif t.stage == HANDOFF:
             self.in_handoff -= 1
 
     def _learn(self, predicted_ttft_s: float, ttft_s: float) -> None:
-        if not predicted_ttft_s > 0 or not ttft_s > 0:
+        if not predicted_ttft_s >= 0 or not ttft_s >= 0:
             return
-        raw = predicted_ttft_s / self.correction          # the prediction before correction
-        ratio = min(20.0, max(0.25, ttft_s / raw))
-        self.correction += self.weight * (ratio - self.correction)
+        if predicted_ttft_s >= NEAR * self.slo.ttft_s:
+            self.ratios.append(ttft_s / predicted_ttft_s)
+            self._spread = None
+        raw = predicted_ttft_s - self.bias               # the prediction before the bias
+        error = min(max(ttft_s - raw, -self.slo.ttft_s), self.slo.ttft_s)   # one outlier moves it little
+        self.bias += self.weight * (error - self.bias)
+
+    def spread(self) -> float:
+        """How far measured TTFTs have lately run over predictions near the target: the 90th
+        percentile of measured over predicted (1 with fewer than 20 such requests; within
+        [0.5, 4]). A request is let in while its prediction times this is within its target,
+        so that under overload nine in ten of those let in meet it (a prediction right on
+        average still misses half the time at the edge)."""
+        if self._spread is None:
+            ranked = sorted(self.ratios)
+            self._spread = 1.0 if len(ranked) < 20 else min(4.0, max(0.5, ranked[int(0.9 * (len(ranked) - 1))]))
+        return self._spread
+
+    def probed(self, target: str, met: bool) -> None:
+        """A probe's outcome: it met its targets or not (the router judges it when it ends)."""
+        self.probes[target][0 if met else 1] += 1
 
     # -- predictions --------------------------------------------------------------------------------
     def predict_ttft(self, prompt_tokens: int) -> tuple[float, float]:
-        """(seconds until the first token of a new prompt, of which for the work ahead of it):
-        the prompts admitted and still without a first token, spread over the prefill pool, and
-        its own, at the pool's throughput (the cost model's, else as measured on the steps
-        served), corrected; (nan, nan) while neither is known."""
-        workers = len(self.pools.active(self.prefill_role))
+        """(seconds until the first token of a new prompt, of which for the work ahead of it): the
+        larger of the line's drain and the prefill work queued, then its own prefill and the
+        bias; (nan, nan) while neither estimate is known."""
+        ahead = math.nan
+        rate = self.drain.per_s(self.clock(), self.waiting)
+        if rate is not None:
+            ahead = self.waiting / rate
+        prefill = self._prefill_rate()
+        own = 0.0
+        if prefill is not None:
+            workers = len(self.pools.active(self.prefill_role))
+            if not workers:
+                return math.nan, math.nan
+            queued = self.queued_tokens() / workers
+            mean_prompt = self.waiting_tokens / self.waiting if self.waiting else prompt_tokens
+            work = queued / prefill(mean_prompt) if queued else 0.0
+            ahead = work if math.isnan(ahead) else max(ahead, work)
+            own = prompt_tokens / prefill(prompt_tokens)
+        if math.isnan(ahead):
+            return math.nan, math.nan
+        return max(own, ahead + own + self.bias), ahead
+
+    def _prefill_rate(self):
+        """Prompt tokens per second of a prefill worker at a prompt length (a function), from the
+        cost model, else as measured on the steps served; None while neither is known."""
         cost = self.fit.current()
         if cost is not None:
-            def rate(n: float) -> float:
-                return cost.prefill_tokens_per_s(n, self.max_num_batched_tokens)
-        else:
-            measured = self.fit.prefill_throughput()
-            if measured is None:
-                return math.nan, math.nan
-
-            def rate(n: float) -> float:
-                return measured
-        if not workers:
-            return math.nan, math.nan
-        queued = self.queued_tokens() / workers
-        mean_prompt = self.waiting_tokens / self.waiting if self.waiting else prompt_tokens
-        ahead = queued / rate(mean_prompt) if queued else 0.0
-        own = prompt_tokens / rate(prompt_tokens)
-        return (ahead + own) * self.correction, ahead * self.correction
+            return lambda n: cost.prefill_tokens_per_s(n, self.max_num_batched_tokens)
+        measured = self.fit.prefill_throughput()
+        return None if measured is None else (lambda n: measured)
 
     def queued_tokens(self) -> int:
         """Prompt tokens ahead of a new request: this router's admitted prompts without a first
@@ -144,54 +232,49 @@ class SLOAdmission:
         return max(self.waiting_tokens, reported)
 
     def handoff_wait(self) -> float:
-        """Seconds the handoffs waiting now take to clear at the rate they completed lately (0
-        with none waiting, or too few completed to tell). The rate is the completions' own, from
-        the oldest in the window to now, not over the whole window: a burst that began a moment
-        ago (the first requests, or the first after a quiet spell) keeps its rate instead of
-        having it diluted by the quiet seconds before it."""
+        """Seconds between first and second token lately: the median over the requests that had
+        their second token in the window (0 with fewer than 5: too few to tell)."""
         now = self.clock()
-        while self.handoffs and self.handoffs[0] < now - self.handoff_window_s:
-            self.handoffs.popleft()
-        if not self.in_handoff or len(self.handoffs) < 5:
+        while self.gaps and self.gaps[0][0] < now - self.window_s:
+            self.gaps.popleft()
+        if len(self.gaps) < 5:
             return 0.0
-        return self.in_handoff / ((len(self.handoffs) - 1) / max(now - self.handoffs[0], 1e-3))
-
-    def decode_room(self, context: float) -> tuple[int, int]:
-        """(sequences the decode pool holds or has coming, sequences it runs within the TPOT
-        target at this context); (0, 0) without a cost model."""
-        cost = self.fit.current()
-        workers = self.pools.active(self.decode_role)
-        if cost is None or not workers:
-            return 0, 0
-        held = sum(m.decode_sequences() for m in workers)
-        return held, len(workers) * cost.decode_batch_at(context, self.slo.tpot_s, self.max_num_seqs)
+        return statistics.median(g for _, g in self.gaps)
 
     def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0,
               longest_prompt: int | None = None) -> Verdict:
         """Admit, or say why not. Only work already in the pools refuses a request: one that would
         miss on its own (a prompt longer than the TTFT target allows) is let in, since coming
         back later would not help it. A batch of prompts comes as their total `prompt_tokens`
-        (its last first token waits for all of them) and its `longest_prompt` (the context of
-        each of its sequences in the decode pool)."""
+        (its last first token waits for all of them); `longest_prompt` is kept for callers that
+        price decode contexts. A would-be refusal may be let in as a probe (`_refuse`)."""
         ttft, ahead = self.predict_ttft(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
-        if ahead > 0 and ttft > limit:
-            return Verdict(False, f"its predicted time to first token is {ttft:.2f}s, over the "
-                                  f"{limit:.2f}s this server admits at priority {priority}", "ttft",
-                           retry_after_s=ttft - limit, predicted_ttft_s=ttft)
-        context = prompt_tokens if longest_prompt is None else longest_prompt
-        held, room = self.decode_room(context + max_tokens / 2)
-        if room and held >= room:
-            # A sequence ends every (its output x TPOT) on average: room comes back about then.
-            return Verdict(False, f"the decode pool holds {held} sequences, all it runs within the "
-                                  f"{self.slo.tpot_s * 1000:g} ms TPOT target", "tpot",
-                           retry_after_s=max_tokens * self.slo.tpot_s / max(1, held), predicted_ttft_s=ttft)
+        likely = ttft * self.spread()
+        if ahead > 0 and likely > limit:
+            return self._refuse(Verdict(
+                False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 90th percentile of "
+                       f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
+                TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit))
         wait, budget = self.handoff_wait(), self.slo.tpot_s * (max_tokens - 1) / 2
         if max_tokens > 1 and wait > budget:
-            return Verdict(False, f"{self.in_handoff} handoffs are waiting for the decode pool, {wait:.2f}s of "
-                                  f"them at the rate they complete, over this request's {budget:.2f}s share "
-                                  "of its TPOT budget", "tpot", retry_after_s=wait - budget, predicted_ttft_s=ttft)
-        return Verdict(True, predicted_ttft_s=ttft)
+            return self._refuse(Verdict(
+                False, f"the gap between first and second token is {wait:.2f}s lately (the handoff to the decode "
+                       f"pool), over this request's {budget:.2f}s share of its TPOT budget", TPOT,
+                retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit))
+        self.probe_credit = min(1.0, self.probe_credit + self.explore_share)
+        return Verdict(True, predicted_ttft_s=ttft, ttft_limit_s=limit)
+
+    def _refuse(self, v: Verdict) -> Verdict:
+        """A would-be refusal: a probe when the credit allows, so that probes stay within
+        `explore_share` of the requests let in (a closed loop's clients retry at once: a share of
+        the refusals would fill the server with probes)."""
+        self.would_refuse += 1
+        if self.probe_credit >= 1.0:
+            self.probe_credit -= 1.0
+            return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, probe=True,
+                           ttft_limit_s=v.ttft_limit_s)
+        return v
 
 
 class DecodeGate:

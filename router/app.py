@@ -28,6 +28,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
@@ -45,7 +46,7 @@ from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
-from router.slo import SLOTargets
+from router.slo import SLOTargets, judge
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
@@ -106,8 +107,8 @@ class Server:
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
         self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
-        self.max_validating = max_validating     # bodies being read or validated at once, past it 429
-        self.validating = 0
+        self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
+        self.validation = Line()
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
         self.max_prompt_chars = PROMPT_CHARS_SLACK * max_model_len * tokenizer.max_token_chars
         self.slo = slo                         # the requests' default TTFT and TPOT targets (None: none)
@@ -288,6 +289,8 @@ class Server:
             req = reqs[0]
             prompts = [len(r.prompt_token_ids) for r in reqs]
             v = self.admission.check(sum(prompts), req.params.max_tokens, req.priority, longest_prompt=max(prompts))
+            if v.code:
+                self.metrics.admission_refusals.labels(v.code, "probe" if v.probe else "refused").inc()
             if not v.admit:
                 self.metrics.errors.labels("slo_unattainable").inc()
                 wait = max(1, math.ceil(v.retry_after_s))
@@ -295,7 +298,7 @@ class Server:
                                f"retry in {wait}s", "rate_limit_exceeded", code="slo_unattainable",
                                headers={"Retry-After": str(wait)})
             if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
-                req.predicted_ttft_s = v.predicted_ttft_s
+                req.predicted_ttft_s, req.ttft_limit_s, req.probe = v.predicted_ttft_s, v.ttft_limit_s, v.code
         self.pending += sequences
 
     def _done(self, n: int = 1) -> None:
@@ -403,6 +406,7 @@ class Server:
                     if n_out == 0:
                         ttft = now - t0
                         m.ttft.observe(ttft)
+                        m.observe_prediction(req.predicted_ttft_s, ttft)
                         m.waiting.dec()
                         m.running.inc()
                     else:
@@ -420,6 +424,10 @@ class Server:
                 if ev.finished:
                     e2e = time.monotonic() - t0
                     m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
+                    if req.probe and self.admission is not None:
+                        met = ttft <= req.ttft_limit_s and judge(self.admission.slo, ttft, e2e, n_out).tpot
+                        self.admission.probed(req.probe, met)
+                        m.admission_probes.labels(req.probe, "met" if met else "missed").inc()
                     m.success.labels(ev.finish_reason or "stop").inc()
                     return
         except SlowClient as e:                          # counted where it was found
@@ -533,19 +541,25 @@ def _body(schema: dict) -> dict:
 
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
     """Authentication and validation; a request refused here counts as an invalid_request error.
-    At most `max_validating` bodies are read or validated at once (past it: 429 before reading),
-    the body must arrive within `body_timeout_s` (408), and it is parsed, tokenized and rendered
+    At most `max_validating` bodies are read or validated at once; the others wait in line, unread
+    (a burst of clients is a line, not a refusal), and get 429 when the line holds `max_pending`
+    already or after `body_timeout_s` in it. The body must arrive within `body_timeout_s` (408), and it is parsed, tokenized and rendered
     in a validator thread, so that the event loop goes on streaming and answering /health
     meanwhile; only a body of at most INLINE_BODY_BYTES with one prompt (or a few messages) is
     checked on the loop (a small body may still hold 256 prompts to tokenize: milliseconds).
     A bug in validation answers 500 through the APIError handler: an exception reaching
     Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
     client's keep-alive connection."""
-    if server.validating >= server.max_validating:
+    line = server.validation
+    if len(line.waiters) >= server.max_pending:
         server.metrics.errors.labels("overloaded").inc()
-        raise APIError(429, f"the server is validating {server.max_validating} request bodies already; retry "
-                       "shortly", "rate_limit_exceeded", code="overloaded", headers={"Retry-After": "1"})
-    server.validating += 1
+        raise APIError(429, f"{server.max_pending} request bodies are waiting to be read already; retry shortly",
+                       "rate_limit_exceeded", code="overloaded", headers={"Retry-After": "1"})
+    if not await line.enter(server.max_validating, server.body_timeout_s):
+        server.metrics.errors.labels("overloaded").inc()
+        raise APIError(429, f"no request body could be read within {server.body_timeout_s:g}s: the server is "
+                       f"reading {server.max_validating} already; retry shortly", "rate_limit_exceeded",
+                       code="overloaded", headers={"Retry-After": "1"})
     try:
         server._check_auth(request)
         _check_content_type(request)
@@ -565,7 +579,7 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
         raise APIError(500, "internal error while validating the request; the server's log has the details",
                        "server_error") from None
     finally:
-        server.validating -= 1
+        line.leave()
 
 
 def _one_prompt(body: dict) -> bool:
@@ -744,6 +758,50 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
                for i, (text, ids, reason, lps, _) in enumerate(answers)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": choices, "usage": usage}
+
+
+class Line:
+    """At most `size` holders at once; the others wait their turn, first come first served (a
+    leaving holder hands its place to the first waiter). `size` is read at each entry, so it
+    may change while the server runs."""
+
+    def __init__(self):
+        self.held = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    async def enter(self, size: int, timeout_s: float) -> bool:
+        """Take a place, waiting up to `timeout_s`; False when none came in time."""
+        if self.held < size and not self.waiters:
+            self.held += 1
+            return True
+        turn = asyncio.get_running_loop().create_future()
+        self.waiters.append(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+            return True
+        except TimeoutError:
+            return self._gave_up(turn)
+        except asyncio.CancelledError:
+            if self._gave_up(turn):          # handed a place as the client left: pass it on
+                self.leave()
+            raise
+
+    def _gave_up(self, turn: asyncio.Future) -> bool:
+        """A waiter stops waiting: True when it was handed a place meanwhile (it holds it)."""
+        if turn.done():
+            return True
+        turn.cancel()
+        with contextlib.suppress(ValueError):
+            self.waiters.remove(turn)
+        return False
+
+    def leave(self) -> None:
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)        # its place now: `held` stays
+                return
+        self.held -= 1
 
 
 class _Slots:

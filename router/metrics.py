@@ -41,6 +41,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 # One engine step: sub-millisecond (tiny model, CPU) to seconds (a long prefill chunk).
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
                 1.0, 2.5, 5.0)
+# Measured over predicted: 1 is exact; under 1 the prediction was pessimistic (it refuses too much).
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # as vLLM
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -84,6 +86,20 @@ class Metrics:
                              registry=r)
         self.gated = Gauge(P + "router_requests_gated", "Requests held before their prefill while the decode pool "
                            "is full (disaggregated)", registry=r)
+        # -- SLO admission, checked against what happens (router/admission.py) -----------------
+        self.admission_error = Histogram(P + "admission_ttft_observed_over_predicted", "Measured TTFT over SLO "
+                                         "admission's prediction, per admitted request", registry=r,
+                                         buckets=RATIO_BUCKETS)
+        self.admission_refusals = Counter(P + "admission_refusals", "Requests SLO admission predicted to miss a "
+                                          "target: refused, or let in as a probe", ["target", "verdict"], registry=r)
+        self.admission_probes = Counter(P + "admission_probes", "Probes (requests predicted to miss, let in) "
+                                        "that finished, by whether they met their targets", ["target", "outcome"],
+                                        registry=r)
+        for target in ("ttft", "tpot"):
+            for verdict in ("refused", "probe"):
+                self.admission_refusals.labels(target, verdict)
+            for outcome in ("met", "missed"):
+                self.admission_probes.labels(target, outcome)
         for reason in FINISH_REASONS:
             self.success.labels(reason)
         for reason in ERROR_REASONS:
@@ -189,6 +205,11 @@ class Metrics:
     def observe_arrival(self, prompt_tokens: int) -> None:
         """An admitted request starts."""
         self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_prediction(self, predicted_s: float, measured_s: float) -> None:
+        """A first token SLO admission predicted: how far off it was (nothing without a prediction)."""
+        if predicted_s > 0:
+            self.admission_error.observe(measured_s / predicted_s)
 
     def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int, sent_at: float | None = None,
                          max_tokens: int = 0) -> None:

@@ -66,6 +66,8 @@ class GenerationRequest:
     include_usage: bool = False
     priority: int = 0
     predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
+    probe: str = ""                            # SLO admission let it in although predicted to miss this target
+    ttft_limit_s: float = math.nan             # the TTFT SLO admission let it in against
     echo: bool = False                         # completions: the answer starts with the prompt
     n: int = 1                                 # samples answered
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered

@@ -12,6 +12,7 @@ tokens.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
@@ -411,40 +412,46 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_counts_no_longer(clust
         with socket.create_connection((host, int(port)), timeout=60) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"model\":")
-            wait_for(lambda: server.validating, lambda n: n == 1, deadline_s=30)
+            wait_for(lambda: server.validation.held, lambda n: n == 1, deadline_s=30)
             reply = read_response(s)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"request_timeout" in reply
-        wait_for(lambda: server.validating, lambda n: n == 0, deadline_s=30)
+        wait_for(lambda: server.validation.held, lambda n: n == 0, deadline_s=30)
     finally:
         server.body_timeout_s = old
 
 
-def test_bodies_being_read_are_bounded(cluster):
-    """Past `max_validating` bodies being read at once, a new request gets 429 before its body
-    is read; once they are answered, requests are served again."""
+def test_bodies_past_the_reading_bound_wait_in_line(cluster):
+    """Past `max_validating` bodies being read at once, a new request waits in line, unread (a
+    burst of clients is never refused for arriving together), and is served when a place frees;
+    past `max_pending` waiting, 429 at once."""
     server = cluster.server
-    old = server.max_validating
+    old = server.max_validating, server.max_pending
     server.max_validating = 2
     host, port = cluster.base_url.removeprefix("http://").removesuffix("/v1").split(":")
-    socks = []
+    socks, body = [], {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     try:
         for _ in range(2):
             s = socket.create_connection((host, int(port)), timeout=60)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{")
             socks.append(s)
-        wait_for(lambda: server.validating, lambda n: n == 2, deadline_s=30)
-        r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
-                       timeout=60)
-        assert r.status_code == 429 and r.headers["retry-after"], r.text
+        wait_for(lambda: server.validation.held, lambda n: n == 2, deadline_s=30)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{cluster.base_url}/completions", json=body, timeout=60)
+            wait_for(lambda: len(server.validation.waiters), lambda n: n == 1, deadline_s=30)
+            server.max_pending = 1                          # the line is full: the next one is refused
+            r = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=60)
+            assert r.status_code == 429 and r.headers["retry-after"], r.text
+            server.max_pending = old[1]
+            socks.pop().close()                             # a place frees: the one in line is read
+            assert waiting.result(60).status_code == 200
     finally:
         for s in socks:
             s.close()
-        server.max_validating = old
-    wait_for(lambda: server.validating, lambda n: n == 0, deadline_s=30)
-    r = httpx.post(f"{cluster.base_url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
-                   timeout=60)
+        server.max_validating, server.max_pending = old
+    wait_for(lambda: server.validation.held, lambda n: n == 0, deadline_s=30)
+    r = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
 
 
