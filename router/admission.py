@@ -19,7 +19,7 @@ one. So the predictions lean on what the router observes, and are checked agains
   served. A bias learnt online, the mean of measured minus predicted TTFT over admitted
   requests, adds what neither sees (the router, the event path); it is additive, never a
   factor, so a short queue's overhead is never multiplied into a long queue's prediction. A
-  request is let in while its prediction, times the 90th percentile of measured over predicted
+  request is let in while its prediction, times the 95th percentile of measured over predicted
   TTFT near the target lately (`spread`), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
   of the requests that had it lately, against half the request's TPOT budget.
@@ -112,7 +112,7 @@ class DrainRate:
 class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
                  max_num_seqs: int, shed_ratio: float = 0.75, bias_weight: float = 0.05,
-                 window_s: float = 5.0, explore_share: float = 0.05, clock=time.monotonic):
+                 window_s: float = 5.0, explore_share: float = 0.02, clock=time.monotonic):
         if not 0 <= explore_share <= 1:
             raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
@@ -127,6 +127,7 @@ class SLOAdmission:
         self.waiting = self.waiting_tokens = self.in_handoff = 0
         self.drain = DrainRate(window_s)  # first tokens per busy second
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
+        self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
         self.window_s = window_s
         self.would_refuse = 0             # requests the predictions would have refused, probes included
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
@@ -152,6 +153,7 @@ class SLOAdmission:
             t.stage = DECODING
             now = self.clock()
             self.gaps.append((now, now - t.first_at))
+            self._gap = None
 
     def ended(self, t: Ticket) -> None:
         self._leave(t)
@@ -176,14 +178,14 @@ class SLOAdmission:
         self.bias += self.weight * (error - self.bias)
 
     def spread(self) -> float:
-        """How far measured TTFTs have lately run over predictions near the target: the 90th
+        """How far measured TTFTs have lately run over predictions near the target: the 95th
         percentile of measured over predicted (1 with fewer than 20 such requests; within
         [0.5, 4]). A request is let in while its prediction times this is within its target,
-        so that under overload nine in ten of those let in meet it (a prediction right on
+        so that under overload nearly all of those let in meet it (a prediction right on
         average still misses half the time at the edge)."""
         if self._spread is None:
             ranked = sorted(self.ratios)
-            self._spread = 1.0 if len(ranked) < 20 else min(4.0, max(0.5, ranked[int(0.9 * (len(ranked) - 1))]))
+            self._spread = 1.0 if len(ranked) < 20 else min(4.0, max(0.5, ranked[int(0.95 * (len(ranked) - 1))]))
         return self._spread
 
     def probed(self, target: str, met: bool) -> None:
@@ -237,9 +239,10 @@ class SLOAdmission:
         now = self.clock()
         while self.gaps and self.gaps[0][0] < now - self.window_s:
             self.gaps.popleft()
-        if len(self.gaps) < 5:
-            return 0.0
-        return statistics.median(g for _, g in self.gaps)
+            self._gap = None
+        if self._gap is None:
+            self._gap = statistics.median(g for _, g in self.gaps) if len(self.gaps) >= 5 else 0.0
+        return self._gap
 
     def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0,
               longest_prompt: int | None = None) -> Verdict:
@@ -253,7 +256,7 @@ class SLOAdmission:
         likely = ttft * self.spread()
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
-                False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 90th percentile of "
+                False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
                 TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit))
         wait, budget = self.handoff_wait(), self.slo.tpot_s * (max_tokens - 1) / 2

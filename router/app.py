@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN = "server_shutdown"           # the error code of a request ended by a drain's timeout
 _END = object()                        # the generation task is done (queued after its last event)
+_DEADLINE = object()                   # the request's deadline (--request-timeout-s) has passed
 MAX_BUFFERED_EVENTS = 1024             # a request's events its client has not read yet, at most
 VALIDATOR_THREADS = 2                  # bodies are validated in these threads (json.loads and tokenizing
                                        # release the GIL between their C calls: the loop keeps answering)
@@ -386,16 +387,17 @@ class Server:
         m.waiting.inc()
         ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s) if self.admission else None
         events: asyncio.Queue = asyncio.Queue()
+        # One timer at the deadline, not one per event: it puts _DEADLINE among the events.
+        deadline = (None if req.deadline is None else
+                    asyncio.get_running_loop().call_at(_loop_time(req.deadline), events.put_nowait, _DEADLINE))
         task = asyncio.ensure_future(self._generate(req, events, source))
         self._runs.add(task)
         task.add_done_callback(lambda t: self._generation_done(t, events))
         try:
             while True:
-                try:
-                    async with asyncio.timeout_at(_loop_time(req.deadline)):
-                        ev = await events.get()
-                except TimeoutError:
-                    raise DeadlinePassed from None
+                ev = await events.get()
+                if ev is _DEADLINE:
+                    raise DeadlinePassed
                 if ev is _END:
                     if task.cancelled():                 # ended by end_inflight
                         raise self._shutdown_error(n_out)
@@ -452,6 +454,8 @@ class Server:
             m.errors.labels("client_disconnect").inc()
             raise
         finally:
+            if deadline is not None:
+                deadline.cancel()
             task.cancel()                                # the client left (or it is done): abort it
             (m.running if n_out else m.waiting).dec()
             if ticket is not None:
@@ -891,15 +895,41 @@ class ClientStream(StreamingResponse):
         self.server, self.slots = server, slots
 
     async def stream_response(self, send) -> None:
+        """One timer per stream, not one per chunk: a send records when it began, and the timer,
+        when it fires, ends the stream if a send has been waiting `client_stall_timeout_s`, or
+        sets itself for when the one under way (or the next) could have."""
         timeout = self.server.client_stall_timeout_s
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        sending_since: float | None = None
+        stalled = False
+
+        def check() -> None:
+            nonlocal timer, stalled
+            now = loop.time()
+            if sending_since is not None and now - sending_since >= timeout:
+                stalled = True
+                task.cancel()                             # it waits in send(): that is what ends
+                return
+            timer = loop.call_at((sending_since if sending_since is not None else now) + timeout, check)
 
         async def timed(message) -> None:
+            nonlocal sending_since
+            sending_since = loop.time()
             try:
-                async with asyncio.timeout(timeout):     # a timer, not a task per chunk (wait_for)
-                    await send(message)
-            except TimeoutError:
-                raise ClientStalled from None
-        await super().stream_response(timed)
+                await send(message)
+            finally:
+                sending_since = None
+
+        timer = loop.call_at(loop.time() + timeout, check)
+        try:
+            await super().stream_response(timed)
+        except asyncio.CancelledError:
+            if not stalled:
+                raise
+            task.uncancel()
+            raise ClientStalled from None
+        finally:
+            timer.cancel()
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -520,62 +520,65 @@ class Dispatcher:
         outputs = list(delivered)
         if not outputs:                      # a new request (a resumed one is already under way)
             await self._pass_gate(rid)
-        w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
-        involved.append(w)
-        _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
-                                                   ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
-        while True:
-            ev = await self._next_event(q, w, rid)
-            if (resume := _resume_for(ev)) is not None:
-                yield resume
-                return
-            if ev.tokens or ev.finished:
-                if op is msg.GenerateOp:         # prefilled where it decodes: it has its seat
+        silence = _Silence(q, self.request_silence_s)
+        try:
+            w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
+            involved.append(w)
+            _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
+                                                       ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
+            while True:
+                ev = await self._next_event(q, w, rid, silence)
+                if (resume := _resume_for(ev)) is not None:
+                    yield resume
+                    return
+                if ev.tokens or ev.finished:
+                    if op is msg.GenerateOp:         # prefilled where it decodes: it has its seat
+                        self._leave_gate(rid, reached_decode=True)
+                    outputs += ev.tokens
+                    yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
+                if ev.finished:
+                    return
+                if ev.held:
+                    held_kv = ev.kv
+                    break
+            held_at = time.monotonic()
+            # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
+            d = await self._pick_live(DECODE)
+            involved.append(d)
+            d.sent(rid, 1)
+            _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
+                                                                 w.worker_id, req.priority, tpot_s=req.tpot_s,
+                                                                 kv=held_kv))))
+            while True:
+                ev = await self._next_event(q, d, rid, silence)
+                if (resume := _resume_for(ev)) is not None:
+                    yield resume
+                    return
+                # Tokens from the decode worker: the KV has left the prefill worker, whose loss no
+                # longer concerns this request.
+                if held_at is not None:
+                    took, held_at = time.monotonic() - held_at, None
+                    self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
                     self._leave_gate(rid, reached_decode=True)
-                outputs += ev.tokens
+                w.assigned.discard(rid)
                 yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
-            if ev.finished:
-                return
-            if ev.held:
-                held_kv = ev.kv
-                break
-        held_at = time.monotonic()
-        # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
-        d = await self._pick_live(DECODE)
-        involved.append(d)
-        d.sent(rid, 1)
-        _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
-                                                             w.worker_id, req.priority, tpot_s=req.tpot_s,
-                                                             kv=held_kv))))
-        while True:
-            ev = await self._next_event(q, d, rid)
-            if (resume := _resume_for(ev)) is not None:
-                yield resume
-                return
-            # Tokens from the decode worker: the KV has left the prefill worker, whose loss no
-            # longer concerns this request.
-            if held_at is not None:
-                took, held_at = time.monotonic() - held_at, None
-                self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
-                self._leave_gate(rid, reached_decode=True)
-            w.assigned.discard(rid)
-            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
-            if ev.finished:
-                return
+                if ev.finished:
+                    return
+        finally:
+            silence.stop()
 
-
-    async def _next_event(self, q: asyncio.Queue, w: Member, rid: str) -> msg.Event:
-        """The attempt's next event from worker `w`. After `request_silence_s` (the hang timeout) without one, asks the
+    async def _next_event(self, q: asyncio.Queue, w: Member, rid: str, silence: _Silence) -> msg.Event:
+        """The attempt's next event from worker `w`. After `request_silence_s` (the hang timeout) without one
+        (`silence` says so on the queue), asks the
         worker whether it still has the request (a request may wait that long in a queue): one
         that does not, once a frame polled after its answer has come and brought nothing, lost
         the request's events (a stream reader that is not ours, a bug): the request resumes.
         A worker that does not answer is left to the pump, which judges it hung."""
         while True:
-            try:
-                async with asyncio.timeout(self.request_silence_s):      # a timer, not a task per event
-                    return await q.get()
-            except TimeoutError:
-                pass
+            ev = await q.get()
+            silence.heard()
+            if ev is not _SILENT:
+                return ev
             try:
                 held = await asyncio.wait_for(awaitable(w.handle.holds.remote(rid)), self.hang_timeout_s)
             except asyncio.CancelledError:
@@ -592,6 +595,35 @@ class Dispatcher:
                             self.request_silence_s)
                 return msg.ErrorEvent(rid, f"worker {w.worker_id} lost the request's events", retryable=True,
                                       cause="request_lost")
+
+
+_SILENT = object()         # on an attempt's queue: no event for request_silence_s
+
+
+class _Silence:
+    """Puts _SILENT on an attempt's queue after `silence_s` without an event read from it: one
+    timer per attempt, set again only when it fires (to when the silence could end), not one
+    timer per event."""
+
+    def __init__(self, q: asyncio.Queue, silence_s: float):
+        self.q, self.silence_s = q, silence_s
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+        self.timer = self.loop.call_at(self.last + silence_s, self._check)
+
+    def heard(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if now >= self.last + self.silence_s:
+            if self.q.empty():                 # nothing came (events waiting unread are not silence)
+                self.q.put_nowait(_SILENT)
+            self.last = now
+        self.timer = self.loop.call_at(self.last + self.silence_s, self._check)
+
+    def stop(self) -> None:
+        self.timer.cancel()
 
 
 class _Start:

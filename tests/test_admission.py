@@ -196,7 +196,8 @@ def test_the_drain_rate_counts_only_time_the_line_was_not_empty():
 
 def test_probes_are_at_most_explore_share_of_the_requests_let_in():
     a = cluster(prefill=1)
-    for _ in range(60):                            # 60 let in: credit for 3 probes, at most 1 at once
+    per_probe = round(1 / a.explore_share)
+    for _ in range(3 * per_probe):                 # credit for 3 probes, at most 1 at once
         assert a.check(256, 16).admit
     tickets = admitted(a, 2000, 512)
     verdicts = [a.check(256, 16) for _ in range(100)]
@@ -204,7 +205,7 @@ def test_probes_are_at_most_explore_share_of_the_requests_let_in():
     assert verdicts[0].admit and verdicts[0].code == "ttft" and not any(v.admit for v in verdicts[1:])
     for t in tickets:
         a.ended(t)
-    for _ in range(20):
+    for _ in range(per_probe):
         assert a.check(256, 16).admit
     admitted(a, 2000, 512)
     assert sum(a.check(256, 16).probe for _ in range(100)) == 1

@@ -35,7 +35,8 @@ PROFILE = timed([BatchShape(1, n, n * n) for n in (16, 64, 256, 512, 1024)] + [B
 
 
 def test_the_fit_recovers_the_step_costs_and_follows_what_is_served():
-    fit = StepFit(kv_bytes_per_token=1024, kv_capacity_tokens=65536, profiled=PROFILE)
+    clock = Clock()
+    fit = StepFit(kv_bytes_per_token=1024, kv_capacity_tokens=65536, profiled=PROFILE, clock=clock)
     model = fit.current()
     for s in (BatchShape(2, 800, 2 * 400 * 400), BatchShape(num_decode=50, decode_context=50 * 300)):
         assert model.step_s(s) == pytest.approx(TRUE.step_s(s), rel=0.02)
@@ -46,6 +47,8 @@ def test_the_fit_recovers_the_step_costs_and_follows_what_is_served():
     fit.add(slow)
     fit.add([[0.5, 1, 100, 10000, 0, 3, 600]])                    # a mixed step: left out
     s = BatchShape(1, 500, 500 * 500)
+    assert fit.current() is model                                  # refit at most every refit_every_s
+    clock.t += fit.refit_every_s
     assert fit.current().step_s(s) == pytest.approx(2 * TRUE.step_s(s), rel=0.15)
 
 

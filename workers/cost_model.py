@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import deque
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
@@ -501,9 +502,11 @@ class StepFit:
     slower node). The pool controller and SLO admission price the pools with it."""
 
     def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list = (),
-                 max_samples: int = 2000):
+                 max_samples: int = 2000, refit_every_s: float = 0.5, clock=time.monotonic):
         self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
         self.model: CostModel | None = None
+        self.refit_every_s, self.clock = refit_every_s, clock
+        self._fitted_at = -math.inf
         self._profiled = [s for s in map(_fit_sample, profiled) if s is not None]
         self._recent: deque = deque(maxlen=max_samples)
         self._new = True
@@ -525,10 +528,12 @@ class StepFit:
         return sum(n for n, _ in rows) / max(1e-9, sum(t for _, t in rows))
 
     def current(self) -> CostModel | None:
-        """The fit over the profile and the recent steps (refit when new ones came); None while
-        they do not pin the model down."""
-        if self._new:
+        """The fit over the profile and the recent steps (refit when new ones came, at most every
+        `refit_every_s`: SLO admission asks on every request, and a fit over 2,000 steps costs
+        a fifth of a millisecond); None while they do not pin the model down."""
+        if self._new and (self.model is None or self.clock() - self._fitted_at >= self.refit_every_s):
             self._new = False
+            self._fitted_at = self.clock()
             try:
                 step = LinearStepModel.fit(self._profiled + list(self._recent))
             except ValueError:                    # too few distinct shapes: keep the last fit
