@@ -14,7 +14,8 @@ its name and the port: SLO admission, the decode gate, the queue bound and the S
 
 Each server gets the same loads from `vllm.benchmarks.serve`: random prompts of --input-len
 tokens, --output-len tokens with ignore_eos; closed loops of each --concurrency (every client
-sends its next request when its last one ends; --prompts-per-client x clients requests), then
+sends its next request when its last one ends; --prompts-per-client x clients requests, at least
+--min-prompts), then
 Poisson arrivals at vLLM's saturation rate (its best closed-loop throughput, or --rate) and at
 3x it, --poisson-s seconds of arrivals each. vLLM's client counts any non-200 answer as failed:
 a 429 is a failure, never goodput. Printed: per server and load, failed requests (of them 429s),
@@ -83,7 +84,7 @@ def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: floa
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, 600, log)
         vllm_load(a, base, ckpt, workdir, f"{name}-warm", 32, "inf", 8)
-        loads = [(f"closed {c}", c * a.prompts_per_client, "inf", c) for c in a.concurrency]
+        loads = [(f"closed {c}", max(a.min_prompts, c * a.prompts_per_client), "inf", c) for c in a.concurrency]
         for row_name, n, r, c in loads:
             rows.append(one_load(a, name, base, ckpt, workdir, meter, row_name, n, r, c))
         if rate is None:       # vLLM's saturation: its best closed loop
@@ -143,6 +144,7 @@ def main() -> None:
     ap.add_argument("--servers", default="vllm,pd,colocated", help=f"of {sorted(SERVERS)}, in this order")
     ap.add_argument("--concurrency", default="16,64,256")
     ap.add_argument("--prompts-per-client", type=int, default=10)
+    ap.add_argument("--min-prompts", type=int, default=640, help="requests of a closed loop at least")
     ap.add_argument("--poisson-s", type=float, default=20.0, help="seconds of Poisson arrivals per rate")
     ap.add_argument("--rate", type=float, help="the saturation rate (default: vLLM's best closed loop, so vLLM "
                     "runs first)")

@@ -78,14 +78,17 @@ class Ticket:
 
 class DrainRate:
     """How fast the line of requests waiting for their first token drains: first tokens per
-    second of time the line was not empty, over the last `window_s`; None with fewer than
-    `min_events` first tokens in it. Counting only busy time makes it the service's rate, not the
+    second of time the line was not empty, over the last `window_s` (long enough that a burst of
+    fast first tokens while decode seats were free, which the full seats then hold back, counts
+    as the burst it was); with fewer than `min_events` first tokens in it, the last rate
+    measured (a service rate stays one when the line empties), None before any. Counting only busy time makes it the service's rate, not the
     arrivals': at light load each request's own wait is the time, so a line of one predicts about
     one recent TTFT, where first tokens per wall second would predict a second per request at
     one request per second."""
 
-    def __init__(self, window_s: float = 5.0, min_events: int = 8):
+    def __init__(self, window_s: float = 10.0, min_events: int = 8):
         self.window_s, self.min_events = window_s, min_events
+        self.last: float | None = None
         self.busy_s = 0.0                 # seconds the line was not empty, since the start
         self.since = 0.0                  # when the line's length last changed
         self.marks: deque[tuple[float, float]] = deque()   # (when, busy_s then) at each first token
@@ -104,9 +107,10 @@ class DrainRate:
             self.marks.popleft()
         n = len(self.marks)
         if n < self.min_events:
-            return None
+            return self.last
         busy = self.busy_s + (max(0.0, now - self.since) if waiting > 0 else 0.0) - self.marks[0][1]
-        return (n - 1) / max(busy, 1e-3)
+        self.last = (n - 1) / max(busy, 1e-3)
+        return self.last
 
 
 class SLOAdmission:
@@ -125,7 +129,7 @@ class SLOAdmission:
         self.ratios: deque[float] = deque(maxlen=200)   # measured / predicted TTFT, of predictions near the target
         self._spread: float | None = 1.0  # spread() of `ratios` (None: to compute again)
         self.waiting = self.waiting_tokens = self.in_handoff = 0
-        self.drain = DrainRate(window_s)  # first tokens per busy second
+        self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
         self.window_s = window_s

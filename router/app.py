@@ -781,7 +781,8 @@ class Line:
         turn = asyncio.get_running_loop().create_future()
         self.waiters.append(turn)
         try:
-            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await turn
             return True
         except TimeoutError:
             return self._gave_up(turn)
@@ -792,7 +793,7 @@ class Line:
 
     def _gave_up(self, turn: asyncio.Future) -> bool:
         """A waiter stops waiting: True when it was handed a place meanwhile (it holds it)."""
-        if turn.done():
+        if turn.done() and not turn.cancelled():
             return True
         turn.cancel()
         with contextlib.suppress(ValueError):

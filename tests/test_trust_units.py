@@ -1,15 +1,16 @@
 """The front door's checks on their own, without a server (issue 26): the JSON shape check is
 linear in the body whatever its shape (a backtracking scan is quadratic: its time grows 4x when
-the body doubles), chat templates run sandboxed, and the API key comes from where a secret
-should."""
+the body doubles), chat templates run sandboxed, the API key comes from where a secret
+should, and bodies past the reading bound wait in line (issue 27)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from cluster.cli import api_key_from
-from router.app import sandboxed_template
+from router.app import Line, sandboxed_template
 from router.protocol import MAX_JSON_DEPTH, MAX_JSON_KEYS, MAX_JSON_VALUES, APIError, parse_json
 
 
@@ -124,3 +125,33 @@ def test_the_shape_check_reads_the_same_a_piece_at_a_time(monkeypatch):
     for _ in range(5000):
         raw = bytes(rnd.choice(b'ab\\"[]{},:') for _ in range(rnd.randint(0, 40)))
         assert protocol._structure(raw) == whole(raw), raw
+
+
+def test_the_line_for_bodies_serves_in_order_times_out_and_passes_on_a_place_its_waiter_left():
+    """router/app.py Line: at most `size` holders; the rest wait first come first served; a
+    waiter that gives up (timeout) holds nothing; one cancelled after it was handed a place
+    hands it on, so no place is lost."""
+    async def scenario():
+        line, order = Line(), []
+
+        async def holder(name: str, timeout_s: float = 60.0):
+            if not await line.enter(1, timeout_s):
+                order.append(f"{name} gave up")
+                return
+            order.append(name)
+            await asyncio.sleep(0)
+            line.leave()
+
+        assert await line.enter(1, 1.0)                       # the first holder
+        cancelled = asyncio.ensure_future(holder("cancelled"))
+        waiters = [asyncio.ensure_future(holder(n)) for n in ("a", "b")]
+        late = asyncio.ensure_future(holder("late", timeout_s=0.01))
+        await asyncio.wait_for(late, 30)
+        assert order == ["late gave up"] and len(line.waiters) == 3
+        line.leave()                                           # the first in line is handed the place ...
+        cancelled.cancel()                                     # ... and leaves before it runs: a gets it
+        await asyncio.wait_for(asyncio.gather(*waiters), 30)
+        assert cancelled.cancelled()
+        assert order == ["late gave up", "a", "b"] and line.held == 0 and not line.waiters
+        assert await line.enter(1, 1.0) and line.held == 1
+    asyncio.run(scenario())
