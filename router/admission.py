@@ -64,6 +64,7 @@ class Verdict:
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
 NEAR = 0.25             # predictions of at least this share of the TTFT target inform `spread`
+SATURATED = 0.9         # a line not empty this share of the time: requests end at the service's pace
 
 
 class Ticket:
@@ -89,6 +90,7 @@ class DrainRate:
     def __init__(self, window_s: float = 10.0, min_events: int = 8):
         self.window_s, self.min_events = window_s, min_events
         self.last: float | None = None
+        self.busy_share = 0.0             # of the window's time, the share the line was not empty
         self.busy_s = 0.0                 # seconds the line was not empty, since the start
         self.since = 0.0                  # when the line's length last changed
         self.marks: deque[tuple[float, float]] = deque()   # (when, busy_s then) at each first token
@@ -109,6 +111,7 @@ class DrainRate:
         if n < self.min_events:
             return self.last
         busy = self.busy_s + (max(0.0, now - self.since) if waiting > 0 else 0.0) - self.marks[0][1]
+        self.busy_share = busy / max(now - self.marks[0][0], 1e-3)
         self.last = (n - 1) / max(busy, 1e-3)
         return self.last
 
@@ -130,6 +133,7 @@ class SLOAdmission:
         self._spread: float | None = 1.0  # spread() of `ratios` (None: to compute again)
         self.waiting = self.waiting_tokens = self.in_handoff = 0
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
+        self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
         self.window_s = window_s
@@ -160,6 +164,8 @@ class SLOAdmission:
             self._gap = None
 
     def ended(self, t: Ticket) -> None:
+        if t.stage in (HANDOFF, DECODING):
+            self.completions.append(self.clock())
         self._leave(t)
         t.stage = ENDED
 
@@ -202,7 +208,7 @@ class SLOAdmission:
         larger of the line's drain and the prefill work queued, then its own prefill and the
         bias; (nan, nan) while neither estimate is known."""
         ahead = math.nan
-        rate = self.drain.per_s(self.clock(), self.waiting)
+        rate = self.drain_rate()
         if rate is not None:
             ahead = self.waiting / rate
         prefill = self._prefill_rate()
@@ -219,6 +225,20 @@ class SLOAdmission:
         if math.isnan(ahead):
             return math.nan, math.nan
         return max(own, ahead + own + self.bias), ahead
+
+    def drain_rate(self) -> float | None:
+        """The line's drain rate, and no more than the rate requests end while the line has been
+        full nearly all the time: saturated, first tokens can outrun the ends only while seats
+        are free, and a line let in at that pace waits for the seats (a burst of first tokens
+        after a lull would otherwise let in a burst that the full decode batch then holds)."""
+        now = self.clock()
+        rate = self.drain.per_s(now, self.waiting)
+        while self.completions and self.completions[0] < now - self.drain.window_s:
+            self.completions.popleft()
+        n = len(self.completions)
+        if rate is not None and n >= self.drain.min_events and self.drain.busy_share >= SATURATED:
+            rate = min(rate, (n - 1) / max(now - self.completions[0], 1e-3))
+        return rate
 
     def _prefill_rate(self):
         """Prompt tokens per second of a prefill worker at a prompt length (a function), from the

@@ -194,6 +194,23 @@ def test_the_drain_rate_counts_only_time_the_line_was_not_empty():
         a.ended(t)
 
 
+def test_a_saturated_line_drains_no_faster_than_requests_end():
+    """First tokens at 100/s while seats were free, requests ending at 20/s, the line never
+    empty: the line ahead drains at the rate seats free, 20/s, not at the first tokens' pace."""
+    clock = Clock()
+    a = cluster(fit=StepFit(1024, 1 << 20), clock=clock)
+    tickets = admitted(a, 200, 64)
+    for i, t in enumerate(tickets[:100]):
+        clock.t += 0.01
+        a.progress(t, 1)
+        if i % 5 == 0:
+            a.ended(t)
+    assert a.drain.per_s(clock(), a.waiting) == pytest.approx(100, rel=0.02)
+    assert a.drain_rate() == pytest.approx(20, rel=0.1)
+    assert a.predict_ttft(64)[1] == pytest.approx(100 / 20, rel=0.1)
+    assert not a.check(64, 16).admit
+
+
 def test_probes_are_at_most_explore_share_of_the_requests_let_in():
     a = cluster(prefill=1)
     per_probe = round(1 / a.explore_share)
