@@ -502,11 +502,12 @@ class StepFit:
     slower node). The pool controller and SLO admission price the pools with it."""
 
     def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list = (),
-                 max_samples: int = 2000, refit_every_s: float = 0.5, clock=time.monotonic):
+                 max_samples: int = 2000, refit_every_s: float = 2.0, clock=time.monotonic):
         self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
         self.model: CostModel | None = None
         self.refit_every_s, self.clock = refit_every_s, clock
         self._fitted_at = -math.inf
+        self._throughput: tuple[float, float | None] = (-math.inf, None)   # (when, prefill_throughput then)
         self._profiled = [s for s in map(_fit_sample, profiled) if s is not None]
         self._recent: deque = deque(maxlen=max_samples)
         self._new = True
@@ -521,16 +522,19 @@ class StepFit:
     def prefill_throughput(self, min_samples: int = 5) -> float | None:
         """Prompt tokens per second over the recent prefill-only steps, as they were batched:
         what a fit cannot give while the steps all have one shape (one prompt length), or None
-        with fewer than `min_samples` of them."""
+        with fewer than `min_samples` of them. Computed again at most every `refit_every_s`."""
+        at, value = self._throughput
+        if self.clock() - at < self.refit_every_s:
+            return value
         rows = [(s.prefill_tokens, t) for s, t in self._recent if s.num_prefill]
-        if len(rows) < min_samples:
-            return None
-        return sum(n for n, _ in rows) / max(1e-9, sum(t for _, t in rows))
+        value = None if len(rows) < min_samples else sum(n for n, _ in rows) / max(1e-9, sum(t for _, t in rows))
+        self._throughput = (self.clock(), value)
+        return value
 
     def current(self) -> CostModel | None:
         """The fit over the profile and the recent steps (refit when new ones came, at most every
         `refit_every_s`: SLO admission asks on every request, and a fit over 2,000 steps costs
-        a fifth of a millisecond); None while they do not pin the model down."""
+        about 10 ms); None while they do not pin the model down."""
         if self._new and (self.model is None or self.clock() - self._fitted_at >= self.refit_every_s):
             self._new = False
             self._fitted_at = self.clock()
