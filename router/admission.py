@@ -12,27 +12,28 @@ one. So the predictions lean on what the router observes, and are checked agains
 
 - TTFT: the larger of two estimates of the wait for the work ahead, plus the request's own
   prefill. The line's drain: the requests admitted and still without a first token, at the rate
-  first tokens have come out lately (Little's law; whatever holds first tokens back, a prefill
-  queue, the decode gate, a slow step, is in that rate). And the prefill work: the prompt tokens
-  queued over the prefill pool at the step cost model's throughput (workers/cost_model.py
-  StepFit, shared with the pool controller), which knows a burst's cost before any of it is
-  served. A bias learnt online, the mean of measured minus predicted TTFT over admitted
-  requests, adds what neither sees (the router, the event path); it is additive, never a
-  factor, so a short queue's overhead is never multiplied into a long queue's prediction. A
-  request is let in while its prediction, times the 95th percentile of measured over predicted
-  TTFT near the target lately (`spread`), is within its target.
+  first tokens came out per second the line was not empty (`DrainRate`), and while the line is
+  saturated no faster than requests end (Little's law; whatever holds first tokens back, a
+  prefill queue, the decode gate, full decode seats, a slow step, is in that rate). And the
+  prefill work: the prompt tokens queued over the prefill pool at the step cost model's
+  throughput (workers/cost_model.py StepFit, shared with the pool controller), which knows a
+  burst's cost before any of it is served. A bias learnt online, measured minus predicted TTFT
+  over admitted requests, smoothed, adds what neither sees (the router, the event path); it is
+  additive, never a factor, so a short queue's overhead is never multiplied into a long queue's
+  prediction. A request is let in while its prediction, times the 95th percentile of measured
+  over predicted TTFT near the target lately (`spread`), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
   of the requests that had it lately, against half the request's TPOT budget.
 
 Refusals are checked: some of the requests the predictions would refuse are let in instead,
-probes, at most `explore_share` of the requests let in, and the router records whether it met its targets (what llm-d's predictor
-does with its exploration share); the probes' share that met is the share of refusals that
-would have met. Probes also correct the bias, where admitted requests alone (those predicted to
-meet) would never show a pessimistic prediction. Only work already in the cluster refuses a
-request; until the line has drained a few requests and the fit has enough steps, only the queue
-bound applies. Under pressure lower priorities go first: a request of priority p > 0 (vLLM's
-sense: larger is less urgent) is let in only while its predicted TTFT is within
-`ttft_s * shed_ratio ** p`.
+probes, at most `explore_share` of the requests let in, and the router records whether each met
+its targets (what llm-d's predictor does with its exploration share); the probes' share that met
+is the share of refusals that would have met. Probes also inform the bias and the spread, where
+admitted requests alone (those predicted to meet) would never show a pessimistic prediction.
+Only work already in the cluster refuses a request; until the line has drained a few requests
+and the fit has enough steps, only the queue bound applies. Under pressure lower priorities go
+first: a request of priority p > 0 (vLLM's sense: larger is less urgent) is let in only while
+its predicted TTFT is within `ttft_s * shed_ratio ** p`.
 """
 from __future__ import annotations
 
@@ -82,10 +83,10 @@ class DrainRate:
     second of time the line was not empty, over the last `window_s` (long enough that a burst of
     fast first tokens while decode seats were free, which the full seats then hold back, counts
     as the burst it was); with fewer than `min_events` first tokens in it, the last rate
-    measured (a service rate stays one when the line empties), None before any. Counting only busy time makes it the service's rate, not the
-    arrivals': at light load each request's own wait is the time, so a line of one predicts about
-    one recent TTFT, where first tokens per wall second would predict a second per request at
-    one request per second."""
+    measured (a service rate stays one when the line empties), None before any. Counting only
+    busy time makes it the service's rate, not the arrivals': at light load each request's own
+    wait is the time, so a line of one predicts about one recent TTFT, where first tokens per
+    wall second would predict a second per request at one request per second."""
 
     def __init__(self, window_s: float = 10.0, min_events: int = 8):
         self.window_s, self.min_events = window_s, min_events
