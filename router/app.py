@@ -545,15 +545,23 @@ def _body(schema: dict) -> dict:
 
 async def _validated(server: Server, request: Request, parse) -> GenerationRequest:
     """Authentication and validation; a request refused here counts as an invalid_request error.
-    At most `max_validating` bodies are read or validated at once; the others wait in line, unread
-    (a burst of clients is a line, not a refusal), and get 429 when the line holds `max_pending`
-    already or after `body_timeout_s` in it. The body must arrive within `body_timeout_s` (408),
-    and it is parsed, tokenized and rendered in a validator thread, so that the event loop goes
-    on streaming and answering /health meanwhile; only a body of at most INLINE_BODY_BYTES with one prompt (or a few messages) is
-    checked on the loop (a small body may still hold 256 prompts to tokenize: milliseconds).
+    The key and the content type are checked first, from the head alone: a stranger never takes
+    a place in the line. At most `max_validating` bodies are read or validated at once; the
+    others wait in line, unread (a burst of clients is a line, not a refusal), and get 429 when
+    the line holds `max_pending` already or after `body_timeout_s` in it. The body must arrive
+    within `body_timeout_s` (408), and it is parsed, tokenized and rendered in a validator
+    thread, so that the event loop goes on streaming and answering /health meanwhile; only a
+    body of at most INLINE_BODY_BYTES with one prompt (or a few messages) is checked on the loop
+    (a small body may still hold 256 prompts to tokenize: milliseconds).
     A bug in validation answers 500 through the APIError handler: an exception reaching
     Starlette's last-resort handler is re-raised after its 500, and uvicorn then drops the
     client's keep-alive connection."""
+    try:
+        server._check_auth(request)
+        _check_content_type(request)
+    except APIError:
+        server.metrics.errors.labels("invalid_request").inc()
+        raise
     line = server.validation
     if len(line.waiters) >= server.max_pending:
         server.metrics.errors.labels("overloaded").inc()
@@ -565,8 +573,6 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
                        f"reading {server.max_validating} already; retry shortly", "rate_limit_exceeded",
                        code="overloaded", headers={"Retry-After": "1"})
     try:
-        server._check_auth(request)
-        _check_content_type(request)
         raw = await server._read(request)
 
         if len(raw) <= INLINE_BODY_BYTES:

@@ -424,7 +424,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_counts_no_longer(clust
 def test_bodies_past_the_reading_bound_wait_in_line(cluster):
     """Past `max_validating` bodies being read at once, a new request waits in line, unread (a
     burst of clients is never refused for arriving together), and is served when a place frees;
-    past `max_pending` waiting, 429 at once."""
+    past `max_pending` waiting, 429 at once; a body the head already refuses does not wait."""
     server = cluster.server
     old = server.max_validating, server.max_pending
     server.max_validating = 2
@@ -440,6 +440,10 @@ def test_bodies_past_the_reading_bound_wait_in_line(cluster):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, f"{cluster.base_url}/completions", json=body, timeout=60)
             wait_for(lambda: len(server.validation.waiters), lambda n: n == 1, deadline_s=30)
+            # What the head alone refuses never takes a place in the line.
+            r = httpx.post(f"{cluster.base_url}/completions", content=b"{}", timeout=60,
+                           headers={"content-type": "text/plain"})
+            assert r.status_code == 415 and len(server.validation.waiters) == 1, r.text
             server.max_pending = 1                          # the line is full: the next one is refused
             r = httpx.post(f"{cluster.base_url}/completions", json=body, timeout=60)
             assert r.status_code == 429 and r.headers["retry-after"], r.text
