@@ -229,8 +229,8 @@ class ServingCluster:
         if local_auto:
             dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
-        admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
-                                  sched.max_num_seqs) if cfg.admission == SLO else None)
+        admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens)
+                     if cfg.admission == SLO else None)
         roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from router.pools import PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import StepFit
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL
+from workers.names import COLOCATED, DISAGGREGATED, PREFILL
 
 QUEUE, SLO = ADMISSION_POLICIES = ("queue", "slo")
 TTFT, TPOT = TARGETS = ("ttft", "tpot")
@@ -119,14 +119,13 @@ class DrainRate:
 
 class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
-                 max_num_seqs: int, shed_ratio: float = 0.75, bias_weight: float = 0.05,
+                 shed_ratio: float = 0.75, bias_weight: float = 0.05,
                  window_s: float = 5.0, explore_share: float = 0.02, clock=time.monotonic):
         if not 0 <= explore_share <= 1:
             raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
         self.prefill_role = PREFILL if mode == DISAGGREGATED else COLOCATED
-        self.decode_role = DECODE if mode == DISAGGREGATED else COLOCATED
-        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.shed_ratio, self.weight, self.explore_share = shed_ratio, bias_weight, explore_share
         self.probe_credit = 0.0           # grows by explore_share per request let in; a probe takes 1
         self.bias = 0.0                   # measured TTFT - predicted, smoothed (seconds)
@@ -138,7 +137,6 @@ class SLOAdmission:
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
         self.window_s = window_s
-        self.would_refuse = 0             # requests the predictions would have refused, probes included
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
     # -- the router's counts ------------------------------------------------------------------------
@@ -269,13 +267,12 @@ class SLOAdmission:
             self._gap = statistics.median(g for _, g in self.gaps) if len(self.gaps) >= 5 else 0.0
         return self._gap
 
-    def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0,
-              longest_prompt: int | None = None) -> Verdict:
+    def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> Verdict:
         """Admit, or say why not. Only work already in the pools refuses a request: one that would
         miss on its own (a prompt longer than the TTFT target allows) is let in, since coming
         back later would not help it. A batch of prompts comes as their total `prompt_tokens`
-        (its last first token waits for all of them); `longest_prompt` is kept for callers that
-        price decode contexts. A would-be refusal may be let in as a probe (`_refuse`)."""
+        (its last first token waits for all of them). A would-be refusal may be let in as a probe
+        (`_refuse`)."""
         ttft, ahead = self.predict_ttft(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
         likely = ttft * self.spread()
@@ -297,7 +294,6 @@ class SLOAdmission:
         """A would-be refusal: a probe when the credit allows, so that probes stay within
         `explore_share` of the requests let in (a closed loop's clients retry at once: a share of
         the refusals would fill the server with probes)."""
-        self.would_refuse += 1
         if self.probe_credit >= 1.0:
             self.probe_credit -= 1.0
             return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, probe=True,

@@ -289,7 +289,7 @@ class Server:
         if self.admission is not None:
             req = reqs[0]
             prompts = [len(r.prompt_token_ids) for r in reqs]
-            v = self.admission.check(sum(prompts), req.params.max_tokens, req.priority, longest_prompt=max(prompts))
+            v = self.admission.check(sum(prompts), req.params.max_tokens, req.priority)
             if v.code:
                 self.metrics.admission_refusals.labels(v.code, "probe" if v.probe else "refused").inc()
             if not v.admit:

@@ -20,7 +20,7 @@ from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL
 TRUE = LinearStepModel(p0=0.004, p1=2e-5, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4)
 SHAPES = ([BatchShape(1, n, n * n) for n in (16, 64, 256, 512, 1024)] + [BatchShape(4, 512, 4 * 128 * 128)]
           + [BatchShape(num_decode=k, decode_context=k * c) for k, c in ((1, 64), (8, 256), (32, 128), (64, 512))])
-BUDGET, MAX_SEQS = 2048, 128
+BUDGET = 2048
 SLO = SLOTargets(ttft_s=1.0, tpot_s=0.02)
 
 
@@ -41,8 +41,7 @@ def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None) ->
             m = Member(f"d{i}", DECODE, None, ACTIVE)
             m.report = report(m.worker_id, DECODE, running=r)
             members.append(m)
-    return SLOAdmission(PoolRegistry.of(members), mode, fit or fitted(), SLO, BUDGET, MAX_SEQS,
-                        clock=clock or Clock())
+    return SLOAdmission(PoolRegistry.of(members), mode, fit or fitted(), SLO, BUDGET, clock=clock or Clock())
 
 
 def admitted(a: SLOAdmission, n: int, prompt: int) -> list:
