@@ -14,7 +14,10 @@ one. So the predictions lean on what the router observes, and are checked agains
   prefill. The line's drain: the requests admitted and still without a first token, at the rate
   first tokens came out per second the line was not empty (`DrainRate`), and while the line is
   saturated no faster than requests end (Little's law; whatever holds first tokens back, a
-  prefill queue, the decode gate, full decode seats, a slow step, is in that rate). And the
+  prefill queue, the decode gate, full decode seats, a slow step, is in that rate), for as much
+  of the line as was there when that rate was measured (batched prefills drain a longer line
+  faster: a burst after a quiet spell is priced by its prefill work, not as one prefill after
+  another at the quiet spell's pace). And the
   prefill work: the prompt tokens queued over the prefill pool at the step cost model's
   throughput (workers/cost_model.py StepFit, shared with the pool controller), which knows a
   burst's cost before any of it is served. A bias learnt online, measured minus predicted TTFT
@@ -86,24 +89,32 @@ class DrainRate:
     measured (a service rate stays one when the line empties), None before any. Counting only
     busy time makes it the service's rate, not the arrivals': at light load each request's own
     wait is the time, so a line of one predicts about one recent TTFT, where first tokens per
-    wall second would predict a second per request at one request per second."""
+    wall second would predict a second per request at one request per second.
+
+    `length` is the line's mean length over the same busy time: the rate holds for lines about
+    that long. The engine serves a line's prompts together (a step takes many), so a longer
+    line drains faster than this rate says, up to what the prefill work allows: a rate measured
+    with a line of two, times a burst of fifty, predicts fifty prefills one after another."""
 
     def __init__(self, window_s: float = 10.0, min_events: int = 8):
         self.window_s, self.min_events = window_s, min_events
         self.last: float | None = None
+        self.length = 1.0                 # the line's mean length over the busy time behind `last`
         self.busy_share = 0.0             # of the window's time, the share the line was not empty
         self.busy_s = 0.0                 # seconds the line was not empty, since the start
+        self.area = 0.0                   # the line's length integrated over time, since the start
         self.since = 0.0                  # when the line's length last changed
-        self.marks: deque[tuple[float, float]] = deque()   # (when, busy_s then) at each first token
+        self.marks: deque[tuple[float, float, float]] = deque()   # (when, busy_s, area then) at each first token
 
     def line(self, now: float, waiting: int) -> None:
         """The line is about to change length; it held `waiting` until now."""
         if waiting > 0:
             self.busy_s += max(0.0, now - self.since)
+            self.area += waiting * max(0.0, now - self.since)
         self.since = now
 
     def first(self, now: float) -> None:
-        self.marks.append((now, self.busy_s))
+        self.marks.append((now, self.busy_s, self.area))
 
     def per_s(self, now: float, waiting: int) -> float | None:
         while self.marks and self.marks[0][0] < now - self.window_s:
@@ -111,9 +122,12 @@ class DrainRate:
         n = len(self.marks)
         if n < self.min_events:
             return self.last
-        busy = self.busy_s + (max(0.0, now - self.since) if waiting > 0 else 0.0) - self.marks[0][1]
+        open_s = max(0.0, now - self.since) if waiting > 0 else 0.0
+        busy = self.busy_s + open_s - self.marks[0][1]
+        area = self.area + waiting * open_s - self.marks[0][2]
         self.busy_share = busy / max(now - self.marks[0][0], 1e-3)
         self.last = (n - 1) / max(busy, 1e-3)
+        self.length = max(1.0, area / busy) if busy > 0 else 1.0
         return self.last
 
 
@@ -208,9 +222,11 @@ class SLOAdmission:
         bias; (nan, nan) while neither estimate is known."""
         ahead = math.nan
         rate = self.drain_rate()
-        if rate is not None:
-            ahead = self.waiting / rate
         prefill = self._prefill_rate()
+        if rate is not None:
+            # The drain covers a line as long as the one it was measured on; the rest of a longer
+            # line (a burst after a quiet spell) is the prefill work's to price, where known.
+            ahead = (self.waiting if prefill is None else min(self.waiting, self.drain.length)) / rate
         own = 0.0
         if prefill is not None:
             workers = len(self.pools.active(self.prefill_role))

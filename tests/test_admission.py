@@ -362,3 +362,36 @@ def test_colocated_pools_are_priced_alike():
     assert a.check(256, 16).admit
     admitted(a, 200, 512)
     assert not a.check(256, 16).admit
+
+
+def test_a_burst_after_a_quiet_spell_is_priced_by_its_prefill_work_not_the_quiet_pace():
+    """Long prompts one at a time measure a drain of one prefill after another; a burst of short
+    prompts after it is served in full steps together (as the engine batches them), which the
+    quiet pace would price as one after another. The oracle: the true cost model's steps."""
+    clock = Clock(0.0)
+    a = cluster(prefill=1, clock=clock)
+    alone = TRUE.step_s(BatchShape(1, 2048, 2048 * 2048))
+    for _ in range(20):
+        t = a.started(2048)
+        clock.t += alone
+        a.progress(t, 1, ttft_s=alone)
+        a.ended(t)
+        clock.t += 0.5
+    quiet_rate = a.drain_rate()
+    per_step = BUDGET // 128
+    step = TRUE.step_s(BatchShape(per_step, BUDGET, per_step * 128 * 128))
+    burst = 48
+    served = [step * (i // per_step + 1) for i in range(burst)]      # each prompt's first token
+    assert burst / quiet_rate > 2 * SLO.ttft_s > served[-1]          # the quiet pace would refuse it
+    verdicts = []
+    for _ in range(burst):
+        verdicts.append(a.check(128, 16))
+        a.started(128, verdicts[-1].predicted_ttft_s)
+    assert all(v.admit for v in verdicts)
+    assert 0.5 * served[-1] <= verdicts[-1].predicted_ttft_s <= 2 * served[-1], (verdicts[-1], served[-1])
+    # A line that long, once it has been measured draining at that pace, is priced by it again.
+    for _ in range(3 * burst):
+        clock.t += 2 * SLO.ttft_s / burst
+        a.progress(a.started(128), 1)
+    a.drain_rate()
+    assert a.drain.length > 0.9 * burst
