@@ -211,6 +211,52 @@ def step_anatomy(engine: LLMEngine, num_seqs: int = 64, prompt_len: int = 128, m
             "decode_tok_s": num_seqs * len(rows) / sum(wall)}
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")
+
+
+def time_profile(engine: LLMEngine, reqs: list[dict]) -> dict:
+    """Where one run's wall time goes (issue 27, item 4): torch's profiler over a run, its ops'
+    self times grouped as GEMMs, attention (the prefill's SDPA and the C++ paged-attention kernel,
+    annotated for the run),
+    and every other op (norms, RoPE, adds, copies, sampling), and the rest of the wall: Python
+    around the ops (scheduler, runner, modules' calls). Self times are the calling thread's, so
+    an op's intra-op threads are inside its time, and the groups add up to time spent in ops.
+    The profiler's own cost is in the wall here (compare the run's tok/s with the timed runs)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    backend = engine.runner.backend
+    kernel = getattr(backend, "_kernel", None)     # the C++ paged attention: no torch op, so annotated
+
+    class Annotated:
+        def paged_attention(self, *args):
+            with record_function("paged_attention (C++)"):
+                return kernel.paged_attention(*args)
+    if kernel is not None:
+        backend._kernel = Annotated()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = pd_run(engine, reqs)
+    finally:
+        if kernel is not None:
+            backend._kernel = kernel
+    groups = {"gemm": 0.0, "attention": 0.0, "other ops": 0.0}
+    top = []
+    for e in prof.key_averages():
+        us = e.self_cpu_time_total
+        if e.key in GEMM_OPS:
+            groups["gemm"] += us
+        elif "attention" in e.key or "paged" in e.key:
+            groups["attention"] += us
+        else:
+            groups["other ops"] += us
+        top.append((us, e.key, e.count))
+    wall_us = res["seconds"] * 1e6
+    out = {k: v / 1e6 for k, v in groups.items()}
+    out["outside ops"] = max(0.0, wall_us - sum(groups.values())) / 1e6
+    out["wall_s"] = res["seconds"]
+    out["top_ops"] = [{"op": k, "self_s": us / 1e6, "calls": n} for us, k, n in sorted(top, reverse=True)[:12]]
+    return out
+
+
 # -- HF transformers ---------------------------------------------------------------------------
 def hf_load(ckpt: Path):
     import transformers
@@ -382,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="a,b", help="comma-separated subset of a,b (default a,b)")
     ap.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
     ap.add_argument("--skip-step-anatomy", action="store_true", help="do not time decode steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more run of each workload under torch's profiler: where the wall time goes")
     ap.add_argument("--skip-small", action="store_true", help="do not run batch-1 decode on `small`")
     ap.add_argument("--hf-batch-a", type=int, default=32, help="HF static batch size for workload a")
     ap.add_argument("--hf-batch-b", type=int, default=16, help="HF static batch size for workload b")
@@ -431,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
                     res = median_run(lambda i: pd_run(engine, make_workload(w, i)), args.repeats)
                 report["workloads"][w]["pdcluster"] = res
                 print(f"[{w}] pdcluster {res['tok_s']:.1f} tok/s", flush=True)
+                if args.profile:
+                    settle()
+                    with meter.part(f"pdcluster {w} profiled"):
+                        report["workloads"][w]["profile"] = time_profile(engine, make_workload(w, args.repeats))
             if not args.skip_step_anatomy:
                 settle()
                 with meter.part("pdcluster step anatomy"):
@@ -521,6 +573,16 @@ def print_report(report: dict, args) -> None:
             print(f"  {label:28s} {an[key]['mean_ms']:9.3f} {an[key]['p50_ms']:9.3f}")
         print(f"  overhead share of step: {an['overhead']['mean_ms'] / an['wall']['mean_ms']:.1%} (mean); "
               f"decode throughput in these steps {an['decode_tok_s']:.0f} tok/s")
+
+    for w, r in report["workloads"].items():
+        pr = r.get("profile")
+        if pr:
+            wall = pr["wall_s"]
+            print(f"\n=== [{w}] where one run's wall time goes (torch profiler; {wall * 1e3:.0f} ms profiled) ===")
+            for k in ("gemm", "attention", "other ops", "outside ops"):
+                print(f"  {k:12s} {pr[k] * 1e3:8.1f} ms  {pr[k] / wall:6.1%}")
+            print("  top ops: " + ", ".join(f"{t['op']} {t['self_s'] * 1e3:.1f} ms ({t['calls']})"
+                                          for t in pr["top_ops"][:8]))
 
     sd = report.get("small_batch1_decode")
     if sd:
