@@ -1,4 +1,5 @@
-"""The model's C++ CPU kernels (workers/csrc/linear.cpp, rms_norm.cpp, activation.cpp) vs torch."""
+"""The model's C++ CPU kernels (workers/csrc/linear.cpp, rms_norm.cpp, activation.cpp,
+paged_attention.cpp) vs torch."""
 from __future__ import annotations
 
 import pytest
@@ -52,3 +53,38 @@ def test_silu_and_mul_equals_torch(rows):
     gate_up = 4 * torch.randn(rows, 2 * 2816, generator=torch.Generator().manual_seed(rows))
     gate, up = gate_up.split(2816, dim=-1)
     torch.testing.assert_close(KERNELS.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def reference_attention(q, k_cache, v_cache, cu, lens, tables):
+    """Each sequence's rows attend causally to their keys, gathered from the blocks and run
+    through torch's SDPA (heads of a group sharing their KV head)."""
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    for s in range(len(lens)):
+        a, b, n = int(cu[s]), int(cu[s + 1]), int(lens[s])
+        keys = k_cache[tables[s]].reshape(-1, hkv, k_cache.shape[3])[:n].repeat_interleave(g, 1)
+        vals = v_cache[tables[s]].reshape(-1, hkv, v_cache.shape[3])[:n].repeat_interleave(g, 1)
+        rows = b - a                       # the last `rows` positions of the n: causal within them
+        mask = torch.ones(rows, n, dtype=torch.bool).tril(n - rows)
+        out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys.transpose(0, 1),
+                                                  vals.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    return out
+
+
+# Head sizes the kernel has compiled-in loops for (32, 64, 128) and one it runs generically (48);
+# decode rows (one query) and chunks on cached context (several, causal), GQA groups of 1 and 4.
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("q_heads, kv_heads", [(8, 4), (4, 4), (8, 2)])
+def test_paged_attention_equals_sdpa_over_the_gathered_blocks(head_dim, q_heads, kv_heads):
+    gen = torch.Generator().manual_seed(head_dim * 100 + q_heads * 10 + kv_heads)
+    bs, num_blocks = 16, 64
+    k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen) for _ in range(2))
+    lens = torch.tensor([1, 17, 160, 33, 48])            # keys of each sequence
+    q_lens = [1, 1, 1, 5, 16]                            # decodes, then chunks on cached context
+    width = max(-(-int(n) // bs) for n in lens)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)))
+    q = torch.randn(int(cu[-1]), q_heads, head_dim, generator=gen)
+    got = KERNELS.paged_attention(q, k_cache, v_cache, cu, lens, tables, head_dim ** -0.5)
+    torch.testing.assert_close(got, reference_attention(q, k_cache, v_cache, cu, lens, tables), rtol=1e-4, atol=1e-5)
