@@ -88,3 +88,31 @@ def test_paged_attention_equals_sdpa_over_the_gathered_blocks(head_dim, q_heads,
     q = torch.randn(int(cu[-1]), q_heads, head_dim, generator=gen)
     got = KERNELS.paged_attention(q, k_cache, v_cache, cu, lens, tables, head_dim ** -0.5)
     torch.testing.assert_close(got, reference_attention(q, k_cache, v_cache, cu, lens, tables), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(8, 4, 32), (12, 4, 64), (4, 4, 128)])
+def test_rope_and_cache_equals_the_torch_rotation_and_index_copies(rows, q_heads, kv_heads, head_dim):
+    from workers.attention import TorchAttention
+    from workers.model import RotaryEmbedding, apply_rope
+    gen = torch.Generator().manual_seed(rows * 1000 + q_heads * 10 + head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos_sin = rope(positions, torch.float32)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    slots = torch.randperm(32 * 16, generator=gen)[:rows]
+    caches = [torch.zeros(32, 16, kv_heads, head_dim) for _ in range(4)]   # torch's k, v; the kernel's k, v
+    # torch: the model's rotation of q and k together, then the backend's index copies
+    qk = apply_rope(qkv[:, :(q_heads + kv_heads) * head_dim].view(rows, -1, head_dim), cos_sin)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    TorchAttention(q_heads, kv_heads, head_dim).write_kv(qk[:, q_heads:], v, caches[0], caches[1], slots)
+    fused = qkv.clone()
+    KERNELS.rope_and_cache(fused, cos_sin[0].view(rows, -1), cos_sin[1].view(rows, -1), caches[2], caches[3],
+                           slots, q_heads, kv_heads)
+    torch.testing.assert_close(fused[:, :(q_heads + kv_heads) * head_dim].view(rows, -1, head_dim), qk,
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused[:, (q_heads + kv_heads) * head_dim:], qkv[:, (q_heads + kv_heads) * head_dim:],
+                               rtol=0, atol=0)                             # v untouched
+    torch.testing.assert_close(caches[2], caches[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
+    assert caches[2].abs().sum() > 0                                          # something was stored

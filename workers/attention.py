@@ -69,9 +69,12 @@ class TorchAttention:
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]. `kv_written`: k and v are in
+        the cache already (the C++ rotary kernel stores them as it rotates)."""
+        if not kv_written:
+            self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -125,8 +128,9 @@ class CpuPagedAttention(TorchAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._kernel = kernel
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, kv_written=False):
+        if not kv_written:
+            self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         npr = meta.num_paged_rows
         if npr == q.shape[0]:        # all rows paged (a decode step): the kernel's output is all
             return self._kernel.paged_attention(q, k_cache, v_cache, meta.paged_cu_seqlens_q,
@@ -155,8 +159,9 @@ class FlashAttention(TorchAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._varlen = varlen_fn
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, kv_written=False):
+        if not kv_written:
+            self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         fa = meta.flash
         return self._varlen(q=q, k=k_cache, v=v_cache, cu_seqlens_q=fa["cu_seqlens_q"],
                             max_seqlen_q=fa["max_seqlen_q"], seqused_k=fa["seqused_k"],

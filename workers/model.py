@@ -117,6 +117,8 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
 
 
 class Attention(nn.Module):
+    kernels = None                  # the C++ kernels' rope_and_cache when the runner set them
+
     def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.shard = shard                  # this rank's heads: num_heads of them, from rank * num_heads
@@ -133,6 +135,16 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.kernels is not None and qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous():
+            # One call rotates q and k in place and stores k and v at their slots.
+            cos, sin = cos_sin
+            self.kernels.rope_and_cache(qkv, cos.view(T, -1), sin.view(T, -1), k_cache, v_cache,
+                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_written=True)
+            return self.shard.all_reduce(self.o_proj(o.view(T, self.q_size)))
         # q's and k's heads are adjacent in a row: one rotation for both.
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -200,9 +212,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_cpu_kernels(self, kernels) -> None:
         """The C++ module (`workers.cpu_kernels.for_model`) for the linear layers' few-row inputs,
-        the norms and the MLP's activation; None: torch's own ops."""
+        the norms, the MLP's activation and the rotary embedding with the KV store; None:
+        torch's own ops."""
         for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm, MLP)):
+            if isinstance(module, (Linear, RMSNorm, MLP, Attention)):
                 module.kernels = kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],

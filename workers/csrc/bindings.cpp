@@ -8,6 +8,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+void rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                    torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32)");
@@ -15,4 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm over each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of each row (CPU, fp32)");
+  m.def("rope_and_cache", &rope_and_cache,
+        "rotate a step's q and k in place and store its k and v at their cache slots (CPU, fp32)");
 }
