@@ -135,21 +135,20 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.kernels is not None and qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous():
-            # One call rotates q and k in place and stores k and v at their slots.
+        # q's and k's heads are adjacent in a row: one rotation for both.
+        qk_size = self.q_size + self.kv_size
+        fused = self.kernels is not None and qkv.is_contiguous() and k_cache.is_contiguous() and \
+            v_cache.is_contiguous() and meta.slot_mapping.dtype == torch.int64
+        if fused:        # one C++ call rotates q and k in place and stores k and v at their slots
             cos, sin = cos_sin
             self.kernels.rope_and_cache(qkv, cos.view(T, -1), sin.view(T, -1), k_cache, v_cache,
                                         meta.slot_mapping, self.num_heads, self.num_kv_heads)
-            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-            o = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_written=True)
-            return self.shard.all_reduce(self.o_proj(o.view(T, self.q_size)))
-        # q's and k's heads are adjacent in a row: one rotation for both.
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos_sin)
+            qk = qkv[:, :qk_size].view(T, -1, self.head_dim)
+        else:
+            qk = apply_rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_written=fused)
         return self.shard.all_reduce(self.o_proj(o.view(T, self.q_size)))
 
 
