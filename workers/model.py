@@ -141,8 +141,8 @@ class Attention(nn.Module):
             v_cache.is_contiguous() and meta.slot_mapping.dtype == torch.int64
         if fused:        # one C++ call rotates q and k in place and stores k and v at their slots
             cos, sin = cos_sin
-            self.kernels.rope_and_cache(qkv, cos.view(T, -1), sin.view(T, -1), k_cache, v_cache,
-                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
+            self.kernels.rope_and_cache(qkv, cos.view(T, self.head_dim), sin.view(T, self.head_dim), k_cache,
+                                        v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
             qk = qkv[:, :qk_size].view(T, -1, self.head_dim)
         else:
             qk = apply_rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos_sin)
