@@ -4,11 +4,13 @@ worker behind the HTTP server, prompts sent one at a time, once per transport, b
 machine's memcpy measured in the same run.
 
     .venv/bin/python benchmarks/bench_handoff.py [--long 5] [--short 20] [--transports gloo,shm,shm@2/1]
+        [--overlap N]
 
 Per transport, a fresh cluster gets --long prompts of --long-len tokens, then --short prompts
 of --short-len tokens (random token ids, each prompt distinct, so no block is in the decode
-worker's prefix cache), each for 4 greedy tokens, streamed. From the decode worker's own
-counters (`pdcluster:kv_transfer_bytes`, `pdcluster:kv_transfer_seconds`: one pull, from asking
+worker's prefix cache), each for 4 greedy tokens, streamed; the long prompts --overlap at a time
+(1: one after another; more: each handoff overlaps the next prompts' prefill, as under load).
+From the decode worker's own counters (`pdcluster:kv_transfer_bytes`, `pdcluster:kv_transfer_seconds`: one pull, from asking
 the prefill worker for the KV to the last byte in the reserved blocks):
 
     handoff ms   mean seconds of one pull
@@ -25,6 +27,7 @@ handoff re-shards the KV heads on the way; each rank asks Ray for --cpus-per-wor
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import random
 import statistics
 import sys
@@ -77,16 +80,22 @@ def second_token_gap(client: httpx.Client, url: str, prompt: list[int]) -> float
     return times[1] - times[0]
 
 
-def phase(c, client: httpx.Client, n: int, length: int, rng: random.Random) -> dict:
+def phase(c, client: httpx.Client, n: int, length: int, rng: random.Random, overlap: int = 1) -> dict:
+    """`n` prompts of `length` tokens, `overlap` in flight at a time (1: one after another; more:
+    a prompt's handoff runs while the next ones prefill, as under load)."""
     before = wait_counted(c, 0)
-    gaps = []
-    for _ in range(n):
-        gaps.append(second_token_gap(client, c.base_url + "/completions", [rng.randrange(3, 250) for _ in range(length)]))
+    prompts = [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+    url = c.base_url + "/completions"
+    if overlap <= 1:
+        gaps = [second_token_gap(client, url, prompt) for prompt in prompts]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(overlap) as pool:
+            gaps = list(pool.map(lambda prompt: second_token_gap(client, url, prompt), prompts))
     after = wait_counted(c, before[2] + n)
     nbytes, seconds, count = (a - b for a, b in zip(after, before))
     return {"prompts": n, "tokens": length, "pulls": count, "bytes_per_pull": nbytes / max(count, 1),
             "handoff_ms": 1e3 * seconds / max(count, 1), "GBps": nbytes / seconds / 1e9 if seconds else 0.0,
-            "gap_ms_p50": 1e3 * statistics.median(gaps)}
+            "gap_ms_p50": 1e3 * statistics.median(gaps), "overlap": overlap}
 
 
 def main() -> None:
@@ -95,6 +104,8 @@ def main() -> None:
     p.add_argument("--long-len", type=int, default=3000)
     p.add_argument("--short", type=int, default=20)
     p.add_argument("--short-len", type=int, default=64)
+    p.add_argument("--overlap", type=int, default=1,
+                   help="long prompts in flight at a time (more than 1: handoffs overlap the next prefills)")
     p.add_argument("--transports", default="gloo,shm")
     p.add_argument("--ray-cpus", type=int, default=4)
     add_common_args(p, "each transport's run")
@@ -117,11 +128,11 @@ def main() -> None:
             if a.wait_idle:
                 meter.wait_idle(a.wait_idle)
             with meter.part(name):
-                rows = {"long": phase(c, client, a.long, a.long_len, rng),
+                rows = {"long": phase(c, client, a.long, a.long_len, rng, a.overlap),
                         "short": phase(c, client, a.short, a.short_len, rng)}
         report["transports"][name] = rows
         for phase_name, r in rows.items():
-            print(f"{name:9s} {phase_name:5s} {r['tokens']:5d} tokens: {r['bytes_per_pull'] / 1e6:7.2f} MB/pull, "
+            print(f"{name:9s} {phase_name:5s} {r['tokens']:5d} tokens x{r['overlap']}: {r['bytes_per_pull'] / 1e6:7.2f} MB/pull, "
                   f"handoff {r['handoff_ms']:8.2f} ms, {r['GBps']:6.2f} GB/s ({r['GBps'] / memcpy:5.1%} of memcpy), "
                   f"first->second token {r['gap_ms_p50']:7.1f} ms", flush=True)
     t = report["transports"]
