@@ -217,9 +217,8 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")
 def time_profile(engine: LLMEngine, reqs: list[dict]) -> dict:
     """Where one run's wall time goes (issue 27, item 4): torch's profiler over a run, its ops'
     self times grouped as GEMMs, attention (the prefill's SDPA and the C++ paged-attention kernel,
-    annotated for the run),
-    and every other op (norms, RoPE, adds, copies, sampling), and the rest of the wall: Python
-    around the ops (scheduler, runner, modules' calls). Self times are the calling thread's, so
+    annotated for the run) and every other op (norms, RoPE, adds, copies, sampling), and the rest
+    of the wall: Python around the ops (scheduler, runner, modules' calls). Self times are the calling thread's, so
     an op's intra-op threads are inside its time, and the groups add up to time spent in ops.
     The profiler's own cost is in the wall here (compare the run's tok/s with the timed runs)."""
     from torch.profiler import ProfilerActivity, profile, record_function

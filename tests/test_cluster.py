@@ -361,8 +361,13 @@ def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
             return promtext.total(after if now is None else now, f"pdcluster:{name}", **labels) - \
                 promtext.total(before, f"pdcluster:{name}", **labels)
 
+        # The pull's bytes and reused blocks ride on the decode worker's load report, which is
+        # rebuilt at most every REPORT_EVERY_S: a poll can bring the pull's timing sample with a
+        # report from before it (a fresh clone's CI run saw bytes 0 after the count grew).
         after = settled(lambda m: grew("prefix_cache_queries_total", m) >= len(p)
-                        and grew("kv_transfer_seconds_count", m) >= 1)
+                        and grew("kv_transfer_seconds_count", m) >= 1
+                        and grew("kv_transfer_bytes_total", m) / bytes_per_block
+                        + grew("kv_blocks_reused_total", m) >= -(-len(p) // block_size))
 
         served = [w for w in prefill if grew("prefix_cache_queries_total", worker=w)]
         assert len(served) == 1 and grew("prefix_cache_queries_total") == len(p), (i, served)

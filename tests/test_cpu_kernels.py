@@ -116,3 +116,11 @@ def test_rope_and_cache_equals_the_torch_rotation_and_index_copies(rows, q_heads
     torch.testing.assert_close(caches[2], caches[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
     assert caches[2].abs().sum() > 0                                          # something was stored
+
+
+def test_rope_and_cache_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    qkv, cos, sin = torch.randn(2, 4 * 32), torch.ones(2, 32), torch.zeros(2, 32)
+    k_cache, v_cache = torch.zeros(2, 16, 1, 32), torch.zeros(2, 16, 1, 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        KERNELS.rope_and_cache(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 32]), 2, 1)
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0

@@ -20,14 +20,19 @@ void rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
               v_cache.is_contiguous(), "rope_and_cache: contiguous tensors only");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "rope_and_cache: int64 slots");
   const int64_t T = qkv.size(0), D = cos.size(1), Hq = num_heads, Hkv = num_kv_heads;
-  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D && D % 2 == 0 && D <= 1024, "rope_and_cache: shapes disagree");
+  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D && D % 2 == 0 && D <= 1024 && cos.size(0) == T &&
+              sin.sizes() == cos.sizes() && slots.numel() == T && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(2) == Hkv && k_cache.size(3) == D, "rope_and_cache: shapes disagree");
   auto sl = slots.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)                     // as index_copy_ would: never write outside
+    TORCH_CHECK(slp[t] >= 0 && slp[t] < num_slots, "rope_and_cache: slot ", slp[t], " outside the cache");
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* kp = k_cache.data_ptr<float>();
   float* vp = v_cache.data_ptr<float>();
-  const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t half = D / 2, row = (Hq + 2 * Hkv) * D, token = Hkv * D;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / row);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
