@@ -526,29 +526,40 @@ class Dispatcher:
             involved.append(w)
             _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
                                                        ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
+            d = None            # the decode worker, picked early when the prompt's KV streams to it
             while True:
                 ev = await self._next_event(q, w, rid, silence)
                 if (resume := _resume_for(ev)) is not None:
                     yield resume
                     return
+                if _computed_so_far(ev):
+                    if op is msg.PrefillOp:
+                        d = await self._stream_kv(req, rid, w, d, involved, outputs, ev.kv)
+                    continue
                 if ev.tokens or ev.finished:
                     if op is msg.GenerateOp:         # prefilled where it decodes: it has its seat
                         self._leave_gate(rid, reached_decode=True)
                     outputs += ev.tokens
                     yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
                 if ev.finished:
+                    if d is not None:                # it reserved blocks for a KV that will not come
+                        _fire(d.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
                     return
                 if ev.held:
                     held_kv = ev.kv
                     break
             held_at = time.monotonic()
-            # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has room.
-            d = await self._pick_live(DECODE)
-            involved.append(d)
-            d.sent(rid, 1)
-            _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
-                                                                 w.worker_id, req.priority, tpot_s=req.tpot_s,
-                                                                 kv=held_kv))))
+            # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has
+            # room (or, streaming, has copied all but the last chunk's blocks already).
+            if d is not None:
+                _fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, held_kv, outputs))))
+            else:
+                d = await self._pick_live(DECODE)
+                involved.append(d)
+                d.sent(rid, 1)
+                _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
+                                                                     w.worker_id, req.priority, tpot_s=req.tpot_s,
+                                                                     kv=held_kv))))
             while True:
                 ev = await self._next_event(q, d, rid, silence)
                 if (resume := _resume_for(ev)) is not None:
@@ -566,6 +577,24 @@ class Dispatcher:
                     return
         finally:
             silence.stop()
+
+    async def _stream_kv(self, req: GenerationRequest, rid: str, w: Member, d: Member | None, involved: list,
+                         outputs: list[int], kv: msg.HeldKV) -> Member:
+        """The prefill worker `w` computed more of a long prompt (`kv`: its blocks so far): the
+        decode worker copies them while the rest is computed. The first such word picks the
+        decode worker and reserves there (a DecodeOp that streams); later ones tell it more.
+        Returns the decode worker."""
+        if d is not None:
+            _fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, kv))))
+            return d
+        d = await self._pick_live(DECODE)
+        involved.append(d)
+        d.sent(rid, 1)
+        self.metrics.kv_streamed.inc()
+        _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, list(outputs),
+                                                             w.worker_id, req.priority, tpot_s=req.tpot_s, kv=kv,
+                                                             streaming=True))))
+        return d
 
     async def _next_event(self, q: asyncio.Queue, w: Member, rid: str, silence: _Silence) -> msg.Event:
         """The attempt's next event from worker `w`. After `request_silence_s` (the hang timeout) without one
@@ -716,7 +745,8 @@ class _SharedStart:
                 _fire(w.handle.submit.remote(msg.encode(msg.PrefillOp(self.rid, prompt, self.CARRIER, req.priority,
                                                                       ttft_left_s=req.ttft_left_s(()),
                                                                       tpot_s=req.tpot_s))))
-                ev = await q.get()
+                while _computed_so_far(ev := await q.get()):
+                    pass                         # a carrier's KV is not streamed
                 if isinstance(ev, msg.ErrorEvent) or not ev.held:
                     return self._failed(ev)
                 dw = await d._pick_live(DECODE)
@@ -767,6 +797,11 @@ class _SharedStart:
                     m.assigned.discard(f.rid)
                     if m.alive:
                         _fire(m.handle.submit.remote(msg.encode(msg.AbortOp(f.rid))))
+
+
+def _computed_so_far(ev: msg.Event) -> bool:
+    """A prefill worker's word that a long prompt's prefill got further (no token yet)."""
+    return isinstance(ev, msg.TokenEvent) and ev.kv is not None and not (ev.tokens or ev.held or ev.finished)
 
 
 def _resume_for(ev: msg.Event) -> _Resume | None:

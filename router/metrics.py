@@ -142,8 +142,16 @@ class Metrics:
         self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes received", labels, registry=r)
         self.kv_blocks_reused = Counter(P + "kv_blocks_reused", "KV blocks not pulled: the decode worker's prefix "
                                         "cache held them", labels, registry=r)
-        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Duration of one KV pull", labels,
+        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Duration of one KV pull (a pull streamed "
+                                             "during the prefill: its seconds of copying)", labels,
                                              registry=r, buckets=TRANSFER_BUCKETS)
+        self.kv_transfer_tail_seconds = Histogram(
+            P + "kv_transfer_tail_seconds", "What a KV pull had left once the prompt was held: from the held KV "
+            "reaching the decode worker (or the pull starting, if later) to its last byte", labels,
+            registry=r, buckets=TRANSFER_BUCKETS)
+        self.kv_streamed = Counter(P + "kv_streamed_handoffs", "Handoffs whose KV the decode worker began to copy "
+                                   "while the prompt was still being prefilled (a prompt longer than a chunk)",
+                                   registry=r)
         self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "Failed KV pulls, by where they failed",
                                             labels + ["point"], registry=r)
         self.kv_in_flight = Gauge(P + "kv_transfers_in_flight", "KV pulls under way", labels, registry=r)
@@ -264,7 +272,8 @@ class Metrics:
     def observe_samples(self, worker: str, role: str, samples: dict) -> None:
         """Per-step and per-transfer samples a worker buffered since its last poll."""
         for histogram, kind in ((self.step_seconds, "step_s"), (self.batch_size, "batch_size"),
-                                (self.step_tokens, "step_tokens"), (self.kv_transfer_seconds, "kv_transfer_s")):
+                                (self.step_tokens, "step_tokens"), (self.kv_transfer_seconds, "kv_transfer_s"),
+                                (self.kv_transfer_tail_seconds, "kv_tail_s")):
             child = histogram.labels(worker, role)
             for v in samples.get(kind, ()):
                 child.observe(v)

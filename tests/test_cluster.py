@@ -108,6 +108,22 @@ def test_disaggregated_matches_single_engine(disaggregated, prompts, offline_ref
     assert all(s.steps > 0 for s in stats)
 
 
+def test_a_long_prompts_kv_streams_to_its_decode_worker_while_it_is_prefilled(disaggregated):
+    """Prompts of several chunks (1,200 tokens, 512 per step): the router picks the decode
+    worker at the first chunk's word and the KV streams to it (counted once per request); the
+    tokens are the single engine's with the same chunks, streamed or whole; every block comes back."""
+    rng = random.Random(11)
+    long_prompts = [[rng.randrange(256) for _ in range(1200)] for _ in range(2)]
+    engine = LLMEngine(EngineConfig.from_dict({"model": "tiny", **engine_cfg()}))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [r.token_ids for r in engine.generate([{"prompt_token_ids": p} for p in long_prompts], params)]
+    streamed = disaggregated.server.metrics.kv_streamed
+    before = streamed._value.get()
+    assert asyncio.run(send_all(disaggregated.base_url, long_prompts)) == want
+    assert streamed._value.get() == before + 2
+    wait_pools_clean(disaggregated)
+
+
 def test_colocated_matches_single_engine(colocated, prompts, offline_reference):
     got = asyncio.run(send_all(colocated.base_url, prompts))
     assert got == offline_reference

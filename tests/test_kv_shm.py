@@ -8,7 +8,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from workers.kv_shm import KVSegment, PeerCaches, SharedKVCache, _runs, copy_blocks
+from workers import cpu_kernels
+from workers.kv_shm import KVSegment, PeerCaches, SharedKVCache, _runs, copy_blocks, copy_heads
 from workers.kv_transfer import KVLayoutMismatch
 
 LAYERS, SHAPE = 3, (12, 4, 2, 8)          # blocks, block size, kv heads, head dim
@@ -111,3 +112,52 @@ def test_runs_group_steps_of_one_on_both_sides():
     assert _runs([], []) == []
     with pytest.raises(ValueError):
         copy_blocks(mine(), [1, 2], mine(), [1])
+
+
+def _filled(num_blocks: int, heads: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(num_blocks, SHAPE[1], heads, SHAPE[3], generator=g),
+             torch.randn(num_blocks, SHAPE[1], heads, SHAPE[3], generator=g)) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("src_split,dst_split", [((4,), (4,)), ((2, 2), (4,)), ((4,), (1, 3)), ((1, 3), (2, 2))])
+def test_copies_between_caches_split_by_heads_are_the_blocks_heads(src_split, dst_split):
+    """copy_heads (in the C++ call where it builds) against plain indexing of one whole-head
+    cache: every destination part gets its heads of the named blocks, in runs and alone, with a
+    fault hook midway; blocks not named stay zero."""
+    whole = _filled(10, 4, 3)
+    src, first = [], 0
+    for n in src_split:
+        src.append((first, [(k[:, :, first:first + n].clone(), v[:, :, first:first + n].clone()) for k, v in whole]))
+        first += n
+    dst, first = [], 0
+    for n in dst_split:
+        dst.append((first, [(torch.zeros(8, SHAPE[1], n, SHAPE[3]), torch.zeros(8, SHAPE[1], n, SHAPE[3]))
+                            for _ in range(LAYERS)]))
+        first += n
+    src_ids, dst_ids = [2, 3, 4, 9, 0], [5, 6, 7, 0, 3]
+    halfway = []
+    copy_heads(src, src_ids, dst, dst_ids, midway=lambda: halfway.append(True))
+    assert halfway == [True]
+    for d0, caches in dst:
+        for (dk, dv), (wk, wv) in zip(caches, whole):
+            n = dk.shape[2]
+            for s, d in zip(src_ids, dst_ids):
+                assert torch.equal(dk[d], wk[s][:, d0:d0 + n]) and torch.equal(dv[d], wv[s][:, d0:d0 + n])
+            for d in set(range(8)) - set(dst_ids):
+                assert not dk[d].any() and not dv[d].any()
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels do not build here")
+def test_the_copy_kernel_refuses_blocks_outside_either_cache_and_mismatched_tensors():
+    k = cpu_kernels.load()
+    a, b = torch.zeros(4, 2, 3), torch.zeros(6, 2, 3)
+    for runs in ([3, 0, 2], [0, 5, 2], [-1, 0, 1], [0, 0, 0]):
+        with pytest.raises(RuntimeError, match="outside the caches"):
+            k.copy_block_runs([a], [b], runs)
+    with pytest.raises(RuntimeError, match="differ past their blocks"):
+        k.copy_block_runs([a], [torch.zeros(6, 3, 3)], [0, 0, 1])
+    with pytest.raises(RuntimeError, match="triples"):
+        k.copy_block_runs([a], [b], [0, 0])
+    assert not b.any()                       # refused before any byte moved
+    assert k.copy_block_runs([torch.ones(4, 2, 3)], [b], [1, 4, 2]) == 2 * 6 * 4 and b[4:].eq(1).all() and not b[:4].any()

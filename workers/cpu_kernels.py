@@ -1,5 +1,6 @@
 """The C++ kernels for CPU (paged attention; for the model: linear layers of few rows, RMSNorm,
-the MLP's activation, the rotary embedding with the step's KV store), built on first use and
+the MLP's activation, the rotary embedding with the step's KV store; the same-node handoff's
+copies of KV block runs), built on first use and
 cached (`cache_dir()`): one module from the sources in csrc/.
 
 A build failure is not fatal: `load()` returns None and the engine keeps torch's own ops.
@@ -16,7 +17,7 @@ from pathlib import Path
 log = logging.getLogger("pdcluster.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp",
-                                      "rope_cache.cpp", "bindings.cpp")]
+                                      "rope_cache.cpp", "kv_copy.cpp", "bindings.cpp")]
 # -ffast-math lets exp vectorize (libmvec); attention never relies on inf/NaN (the running
 # max starts from a real score), so finite-math assumptions hold.
 

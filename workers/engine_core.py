@@ -106,6 +106,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, ())
         self.last_shape = BatchShape()
+        self.prefilling: list[Sequence] = []           # prefill-only sequences the last step left mid-prompt
         self._step_start = 0.0
         self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -204,6 +205,10 @@ class EngineCore:
         assert seq.status is SequenceStatus.HELD, seq
         return self.kv.block_ids(seq)[:-(-seq.num_computed_tokens // self.kv.block_size)]
 
+    def computed_block_ids(self, seq: Sequence) -> list[int]:
+        """The full blocks of a sequence's KV computed so far, in token order."""
+        return self.kv.block_ids(seq)[:seq.num_computed_tokens // self.kv.block_size]
+
     def release(self, request_id: str) -> bool:
         """The decode side has the KV (or gave up): free the held blocks; full ones stay cached."""
         seq = self._seqs.pop(request_id, None)
@@ -214,7 +219,8 @@ class EngineCore:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
-                num_receiving: int = 0, forks=(), tpot_s: float | None = None) -> list[int] | None:
+                num_receiving: int = 0, forks=(), tpot_s: float | None = None,
+                token_to_come: bool = False) -> list[int] | None:
         """Reserve blocks for KV that will arrive from a prefill worker: every token of prompt +
         output but the last (the last was sampled there and is computed here, by the first
         decode step). The leading full blocks this worker's prefix cache already holds are taken
@@ -225,11 +231,13 @@ class EngineCore:
         running sequences and this one. `num_receiving` counts the sequences already reserved
         (they will join the batch). With `forks`, a carrier (see `add_request`): room is kept for the
         forks' seats and their copied blocks too. `tpot_s`: its TPOT target (see
-        `add_request`)."""
+        `add_request`). `token_to_come`: reserved while the prefill worker still computes the
+        prompt (a streamed handoff): the KV is that of every token of prompt + output, and the
+        token it samples comes with the last of it (`receive_token`)."""
         self._check_forks(forks)
         seq = self._new_seq(None, prompt_token_ids, params, request_id, priority, arrival_time, output_token_ids)
         seq.prompt_logprobs = None                     # the prefill side computed and sent them
-        num_kv = seq.num_tokens - 1
+        num_kv = seq.num_tokens - 1 + token_to_come
         computed, num_cached = self.kv.get_computed_blocks(seq)
         sched = self.scheduler
         extra = max(0, len(forks) - 1)
@@ -245,6 +253,17 @@ class EngineCore:
         seq.tpot_s = tpot_s
         self._carry(seq, forks)
         return self.kv.block_ids(seq)[len(computed):]
+
+    def receive_token(self, request_id: str, output_token_ids: list[int]) -> None:
+        """A sequence reserved with `token_to_come`: its output tokens now, the one sampled by
+        the prefill worker last (the others it had at its reservation)."""
+        seq = self._seqs[request_id]
+        assert seq.status is SequenceStatus.RECEIVING, seq
+        have = seq.num_output_tokens
+        if len(output_token_ids) != have + 1 or list(output_token_ids[:have]) != seq.output_token_ids:
+            raise ValueError(f"request {request_id}: {len(output_token_ids)} output tokens arrived for a "
+                             f"reservation that had {have} and awaited one more")
+        seq.token_ids.append(output_token_ids[-1])
 
     def commit_received(self, request_id: str) -> RequestOutput | None:
         """The reserved blocks now hold the prompt's KV: the sequence joins the running batch,
@@ -348,8 +367,11 @@ class EngineCore:
     def finish_step(self, out: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
                     logprobs: list | None) -> list[RequestOutput]:
         """The second half: the scheduled tokens have KV; append the sampled ones, check stops."""
+        self.prefilling = []
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
+            if seq.prefill_only and seq.num_computed_tokens < seq.num_tokens:
+                self.prefilling.append(seq)
         # Per sampled sequence, every step: kept flat (no helper call, no object per token),
         # since it is a good part of the step's Python time.
         outputs = []

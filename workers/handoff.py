@@ -182,6 +182,12 @@ class HandoffBook:
         self._pending.append(rid)
 
     @_locked
+    def pending_op(self, rid: str) -> object | None:
+        """The decode operation of a request still waiting for room (None once it has blocks)."""
+        e = self._entries.get(rid)
+        return e.op if e is not None and e.phase is Phase.PENDING else None
+
+    @_locked
     def admit(self, reserve: Callable[[object], list[int] | None]) -> list[tuple[object, list[int]]]:
         """Reserve blocks for pending requests, oldest first, while `reserve(op)` finds room
         (it returns the block ids, or None: backpressure, try again later)."""

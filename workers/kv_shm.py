@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers import cpu_kernels
 from workers.kv_transfer import KVCaches, KVLayout, KVLayoutMismatch
 
 
@@ -225,11 +226,29 @@ def copy_heads(src: HeadParts, src_ids: list[int], dst: HeadParts, dst_ids: list
     copies = [(s[:, :, sh], d[:, :, dh]) if s.shape[2] != sh.stop - sh.start or d.shape[2] != dh.stop - dh.start
               else (s, d)
               for sc, sh, dc, dh in pairs for (sk, sv), (dk, dv) in zip(sc, dc) for s, d in ((sk, dk), (sv, dv))]
+    if not runs:
+        return 0
+    half = len(copies) // 2
+    if midway is None:
+        return _copy_runs(copies, runs)
+    nbytes = _copy_runs(copies[:half], runs)
+    midway()
+    return nbytes + _copy_runs(copies[half:], runs)
+
+
+def _copy_runs(copies: list[tuple[torch.Tensor, torch.Tensor]], runs: list[tuple[int, int, int]]) -> int:
+    """Each run of blocks from each source into its destination: in one C++ call that lets go of
+    Python's lock throughout (workers/csrc/kv_copy.cpp), else a torch copy_ per tensor and run
+    (each of which takes the lock back, and waits for it while another thread runs Python)."""
+    if not copies:
+        return 0
+    kernels = cpu_kernels.load() if copies[0][0].device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.copy_block_runs([s for s, _ in copies], [d for _, d in copies],
+                                       [x for run in runs for x in run])
     nbytes = 0
-    for i, (s, d) in enumerate(copies):
-        if midway is not None and i == len(copies) // 2:
-            midway()
+    for s, d in copies:
         for s0, d0, n in runs:
             d[d0:d0 + n].copy_(s[s0:s0 + n])
-        nbytes += len(src_ids) * s[0].numel() * s.element_size()
+            nbytes += n * s[0].numel() * s.element_size()
     return nbytes

@@ -99,6 +99,22 @@ class DecodeOp:
     forks: list[Fork] = field(default_factory=list)
     tpot_s: float | None = None       # its TPOT target (its first token is out already)
     kv: HeldKV | None = None          # the held event's: copied straight out of a same-node prefill worker
+    # Sent while the prompt is still being prefilled (`kv`: its blocks computed so far): blocks
+    # are reserved for the KV of prompt + output_token_ids and the token to come, the copy
+    # follows the prefill chunk by chunk (KVMoreOp), and the last KVMoreOp brings that token.
+    streaming: bool = False
+
+
+@message
+@dataclass(slots=True)
+class KVMoreOp:
+    """A streaming DecodeOp's next word from the router: more of the prompt's blocks computed
+    (`kv` names every block so far, in token order), or, with `output_token_ids` (every output
+    token, the one the prefill worker just sampled last), the held KV itself: the copy ends
+    with it and the sequence decodes on."""
+    rid: str
+    kv: HeldKV
+    output_token_ids: list[int] | None = None
 
 
 @message
@@ -108,14 +124,16 @@ class AbortOp:
     rid: str
 
 
-Op = GenerateOp | PrefillOp | DecodeOp | AbortOp
+Op = GenerateOp | PrefillOp | DecodeOp | KVMoreOp | AbortOp
 
 
 # -- worker -> router: events, load, samples ------------------------------------------------
 @message
 @dataclass(slots=True)
 class TokenEvent:
-    """New tokens of a request; `held`: prefill done, its KV is held under a lease."""
+    """New tokens of a request; `held`: prefill done, its KV is held under a lease. No tokens
+    and `kv` but not held: a long prompt's prefill got further (`kv`: its full blocks computed
+    so far), for a decode worker to copy while the rest is computed."""
     rid: str
     tokens: list[int]
     finished: bool = False
@@ -179,8 +197,9 @@ class LoadReport:
     lease_aborts: int = 0
 
 
-SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "step_shape")
-# A "step_shape" sample is one step's seconds followed by its BatchShape's fields, in order
+SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "kv_tail_s", "step_shape")
+# "kv_tail_s": what a pull had left to do once the prompt was held (all of it, unless it was
+# streamed during the prefill). A "step_shape" sample is one step's seconds followed by its BatchShape's fields, in order
 # (workers/cost_model.py): the controller fits the cost model on them while serving.
 
 

@@ -46,8 +46,10 @@ from workers.faults import FaultPlan
 from workers.handoff import HandoffBook, HandoffError, Outcome
 from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_heads, whole_heads
 from workers.kv_cache_manager import cdiv
-from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVSendRequest,
-                              LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode, encode)
+from workers.kv_stream import CopyPlan, KVFeed, StreamEnded, newer
+from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVMoreOp,
+                              KVSendRequest, LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode,
+                              encode)
 from workers.leases import RouterLeases
 from workers.names import AUTO, ROLES, SHM, owner_of
 from workers.tensor_parallel import RankLost
@@ -139,6 +141,13 @@ class Worker:
         self._shm_lock = threading.Lock()
         self._transfer_ids = 0
         self._transfer_totals = TransferTotals()
+        # A long prompt's KV streamed while it is prefilled (workers/kv_stream.py). Prefill side:
+        # the full blocks announced so far per request mid-prompt. Decode side: each streamed
+        # pull's feed, and words that came before their DecodeOp (the actor's threads may
+        # reorder two calls), with when they came.
+        self._announced: dict[str, int] = {}
+        self._feeds: dict[str, KVFeed] = {}
+        self._early_words: dict[str, tuple[float, KVMoreOp]] = {}
         self.engine.kv.pool.record_events()
         self.steps = 0
         self._load, self._reported_at = self._report(), time.monotonic()
@@ -158,8 +167,8 @@ class Worker:
                 "routers": self.leases.num_live, "max_routers": MAX_ROUTERS}
 
     def submit(self, payload: bytes) -> None:
-        """An encoded GenerateOp | PrefillOp | DecodeOp | AbortOp; results come back as events."""
-        op = decode(payload, (GenerateOp, PrefillOp, DecodeOp, AbortOp))
+        """An encoded GenerateOp | PrefillOp | DecodeOp | KVMoreOp | AbortOp; results come back as events."""
+        op = decode(payload, (GenerateOp, PrefillOp, DecodeOp, KVMoreOp, AbortOp))
         self._call_in_loop(lambda: self._handle(op))
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
@@ -513,6 +522,8 @@ class Worker:
                     kv = HeldKV(list(ids), shared.generations[ids].tolist(), shared.nonce)
             events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
                                      o.new_logprobs, o.held, o.prompt_logprobs, kv))
+        if shared is not None:
+            events += self._announce(shared)
         with self._cv:
             if shape.num_seqs:
                 step_shape = [step_s, *dataclasses.astuple(self.engine.last_shape)]
@@ -526,6 +537,19 @@ class Worker:
             for ev in events:
                 self._route(ev)
             self._cv.notify_all()
+
+    def _announce(self, shared) -> list[TokenEvent]:
+        """A word for each prompt the step left mid-prefill with more full blocks than it had
+        announced: where they lie, so that its decode worker copies them meanwhile."""
+        announced, self._announced = self._announced, {}
+        events = []
+        for seq in self.engine.prefilling:
+            ids = self.engine.computed_block_ids(seq)
+            self._announced[seq.seq_id] = len(ids)
+            if len(ids) > announced.get(seq.seq_id, 0):
+                events.append(TokenEvent(seq.seq_id, [], kv=HeldKV(ids, shared.generations[ids].tolist(),
+                                                                   shared.nonce)))
+        return events
 
     def _emit(self, event) -> None:
         with self._cv:
@@ -584,7 +608,13 @@ class Worker:
     # -- commands (loop thread) ----------------------------------------------------------------
     def _handle(self, op) -> None:
         if isinstance(op, AbortOp):
+            self._early_words.pop(op.rid, None)
+            if (feed := self._feeds.get(op.rid)) is not None:
+                feed.end(f"request {op.rid} was aborted", aborted=True)
             self._apply(op.rid, self.handoffs.abort(op.rid), abort=True)
+            return
+        if isinstance(op, KVMoreOp):
+            self._more_kv(op)
             return
         if owner := owner_of(op.rid):       # a router's request: it has an outbox and a lease
             self._open_outbox(owner)
@@ -595,7 +625,11 @@ class Worker:
             return
         try:
             if isinstance(op, DecodeOp):
+                if op.streaming and op.kv is None:
+                    raise ValueError("a streaming DecodeOp names the blocks computed so far (kv)")
                 self.handoffs.wait_for_room(op.rid, op)
+                if (early := self._early_words.pop(op.rid, None)) is not None:
+                    self._more_kv(early[1])
             else:
                 self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
                                         priority=op.priority, prefill_only=isinstance(op, PrefillOp),
@@ -603,6 +637,34 @@ class Worker:
                                         ttft_left_s=op.ttft_left_s, tpot_s=op.tpot_s)
         except ValueError as e:
             self._emit(ErrorEvent(op.rid, str(e)))
+
+    def _more_kv(self, op: KVMoreOp) -> None:
+        """The router's next word on a streamed pull: to the op still waiting for room (the held
+        KV's word makes it an ordinary DecodeOp), or to the pull under way, or kept a while for
+        the DecodeOp it came before."""
+        final = op.output_token_ids is not None
+        waiting = self.handoffs.pending_op(op.rid)
+        if waiting is not None:
+            if newer(op.kv, final, waiting.kv, not waiting.streaming):
+                waiting.kv = op.kv
+                if final:
+                    waiting.output_token_ids, waiting.streaming = list(op.output_token_ids), False
+            return
+        feed = self._feeds.get(op.rid)
+        if feed is None:             # before its DecodeOp, or after its pull ended
+            now = time.monotonic()
+            self._early_words = {r: w for r, w in self._early_words.items() if now - w[0] < self.transfer_timeout_s}
+            known = self._early_words.get(op.rid)
+            if known is None or newer(op.kv, final, known[1].kv, known[1].output_token_ids is not None):
+                self._early_words[op.rid] = (now, op)
+            return
+        if final and not feed.final:
+            try:
+                self.engine.receive_token(op.rid, op.output_token_ids)
+            except (KeyError, ValueError, AssertionError) as e:
+                feed.end(f"the held KV's word does not fit its reservation: {e}")
+                return
+        feed.tell(op.kv, final)
 
     def _apply(self, rid: str, outcome: Outcome, abort: bool = False) -> None:
         """Carry out what the handoff book decided for a request's blocks."""
@@ -619,54 +681,127 @@ class Worker:
         """Reserve blocks for waiting decode requests, oldest first, while there is room."""
         def reserve(op: DecodeOp):
             return self.engine.reserve(op.rid, op.prompt_token_ids, op.output_token_ids, op.params, op.priority,
-                                       num_receiving=self.handoffs.num_receiving, forks=op.forks, tpot_s=op.tpot_s)
+                                       num_receiving=self.handoffs.num_receiving, forks=op.forks, tpot_s=op.tpot_s,
+                                       token_to_come=op.streaming)
         bs = self.engine.kv.block_size
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
-            skip = cdiv(len(op.prompt_token_ids) + len(op.output_token_ids) - 1, bs) - len(dst)
+            num_kv = len(op.prompt_token_ids) + len(op.output_token_ids) - 1 + op.streaming
+            skip = cdiv(num_kv, bs) - len(dst)
+            if op.streaming:
+                self._feeds[op.rid] = KVFeed(op.kv)
             threading.Thread(target=self._pull, args=(op, dst, skip), daemon=True, name=f"pull-{op.rid}").start()
 
     def _pull(self, op: DecodeOp, dst: list[int], skip: int) -> None:
         """Transfer thread: take the KV from the prefill worker into the reserved blocks (`dst`,
         after the `skip` leading blocks this worker's prefix cache holds): out of its cache
-        through shared memory when it is on this node, else sent over the transport."""
+        through shared memory when it is on this node (while the prompt is prefilled, for a
+        streaming op), else sent over the transport once it is held."""
         rid, prefill_id = op.rid, op.prefill_id
+        feed = self._feeds.get(rid)
         point = ["request"]                 # where the pull is (workers/faults.py's FAILURE_POINTS)
         try:
             prefill = _peer(self.cluster_id, prefill_id)
             t0 = time.monotonic()
-            if not dst:                     # every block is in this worker's prefix cache
-                nbytes = 0
-            elif (shared := self._shared_caches(prefill_id, prefill)) is not None:
-                nbytes = self._copy_shared(op, prefill, shared, dst, skip, point)
+            busy = None                     # a streamed pull's seconds of copying (it also waits for words)
+            shared = self._shared_caches(prefill_id, prefill) if dst else None
+            if shared is not None and feed is not None:
+                nbytes, busy = self._copy_streamed(op, feed, prefill, shared, dst, skip, point)
             else:
-                nbytes = self._recv_sent(rid, prefill_id, prefill, dst, skip, point)
-            seconds = time.monotonic() - t0
+                if feed is not None:        # the KV travels once it is held: wait for that word
+                    op = dataclasses.replace(op, kv=self._held_word(feed))
+                    t0 = time.monotonic()
+                if not dst:                 # every block is in this worker's prefix cache
+                    nbytes = 0
+                elif shared is not None:
+                    nbytes = self._copy_shared(op, prefill, shared, dst, skip, point)
+                else:
+                    nbytes = self._recv_sent(rid, prefill_id, prefill, dst, skip, point)
+            done = time.monotonic()
             point[0] = "before_commit"
             self.faults.hit("recv", "before_commit")
-            self._record_transfer(nbytes, seconds, skip)
+            tail = done - max(t0, feed.final_at or t0) if feed is not None else done - t0
+            self._record_transfer(nbytes, done - t0 if busy is None else busy, skip, tail)
         except Exception as e:
-            # The transport's errors say where it was; the blocks may hold part of the payload,
-            # so the failure path below frees them and the sequence never joins the batch.
-            said = getattr(e, "point", None)
-            point = said if said == "refused" or point[0] == "request" and said else point[0]
-            log.warning("worker %s: KV pull of %s failed at %s: %s", self.worker_id, rid, point, e)
-            with self._cv:
-                t = self._transfer_totals
-                t.failures += 1     # a new dict: load reports already built keep theirs
-                t.failures_by_point = {**t.failures_by_point, point: t.failures_by_point.get(point, 0) + 1}
+            aborted = isinstance(e, StreamEnded) and e.aborted
+            if not aborted:             # an abort is the router's doing: nothing failed
+                # The transport's errors say where it was; the blocks may hold part of the payload,
+                # so the failure path below frees them and the sequence never joins the batch.
+                said = getattr(e, "point", None)
+                point = said if said == "refused" or point[0] == "request" and said else point[0]
+                log.warning("worker %s: KV pull of %s failed at %s: %s", self.worker_id, rid, point, e)
+                with self._cv:
+                    t = self._transfer_totals
+                    t.failures += 1     # a new dict: load reports already built keep theirs
+                    t.failures_by_point = {**t.failures_by_point, point: t.failures_by_point.get(point, 0) + 1}
             _release_on(self.cluster_id, prefill_id, rid)
             # (built here: `e` is unbound once this block ends)
-            error = ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True, cause="handoff_failed")
+            error = None if aborted else ErrorEvent(rid, f"KV transfer failed: {e}", retryable=True,
+                                                    cause="handoff_failed")
 
             def failed():
+                self._feeds.pop(rid, None)
                 if self.handoffs.finish_transfer(rid, ok=False) is Outcome.FREE:
                     self.engine.abort(rid)
-                self._emit(error)
+                if error is not None:
+                    self._emit(error)
             self._call_in_loop(failed)
             return
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
-        self._call_in_loop(lambda: self._apply(rid, self.handoffs.finish_transfer(rid, ok=True), abort=True))
+
+        def committed():
+            self._feeds.pop(rid, None)
+            self._apply(rid, self.handoffs.finish_transfer(rid, ok=True), abort=True)
+        self._call_in_loop(committed)
+
+    def _held_word(self, feed: KVFeed) -> HeldKV:
+        """A streamed pull's held KV, once the router has said it."""
+        kv, final = feed.kv, feed.final
+        while not final:
+            kv, final = feed.wait(kv, self.transfer_timeout_s)
+        return kv
+
+    def _copy_streamed(self, op: DecodeOp, feed: KVFeed, prefill, shared, dst: list[int], skip: int,
+                       point: list[str]) -> tuple[int, float]:
+        """Copy a prompt's blocks out of a same-node prefill worker's cache as its words name
+        them while it is prefilled (workers/kv_stream.py), then what the held KV's word adds or
+        changes, checked as `_copy_shared` checks a whole pull. Returns (bytes, seconds copying)."""
+        rid, prefill_id = op.rid, op.prefill_id
+        segment, parts, generations = shared
+        if op.kv.segment != segment.nonce:       # held by another process than the one we mapped
+            shared = self._shared_caches(prefill_id, prefill, refresh=True)
+            if shared is None or shared[0].nonce != op.kv.segment:
+                raise _refused(f"{prefill_id} restarted since it computed the KV of {rid}")
+            segment, parts, generations = shared
+        plan = CopyPlan(dst, skip)
+        kv, final = feed.kv, feed.final
+        nbytes, busy = 0, 0.0
+        while True:
+            t = time.monotonic()
+            if kv.segment != segment.nonce:
+                raise _refused(f"{prefill_id} restarted while it computed the KV of {rid}")
+            src, to, expected = plan.needed(kv)
+            if final:
+                held = kv.block_ids[skip:]
+                if generations[held].tolist() != kv.generations[skip:]:
+                    raise _refused(f"{prefill_id} no longer holds the KV of {rid}: its blocks were reused")
+
+                def midway():
+                    point[0] = "mid_payload"
+                    self.faults.hit("recv", "mid_payload")
+                nbytes += copy_heads(parts, src, self._parts, to, midway) if src else 0
+                if not src:
+                    midway()
+                point[0] = "after_payload"
+                self.faults.hit("recv", "after_payload")
+                if generations[held].tolist() != kv.generations[skip:] or len(held) != len(dst):
+                    raise _refused(f"{prefill_id} reused the blocks of {rid} during the copy")
+                return nbytes, busy + time.monotonic() - t
+            if src:
+                nbytes += copy_heads(parts, src, self._parts, to)
+                plan.copied(kv, src, generations[src].tolist())
+            busy += time.monotonic() - t
+            kv, final = feed.wait(kv, self.transfer_timeout_s)
 
     def _recv_sent(self, rid: str, prefill_id: str, prefill, dst: list[int], skip: int, point: list[str]) -> int:
         """Ask the prefill worker to send over the transport; receive into `dst`. Returns bytes."""
@@ -774,7 +909,7 @@ class Worker:
         with self._cv:
             return self._peer_locks.setdefault(peer_id, threading.Lock())
 
-    def _record_transfer(self, nbytes: int, seconds: float, reused: int) -> None:
+    def _record_transfer(self, nbytes: int, seconds: float, reused: int, tail_s: float) -> None:
         with self._cv:
             t = self._transfer_totals
             t.bytes += nbytes
@@ -783,6 +918,7 @@ class Worker:
             t.blocks_reused += reused
             for box in self._fed():
                 box.samples["kv_transfer_s"].append(seconds)
+                box.samples["kv_tail_s"].append(tail_s)
 
     def _get_transport(self):
         with self._cv:
