@@ -780,7 +780,7 @@ class Worker:
             t = time.monotonic()
             if kv.segment != segment.nonce:
                 raise _refused(f"{prefill_id} restarted while it computed the KV of {rid}")
-            src, to, expected = plan.needed(kv)
+            src, to, _ = plan.needed(kv)
             if final:
                 held = kv.block_ids[skip:]
                 if generations[held].tolist() != kv.generations[skip:]:
