@@ -767,12 +767,7 @@ class Worker:
         them while it is prefilled (workers/kv_stream.py), then what the held KV's word adds or
         changes, checked as `_copy_shared` checks a whole pull. Returns (bytes, seconds copying)."""
         rid, prefill_id = op.rid, op.prefill_id
-        segment, parts, generations = shared
-        if op.kv.segment != segment.nonce:       # held by another process than the one we mapped
-            shared = self._shared_caches(prefill_id, prefill, refresh=True)
-            if shared is None or shared[0].nonce != op.kv.segment:
-                raise _refused(f"{prefill_id} restarted since it computed the KV of {rid}")
-            segment, parts, generations = shared
+        segment, parts, generations = self._cache_of(op, prefill, shared)
         plan = CopyPlan(dst, skip)
         kv, final = feed.kv, feed.final
         nbytes, busy = 0, 0.0
@@ -841,11 +836,7 @@ class Worker:
         rid, prefill_id = op.rid, op.prefill_id
         segment, parts, generations = shared
         if op.kv is not None:
-            if op.kv.segment != segment.nonce:  # held by another process than the one we mapped
-                shared = self._shared_caches(prefill_id, prefill, refresh=True)
-                if shared is None or shared[0].nonce != op.kv.segment:
-                    raise _refused(f"{prefill_id} restarted since it held the KV of {rid}")
-                segment, parts, generations = shared
+            segment, parts, generations = self._cache_of(op, prefill, shared)
             src, expected, deadline = op.kv.block_ids[skip:], op.kv.generations[skip:], None
         else:
             lent = _wait_ref(prefill.lend_kv.remote(rid, skip), self.transfer_timeout_s)
@@ -875,6 +866,16 @@ class Worker:
         if deadline is not None and time.monotonic() >= deadline:
             raise KVTransferTimeout(f"the loan of {rid}'s KV from {prefill_id} ended before its copy did")
         return nbytes
+
+    def _cache_of(self, op: DecodeOp, prefill, shared) -> tuple[KVSegment, list, object]:
+        """The mapped cache that `op.kv` names: the one mapped, or the prefill worker's new one
+        when it restarted since (mapped anew); refused when that is not the one named either."""
+        if op.kv.segment == shared[0].nonce:
+            return shared
+        shared = self._shared_caches(op.prefill_id, prefill, refresh=True)
+        if shared is None or shared[0].nonce != op.kv.segment:
+            raise _refused(f"{op.prefill_id} restarted since it computed the KV of {op.rid}")
+        return shared
 
     def _shared_caches(self, peer_id: str, peer, refresh: bool = False) -> tuple[KVSegment, list, object] | None:
         """(rank 0's segment, the mapped caches by heads, rank 0's allocation counts) of a
