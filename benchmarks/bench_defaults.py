@@ -21,7 +21,10 @@ Poisson arrivals at vLLM's saturation rate (its best closed-loop throughput, or 
 a 429 is a failure, never goodput. Printed: per server and load, failed requests (of them 429s),
 completed requests per second, goodput (requests meeting both targets per second, vLLM's
 request_goodput), TTFT and TPOT medians; then pdcluster / vLLM for each load, and each server's
-goodput at 3x against its own peak (the overload goal: at least 0.9). Writes --json.
+goodput at 3x against its own peak (the overload goal: at least 0.9), and the CPU each server
+spent per completed request: its front process (pdcluster's router, vLLM's API server) and the
+whole server (every process it started: the router, Ray and the workers; vLLM's engine core).
+Writes --json.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.bench_event_path import wait_healthy  # noqa: E402
-from benchmarks.common import Meter, write_json  # noqa: E402
+from benchmarks.common import Meter, process_cpu_seconds, write_json  # noqa: E402
 from cluster.serve import free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
@@ -86,38 +89,46 @@ def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: floa
         vllm_load(a, base, ckpt, workdir, f"{name}-warm", 32, "inf", 8)
         loads = [(f"closed {c}", max(a.min_prompts, c * a.prompts_per_client), "inf", c) for c in a.concurrency]
         for row_name, n, r, c in loads:
-            rows.append(one_load(a, name, base, ckpt, workdir, meter, row_name, n, r, c))
+            rows.append(one_load(a, name, base, ckpt, workdir, meter, row_name, n, r, c, proc.pid))
         if rate is None:       # vLLM's saturation: its best closed loop
             rate = max(r["request_throughput"] for r in rows)
         for mult in (1, 3):
             r = round(rate * mult, 2)
             rows.append(one_load(a, name, base, ckpt, workdir, meter, f"Poisson {mult}x ({r:g}/s)",
-                                 max(50, round(r * a.poisson_s)), r, None))
+                                 max(50, round(r * a.poisson_s)), r, None, proc.pid))
     finally:
         stop(proc)
     return rows
 
 
-def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency) -> dict:
+def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency, server_pid: int) -> dict:
     part = f"{name}-{row_name.split(' (')[0].replace(' ', '')}"
+    before = process_cpu_seconds(server_pid)
     with meter.part(part):
         r = vllm_load(a, base, ckpt, workdir, part, n, rate, concurrency)
-    r.update(load=row_name, server=name, other_procs_cores=meter.parts[part]["other_procs_cores"])
+    after = process_cpu_seconds(server_pid)
+    done = max(1, r["completed"] or 0)
+    r.update(load=row_name, server=name, other_procs_cores=meter.parts[part]["other_procs_cores"],
+             front_cpu_ms_per_request=1000 * (after[0] - before[0]) / done,
+             server_cpu_ms_per_request=1000 * (after[1] - before[1]) / done)
     print(f"  {SERVERS[name][0]:24s} {row_name:22s} failed {r['failed']:4d} (429: {r['failed_429']:4d}) "
           f"{r['request_throughput']:6.2f} req/s, goodput {r['request_goodput']:6.2f}, TTFT p50 "
-          f"{r['median_ttft_ms'] or 0:7.1f} ms, TPOT p50 {r['median_tpot_ms'] or 0:6.1f} ms"
+          f"{r['median_ttft_ms'] or 0:7.1f} ms, TPOT p50 {r['median_tpot_ms'] or 0:6.1f} ms, CPU per request "
+          f"{r['front_cpu_ms_per_request']:.1f} ms front, {r['server_cpu_ms_per_request']:.1f} ms all"
           + (f", errors {r['other_errors']}" if r["other_errors"] else ""), flush=True)
     return r
 
 
 def table(report: dict) -> None:
     runs = report["runs"]
-    print("\n| server | load | failed (429) | req/s | goodput | TTFT p50 | TPOT p50 |\n|---|---|---|---|---|---|---|")
+    print("\n| server | load | failed (429) | req/s | goodput | TTFT p50 | TPOT p50 | CPU/request: front, all |"
+          "\n|---|---|---|---|---|---|---|---|")
     for name, rows in runs.items():
         for r in rows:
             print(f"| {SERVERS[name][0]} | {r['load']} | {r['failed']} ({r['failed_429']}) | "
                   f"{r['request_throughput']:.2f} | {r['request_goodput']:.2f} | {r['median_ttft_ms'] or 0:.0f} ms | "
-                  f"{r['median_tpot_ms'] or 0:.1f} ms |")
+                  f"{r['median_tpot_ms'] or 0:.1f} ms | {r['front_cpu_ms_per_request']:.1f}, "
+                  f"{r['server_cpu_ms_per_request']:.1f} ms |")
     if "vllm" in runs:
         print("\nagainst vLLM (throughput / goodput):")
         ref = {r["load"].split(" (")[0]: r for r in runs["vllm"]}

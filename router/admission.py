@@ -23,15 +23,17 @@ one. So the predictions lean on what the router observes, and are checked agains
   burst's cost before any of it is served. A bias learnt online, measured minus predicted TTFT
   over admitted requests, smoothed, adds what neither sees (the router, the event path); it is
   additive, never a factor, so a short queue's overhead is never multiplied into a long queue's
-  prediction. A request is let in while its prediction, times the 95th percentile of measured
-  over predicted TTFT near the target lately (`spread`), is within its target.
+  prediction. A request is let in while its prediction, plus the 95th percentile of how far
+  measured TTFTs ran over predictions near the target lately (`margin`, also additive: a factor
+  would multiply the bias's fixed overhead, and a 64-client closed loop that met its target with
+  room to spare was refused one request in three), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
   of the requests that had it lately, against half the request's TPOT budget.
 
 Refusals are checked: some of the requests the predictions would refuse are let in instead,
 probes, at most `explore_share` of the requests let in, and the router records whether each met
 its targets (what llm-d's predictor does with its exploration share); the probes' share that met
-is the share of refusals that would have met. Probes also inform the bias and the spread, where
+is the share of refusals that would have met. Probes also inform the bias and the margin, where
 admitted requests alone (those predicted to meet) would never show a pessimistic prediction.
 Only work already in the cluster refuses a request; until the line has drained a few requests
 and the fit has enough steps, only the queue bound applies. Under pressure lower priorities go
@@ -67,7 +69,7 @@ class Verdict:
 
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
-NEAR = 0.25             # predictions of at least this share of the TTFT target inform `spread`
+NEAR = 0.25             # predictions of at least this share of the TTFT target inform `margin`
 SATURATED = 0.9         # a line not empty this share of the time: requests end at the service's pace
 
 
@@ -143,8 +145,8 @@ class SLOAdmission:
         self.shed_ratio, self.weight, self.explore_share = shed_ratio, bias_weight, explore_share
         self.probe_credit = 0.0           # grows by explore_share per request let in; a probe takes 1
         self.bias = 0.0                   # measured TTFT - predicted, smoothed (seconds)
-        self.ratios: deque[float] = deque(maxlen=200)   # measured / predicted TTFT, of predictions near the target
-        self._spread: float | None = 1.0  # spread() of `ratios` (None: to compute again)
+        self.errors: deque[float] = deque(maxlen=200)   # measured - predicted TTFT, of predictions near the target
+        self._margin: float | None = 0.0  # margin() of `errors` (None: to compute again)
         self.waiting = self.waiting_tokens = self.in_handoff = 0
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
@@ -194,22 +196,25 @@ class SLOAdmission:
         if not predicted_ttft_s >= 0 or not ttft_s >= 0:
             return
         if predicted_ttft_s >= NEAR * self.slo.ttft_s:
-            self.ratios.append(ttft_s / predicted_ttft_s)
-            self._spread = None
+            self.errors.append(ttft_s - predicted_ttft_s)
+            self._margin = None
         raw = predicted_ttft_s - self.bias               # the prediction before the bias
         error = min(max(ttft_s - raw, -self.slo.ttft_s), self.slo.ttft_s)   # one outlier moves it little
         self.bias += self.weight * (error - self.bias)
 
-    def spread(self) -> float:
+    def margin(self) -> float:
         """How far measured TTFTs have lately run over predictions near the target: the 95th
-        percentile of measured over predicted (1 with fewer than 20 such requests; within
-        [0.5, 4]). A request is let in while its prediction times this is within its target,
-        so that under overload nearly all of those let in meet it (a prediction right on
-        average still misses half the time at the edge)."""
-        if self._spread is None:
-            ranked = sorted(self.ratios)
-            self._spread = 1.0 if len(ranked) < 20 else min(4.0, max(0.5, ranked[int(0.95 * (len(ranked) - 1))]))
-        return self._spread
+        percentile of measured minus predicted, in seconds (0 with fewer than 20 such requests;
+        within [-1/2, 2] x the TTFT target). A request is let in while its prediction plus this
+        is within its target, so that under overload nearly all of those let in meet it (a
+        prediction right on average still misses half the time at the edge); predictions that
+        ran pessimistic lately let more in."""
+        if self._margin is None:
+            ranked = sorted(self.errors)
+            target = self.slo.ttft_s
+            self._margin = (0.0 if len(ranked) < 20 else
+                            min(2 * target, max(-target / 2, ranked[int(0.95 * (len(ranked) - 1))])))
+        return self._margin
 
     def probed(self, target: str, met: bool) -> None:
         """A probe's outcome: it met its targets or not (the router judges it when it ends)."""
@@ -291,7 +296,7 @@ class SLOAdmission:
         (`_refuse`)."""
         ttft, ahead = self.predict_ttft(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
-        likely = ttft * self.spread()
+        likely = ttft + self.margin()
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "

@@ -234,14 +234,17 @@ def test_probes_are_at_most_explore_share_of_the_requests_let_in():
 # -- predicted against observed: a simulated server as the oracle --------------------------------
 class FIFOServer:
     """A line served one request at a time, `service_s` each, to its first token; then its
-    handoff (`gap_s`) and `decode_s` until it ends. Drives the admission with the simulated clock
+    handoff (`gap_s`) and `decode_s` until it ends. `hidden_s` (lo, hi): after its service, each
+    first token takes a further uniform [lo, hi] seconds that hold nobody else up (what the line
+    does not show: the event path, a busy router). Drives the admission with the simulated clock
     and records every verdict, prediction and outcome."""
 
-    def __init__(self, service_s=0.05, gap_s=0.005, decode_s=1.0, jitter=0.0, seed=0):
+    def __init__(self, service_s=0.05, gap_s=0.005, decode_s=1.0, jitter=0.0, hidden_s=(0.0, 0.0), seed=0):
         self.clock = Clock(0.0)
         self.a = cluster(prefill=1, fit=StepFit(1024, 1 << 20), clock=self.clock)
         self.service_s, self.gap_s, self.decode_s = service_s, gap_s, decode_s
         self.jitter, self.rng = jitter, random.Random(seed)   # each service takes service_s x [1 - j, 1 + j]
+        self.hidden_s = hidden_s
         self.events: list = []                   # (time, seq, what, payload)
         self.free_at, self.seq = 0.0, 0
         self.done: list[dict] = []               # admitted: predicted, measured TTFT, probe
@@ -263,7 +266,7 @@ class FIFOServer:
         r = {"arrived": now, "predicted": v.predicted_ttft_s, "probe": v.probe, "limit": v.ttft_limit_s,
              "ticket": self.a.started(64, v.predicted_ttft_s)}
         self.free_at = max(self.free_at, now) + self.service_s * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
-        self.at(self.free_at, "first", r)
+        self.at(self.free_at + self.rng.uniform(*self.hidden_s), "first", r)
 
     def run(self, until: float) -> None:
         while self.events and self.events[0][0] <= until:
@@ -327,6 +330,18 @@ def test_a_closed_loop_the_server_keeps_within_the_target_gets_no_refusal(client
     assert max(r["ttft"] for r in s.done) < SLO.ttft_s
 
 
+@pytest.mark.parametrize("clients", [6, 8])
+def test_a_closed_loop_that_meets_the_target_despite_a_wait_the_line_does_not_show_gets_no_refusal(clients):
+    """Much of each TTFT is a wait of 0.05-0.45 s outside the line (learnt as the bias), and the
+    line adds at most 0.4 s: every TTFT is within the target. The margin the predictions'
+    errors set is added, not multiplied: a factor of measured over predicted near the target,
+    applied to a prediction mostly made of the bias, refused 100-300 requests here."""
+    s = FIFOServer(jitter=0.5, hidden_s=(0.05, 0.45))
+    closed_loop(s, clients, duration_s=300)
+    assert len(s.done) > 1000 and max(r["ttft"] for r in s.done) < SLO.ttft_s
+    assert s.refused == 0
+
+
 def test_a_closed_loop_past_the_target_is_refused_and_keeps_the_goodput():
     """80 clients: a round of service takes 4 s against 1 s of decoding, so with every request let
     in each would wait about 3 s and none meet the target. Refusals keep the admitted ones within
@@ -348,7 +363,7 @@ def test_a_closed_loop_past_the_target_is_refused_and_keeps_the_goodput():
 
 def test_three_times_capacity_keeps_the_goodput():
     """Service times from 5 to 95 ms: the predictions' errors near the target set how much room
-    admission keeps (`spread`), so nine in ten of those let in meet the target."""
+    admission keeps (`margin`), so nine in ten of those let in meet the target."""
     s = FIFOServer(jitter=0.9)
     poisson(s, rate=60, duration_s=200)                        # 3x the 20/s served
     ok = s.admitted()
