@@ -123,8 +123,9 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "their prefix caches hold, against their queues)", str, PICKING_POLICIES),
     Flag("--local-prefill-max-tokens", "local_prefill_max_tokens", "disaggregated: a request with at most this "
          "many prompt tokens to compute (beyond its decode worker's prefix cache) is prefilled on that decode "
-         "worker, with no KV handoff; 0: always hand off; auto: when the cost model says the handoff and the "
-         "prefill queue would cost the request more than the prefill delays the decode worker's batch",
+         "worker, with no KV handoff; 0: always hand off; auto (the default): while the prefill pool has a queue, "
+         "when the cost model says the handoff and that queue would cost the request more than the prefill "
+         "delays the decode worker's batch",
          local_prefill_tokens),
     Flag("--max-pending", "max_pending", "requests in flight before 429"),
     Flag("--no-decode-gate", "decode_gate", "disaggregated: do not hold new requests before their prefill while "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from router.admission import ADMISSION_POLICIES
 from router.picker import check_local_prefill
 from router.slo import SLOTargets
-from workers.names import P2C, PICKING_POLICIES, check_name
+from workers.names import AUTO, P2C, PICKING_POLICIES, check_name
 
 
 API_KEY_ENV = "PDCLUSTER_API_KEY"         # the API key, when neither --api-key nor --api-key-file gives it
@@ -19,7 +19,7 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)   # require 'Authorization: Bearer KEY' (a secret)
     served_model_name: str | None = None      # the model name clients send (default: the model)
     policy: str = P2C                         # one of PICKING_POLICIES
-    local_prefill_max_tokens: int | str = 0   # disaggregated: prefill on the decode worker up to this many tokens ("auto")
+    local_prefill_max_tokens: int | str = AUTO  # disaggregated: prefill on the decode worker up to this many tokens (0: never)
     max_pending: int = 512                    # requests in flight before 429
     decode_gate: bool = True                  # disaggregated: hold new requests before prefill while decode is full
     admission: str = "slo"                    # one of ADMISSION_POLICIES (router/admission.py)

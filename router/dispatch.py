@@ -417,9 +417,12 @@ class Dispatcher:
 
     def _prefill_locally(self, d: Member, uncached: int) -> bool:
         """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:
-        up to it. Auto (workers/cost_model.py `local_prefill_limit`): when what it delays the
-        sequences `d` decodes costs less than the prefill queue plus the handoff as measured
-        would cost the request; never beyond one chunk, and not before the model is fitted."""
+        up to it. Auto (workers/cost_model.py `local_prefill_limit`): while the prefill pool has
+        a queue (a burst: a closed loop's clients all come back when a batch ends together), when
+        what it delays the sequences `d` decodes costs less than that queue plus the handoff as
+        measured would cost the request; never beyond one chunk, and not before the model is
+        fitted. With no queue the prefill pool computes it at once, and the decode batch's steps
+        stay undisturbed: disaggregated."""
         limit = self.local_prefill_max_tokens
         if limit != AUTO:
             return uncached <= limit
@@ -430,6 +433,8 @@ class Dispatcher:
         num_decode = (r.running if r else 0) + len(d.unreported)
         context = r.kv_blocks_used * self.prefix_index.block_size if r else 0
         queued = min((m.queued_prefill_tokens() for m in prefill), default=0)
+        if not queued:
+            return False
         remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
         return local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
 
