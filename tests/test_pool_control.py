@@ -19,7 +19,7 @@ from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
 from router.slo import RequestLog, SLOTargets, judge
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
 from workers.messages import LoadReport, TransferTotals
-from workers.names import DECODE, DISAGGREGATED, PREFILL
+from workers.names import AUTO, DECODE, DISAGGREGATED, PREFILL
 
 TRUE = LinearStepModel(p0=0.004, p1=2e-5, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4)
 
@@ -61,6 +61,28 @@ def test_too_few_shapes_give_no_model_rather_than_a_guess():
 
 def report(worker_id, role, queued=0, running=0) -> LoadReport:
     return LoadReport(worker_id, role, 0, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
+
+
+def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_otherwise_hands_off():
+    """--local-prefill-max-tokens auto (serve's default): with no prefill queue a prompt is handed
+    off (disaggregated); while the prefill pool has a queue (a closed loop's clients come back
+    together when a batch ends), an idle decode worker prefills it itself; one whose batch the
+    chunk would delay, summed over its sequences, more than the queue costs the request (by the
+    true step costs the fit was made from) hands it off."""
+    p, d = Member("prefill-0", PREFILL, "hp0", ACTIVE), Member("decode-0", DECODE, "hd0", ACTIVE)
+    p.report, d.report = report(p.worker_id, PREFILL), report(d.worker_id, DECODE)
+    disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False), local_prefill_max_tokens=AUTO)
+    disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048)
+    assert not disp._prefill_locally(d, 128)
+    p.report = report(p.worker_id, PREFILL, queued=4096)
+    assert disp._prefill_locally(d, 128)
+    busy = 128
+    d.report = report(d.worker_id, DECODE, running=busy)
+    decode = BatchShape(num_decode=busy, decode_context=0)
+    delay = busy * (TRUE.step_s(decode + BatchShape(1, 128, 128 * 128, 0)) - TRUE.step_s(decode))
+    queue_s = 4096 / (2048 / TRUE.step_s(BatchShape(16, 2048, 16 * 128 * 128)))
+    assert delay > 4 * queue_s
+    assert not disp._prefill_locally(d, 128)
 
 
 def controller(clock, num_prefill=1, num_decode=2, **cfg):
