@@ -254,7 +254,7 @@ SERVER_TOTALS = ("pdcluster:kv_transfer_seconds_count", "pdcluster:kv_transfer_s
                  "pdcluster:kv_transfer_bytes_total", "pdcluster:kv_transfer_failures_total",
                  "pdcluster:prefix_cache_queries_total", "pdcluster:prefix_cache_hits_total",
                  "pdcluster:num_preemptions_total", "pdcluster:engine_step_batch_size_sum",
-                 "pdcluster:engine_step_batch_size_count")
+                 "pdcluster:engine_step_batch_size_count", "pdcluster:local_prefills_total")
 
 
 def server_totals(base_url: str) -> dict[str, float] | None:
@@ -276,8 +276,9 @@ def server_totals(base_url: str) -> dict[str, float] | None:
 
 
 def server_summary(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the cluster did during the run: KV handoffs, prefix-cache hits, preemptions, and
-    the mean batch per role (differences of its counters)."""
+    """What the cluster did during the run: KV handoffs, requests prefilled on their decode
+    worker instead (conditional disaggregation), prefix-cache hits, preemptions, and the mean
+    batch per role (differences of its counters)."""
     d = {k: v - before.get(k, 0.0) for k, v in after.items()}
     n = d.get("pdcluster:kv_transfer_seconds_count", 0.0)
     queries = d.get("pdcluster:prefix_cache_queries_total", 0.0)
@@ -287,6 +288,7 @@ def server_summary(before: dict[str, float], after: dict[str, float]) -> dict:
         "kv_transfer_bytes": int(d.get("pdcluster:kv_transfer_bytes_total", 0)),
         "kv_transfer_mean_ms": 1000 * d.get("pdcluster:kv_transfer_seconds_sum", 0.0) / n if n else None,
         "kv_transfer_failures": int(d.get("pdcluster:kv_transfer_failures_total", 0)),
+        "local_prefills": int(d.get("pdcluster:local_prefills_total", 0)),
         "prefix_cache_hit_rate": d.get("pdcluster:prefix_cache_hits_total", 0.0) / queries if queries else None,
         "preemptions": int(d.get("pdcluster:num_preemptions_total", 0)),
         "mean_batch_size": {r: d[f"pdcluster:engine_step_batch_size_sum/{r}"] / c for r in roles
@@ -301,6 +303,7 @@ def server_report(s: dict) -> str:
             if s["kv_transfers"] else "0")
     lines.append(f"{'KV handoffs:':<22}{xfer:>28}")
     lines.append(f"{'KV handoff failures:':<40}{s['kv_transfer_failures']:>10}")
+    lines.append(f"{'Prefilled on the decode worker:':<40}{s['local_prefills']:>10}")
     if s["prefix_cache_hit_rate"] is not None:
         lines.append(f"{'Prefix cache hit rate:':<40}{s['prefix_cache_hit_rate']:>10.1%}")
     lines.append(f"{'Preemptions:':<40}{s['preemptions']:>10}")

@@ -144,7 +144,8 @@ class TwoNodeCluster:
                 [str(BIN / "pdcluster"), "serve", "--address", self.address, "--placement", "spread",
                  "--prefill", "1", "--decode", "1", "--model", "tiny", "--port", str(self.router_port),
                  "--kv-cache-memory-mib", "16", "--swap-space-mib", "0",
-                 "--router-lease-s", str(ROUTER_LEASE_S)],        # (the lead moves after one)
+                 "--router-lease-s", str(ROUTER_LEASE_S),         # (the lead moves after one)
+                 "--local-prefill-max-tokens", "0"],   # every prompt's KV crosses the nodes (what this tests)
                 stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
                 preexec_fn=_die_with_us(new_session=False))
         wait_for(lambda: (_alive(self.serve), _try(lambda: httpx.get(self.router + "/v1/models", timeout=5))),

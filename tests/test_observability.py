@@ -288,7 +288,9 @@ def test_prometheus_config_and_dashboard_queries_return_data(ray_session, tmp_pa
                            engine={"cache": {"num_blocks": 20, "block_size": BLOCK_SIZE},
                                    "scheduler": {"max_num_batched_tokens": 256}},
                            num_cpus_per_worker=0.5, lease_s=20, transfer_timeout_s=20)
-        with ServingCluster(spec, port=router_port) as cluster:
+        # Every prompt handed off (no local prefill while the prefill worker has a queue, serve's
+        # default): the counts below are of handoffs, one per request.
+        with ServingCluster(spec, port=router_port, local_prefill_max_tokens=0) as cluster:
             wait_for(lambda: _get(f"{api}/-/ready"), lambda r: r is not None and r.status_code == 200, 30,
                      lambda: f"Prometheus is not ready; its log:\n{(tmp_path / 'prometheus.log').read_text()}",
                      poll_s=0.1)
