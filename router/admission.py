@@ -25,8 +25,8 @@ one. So the predictions lean on what the router observes, and are checked agains
   additive, never a factor, so a short queue's overhead is never multiplied into a long queue's
   prediction. A request is let in while its prediction, plus the 95th percentile of how far
   measured TTFTs ran over predictions near the target lately (`margin`, also additive: a factor
-  would multiply the bias's fixed overhead, and a 64-client closed loop that met its target with
-  room to spare was refused one request in three), is within its target.
+  of measured over predicted multiplied the bias's fixed overhead, and refused requests of a
+  64-client closed loop whose measured TTFTs were all within the target), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
   of the requests that had it lately, against half the request's TPOT budget.
 
