@@ -81,7 +81,10 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2,
                        engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
                        controller=True, controller_interval_s=1.0, controller_window_s=6.0, controller_cooldown_s=6.0)
-    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S)) as c:
+    # No local prefill (serve's default, auto, lets idle decode workers take queued prompts): the
+    # prefill-heavy phase's demand is the prefill pool's alone, what the controller is to answer.
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S),
+                        local_prefill_max_tokens=0) as c:
         pools = c.pools
         cost, max_seqs = c.controller.fit.current(), spec.engine.scheduler.max_num_seqs
         (pp, po), (dp, do) = PREFILL_HEAVY, DECODE_HEAVY

@@ -148,10 +148,13 @@ LONG, SHORT = 160, 24                          # tokens: the streams that fill t
 
 @pytest.fixture(scope="module")
 def gated_cluster(ray_session):
-    # 4 decode seats for 26 streams: the gate must hold most of them.
+    # 4 decode seats for 26 streams: the gate must hold most of them. Every prompt is prefilled on
+    # the prefill worker and handed off (no local prefill: the gate learns the seats from the
+    # handoffs that wait for room).
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
                        engine={"scheduler": {"max_num_seqs": 4}})
-    with ServingCluster(spec, RouterConfig(port=free_port(), max_pending=1000, admission="queue")) as c:
+    with ServingCluster(spec, RouterConfig(port=free_port(), max_pending=1000, admission="queue",
+                                           local_prefill_max_tokens=0)) as c:
         yield c
 
 
