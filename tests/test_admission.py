@@ -266,7 +266,8 @@ class FIFOServer:
         r = {"arrived": now, "predicted": v.predicted_ttft_s, "probe": v.probe, "limit": v.ttft_limit_s,
              "ticket": self.a.started(64, v.predicted_ttft_s)}
         self.free_at = max(self.free_at, now) + self.service_s * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
-        self.at(self.free_at + self.rng.uniform(*self.hidden_s), "first", r)
+        hidden = self.rng.uniform(*self.hidden_s) if self.hidden_s[1] else 0.0   # (no draw: the others' streams)
+        self.at(self.free_at + hidden, "first", r)
 
     def run(self, until: float) -> None:
         while self.events and self.events[0][0] <= until:
