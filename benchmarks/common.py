@@ -60,21 +60,24 @@ def proc_stats():
         yield int(name), fields
 
 
-def _tree_cpu_seconds(root: int | None = None) -> float:
-    """CPU-seconds of this process (or `root`) and all its live descendants (Ray's raylet and
-    workers, subprocesses), each with the reaped children it waited for (Linux /proc)."""
+def process_cpu_seconds(root: int) -> tuple[float, float]:
+    """(CPU-seconds of process `root` alone, of it and all its live descendants: Ray's raylet
+    and workers, subprocesses, each with the reaped children it waited for), from one pass
+    over /proc (Linux); (0, 0) once it is gone."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
+    own: dict[int, int] = {}
     cpu: dict[int, int] = {}
     for pid, fields in proc_stats():
         children.setdefault(int(fields[1]), []).append(pid)        # ppid
-        cpu[pid] = sum(int(x) for x in fields[11:15])              # utime stime cutime cstime
-    total, todo = 0, [os.getpid() if root is None else root]
+        own[pid] = int(fields[11]) + int(fields[12])               # utime stime
+        cpu[pid] = own[pid] + int(fields[13]) + int(fields[14])    # + cutime cstime
+    total, todo = 0, [root]
     while todo:
         pid = todo.pop()
         total += cpu.get(pid, 0)
         todo += children.get(pid, [])
-    return total / tick
+    return own.get(root, 0) / tick, total / tick
 
 
 def cpu_seconds() -> tuple[float, float, float]:
@@ -83,18 +86,7 @@ def cpu_seconds() -> tuple[float, float, float]:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
-    return time.monotonic(), busy, _tree_cpu_seconds()
-
-
-def process_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(CPU-seconds of process `pid` alone, of it and all its live descendants); (0, 0) once it
-    is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            own = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return 0.0, 0.0
-    return own, _tree_cpu_seconds(pid)
+    return time.monotonic(), busy, process_cpu_seconds(os.getpid())[1]
 
 
 def others_cores(a: tuple, b: tuple) -> float:
