@@ -136,7 +136,8 @@ class DrainRate:
 class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
                  shed_ratio: float = 0.75, bias_weight: float = 0.05,
-                 window_s: float = 5.0, explore_share: float = 0.02, clock=time.monotonic):
+                 window_s: float = 5.0, explore_share: float = 0.02, margin_window_s: float = 15.0,
+                 clock=time.monotonic):
         if not 0 <= explore_share <= 1:
             raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
@@ -145,7 +146,8 @@ class SLOAdmission:
         self.shed_ratio, self.weight, self.explore_share = shed_ratio, bias_weight, explore_share
         self.probe_credit = 0.0           # grows by explore_share per request let in; a probe takes 1
         self.bias = 0.0                   # measured TTFT - predicted, smoothed (seconds)
-        self.errors: deque[float] = deque(maxlen=200)   # measured - predicted TTFT, of predictions near the target
+        self.errors: deque[tuple[float, float]] = deque(maxlen=200)   # (when, measured - predicted TTFT), of
+        self.margin_window_s = margin_window_s                      # predictions near the target, lately
         self._margin: float | None = 0.0  # margin() of `errors` (None: to compute again)
         self.waiting = self.waiting_tokens = self.in_handoff = 0
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
@@ -196,7 +198,7 @@ class SLOAdmission:
         if not predicted_ttft_s >= 0 or not ttft_s >= 0:
             return
         if predicted_ttft_s >= NEAR * self.slo.ttft_s:
-            self.errors.append(ttft_s - predicted_ttft_s)
+            self.errors.append((self.clock(), ttft_s - predicted_ttft_s))
             self._margin = None
         raw = predicted_ttft_s - self.bias               # the prediction before the bias
         error = min(max(ttft_s - raw, -self.slo.ttft_s), self.slo.ttft_s)   # one outlier moves it little
@@ -204,13 +206,20 @@ class SLOAdmission:
 
     def margin(self) -> float:
         """How far measured TTFTs have lately run over predictions near the target: the 95th
-        percentile of measured minus predicted, in seconds (0 with fewer than 20 such requests;
-        within [-1/2, 2] x the TTFT target). A request is let in while its prediction plus this
-        is within its target, so that under overload nearly all of those let in meet it (a
-        prediction right on average still misses half the time at the edge); predictions that
-        ran pessimistic lately let more in."""
+        percentile of measured minus predicted over the last `margin_window_s`, in seconds (0
+        with fewer than 20 such requests; within [-1/2, 2] x the TTFT target). A request is let
+        in while its prediction plus this is within its target, so that under overload nearly
+        all of those let in meet it (a prediction right on average still misses half the time
+        at the edge); predictions that ran pessimistic lately let more in. The errors age out:
+        a margin that a transient set high lets in only requests predicted far below the
+        target, which add no errors near it, so without the window it would not come down (served,
+        the first seconds of a jump to 3x load left it at its bound to the end of the run)."""
+        horizon = self.clock() - self.margin_window_s
+        while self.errors and self.errors[0][0] < horizon:
+            self.errors.popleft()
+            self._margin = None
         if self._margin is None:
-            ranked = sorted(self.errors)
+            ranked = sorted(e for _, e in self.errors)
             target = self.slo.ttft_s
             self._margin = (0.0 if len(ranked) < 20 else
                             min(2 * target, max(-target / 2, ranked[int(0.95 * (len(ranked) - 1))])))
