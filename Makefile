@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench vllm-env gpu-check clean
+.PHONY: setup run test test-fast bench vllm-env gpu-check clean
 
 # torch goes first, on its own line: the local CPU wheel (anything else pulls CUDA builds).
 # The C++ paged-attention kernel is built here rather than inside the first run; without a
@@ -37,6 +37,11 @@ $(PROMETHEUS): deploy/get-prometheus.sh
 
 test: $(STAMP) $(PROMETHEUS)
 	$(PY) -m pytest -q --durations=20 tests
+
+# The tier to iterate with: every test that neither uses Ray nor starts a process of ours or
+# Ray's (the markers come from fixtures: tests/conftest.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m "not ray and not spawns" tests
 
 # vLLM's CPU build, the peer of `make bench`, in its own venv (it must not share .venv's
 # packages). torch first, on its own line: the CPU wheel (anything else pulls GBs of CUDA

@@ -221,6 +221,17 @@ class ServeProcess:
         kill_all(self.tree)
 
 
+# -- the tiers (conftest.py): whether the running test may start processes -------------------------
+LIVE_ALLOWED = [True]        # set by conftest before each test's fixtures
+
+
+def require_live(what: str) -> None:
+    """For helpers that start processes without subprocess (multiprocessing's spawn)."""
+    if not LIVE_ALLOWED[0]:
+        raise RuntimeError(f"this test starts {what}: ask for the `spawns` fixture, so that it is marked and "
+                           "`make test-fast` leaves it out")
+
+
 # -- a second process for transport tests: it runs the `_op_<name>` functions of a test module ----
 CHILD_START_S = 90          # spawning imports torch: slow on two busy cores
 CHILD_REPLY_S = 20
@@ -249,6 +260,7 @@ class Child:
 
     def __init__(self, module: str):
         import multiprocessing as mp
+        require_live(f"a process running {module}'s ops")
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=_child_main, args=(child_conn, module), daemon=True)

@@ -3,9 +3,16 @@ checkpoint loaded by transformers, and transformers' greedy outputs as the refer
 
 The reference is computed by transformers (an independent Llama implementation), never by
 our own engine, and only once per prompt for the whole session.
+
+The tiers: a test that uses `ray_session` (itself or through a fixture such as `cluster`) is
+marked `ray`; one that starts processes of ours or Ray's (a server, a CLI, a Ray node, a
+transport's peer) asks for the `spawns` fixture and is marked `spawns`. `make test-fast` runs the
+rest. Nobody has to remember: a test without either marker that starts such a process fails,
+naming the fixture it lacks.
 """
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,10 +21,55 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repo root: tests reuse benchmarks' bodies
 
+import common
 from common import MAX_NEW_TOKENS, VOCAB
 
 # Two cores, shared with other work: one intra-op thread keeps runs predictable.
 torch.set_num_threads(1)
+
+LIVE = {"ray_session": "ray", "spawns": "spawns"}     # fixture -> the marker it gives its tests
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marker in LIVE.items():
+            if fixture in item.fixturenames:
+                item.add_marker(marker)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up (a module's cluster included)."""
+    common.LIVE_ALLOWED[0] = any(item.get_closest_marker(m) for m in LIVE.values())
+
+
+def _live_process(args) -> bool:
+    """Whether a command starts one of ours (the console script, `-m cluster.cli`) or Ray's
+    (the `ray` CLI, and what `ray.init` starts: its GCS, raylet and Python workers)."""
+    argv = [args] if isinstance(args, (str, bytes, Path)) else list(args)
+    for a in argv:
+        a = str(a)
+        if "cluster.cli" in a or "/ray/" in a or Path(a.split()[0] if a.split() else a).name in ("pdcluster", "ray"):
+            return True
+    return False
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *rest, **kw):
+    if not common.LIVE_ALLOWED[0] and _live_process(args):
+        raise RuntimeError(f"this test starts {str(args)[:120]}: ask for the `spawns` fixture (a process of ours) "
+                           "or `ray_session` (Ray), so that it is marked and `make test-fast` leaves it out")
+    _popen_init(self, args, *rest, **kw)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+
+
+@pytest.fixture(scope="session")
+def spawns():
+    """The test starts processes of ours or Ray's: marked `spawns` (pytest -m 'not spawns')."""
 
 
 @pytest.fixture(scope="session")

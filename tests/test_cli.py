@@ -75,7 +75,7 @@ def test_unknown_model_path(tmp_path, capsys):
     assert_clean_error(rc, err, missing)
 
 
-def test_malformed_jsonl_line_names_the_line(tmp_path):
+def test_malformed_jsonl_line_names_the_line(tmp_path, spawns):
     """Through the installed console script, as a user runs it."""
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine", "max_tokens": 2}, "",
                                              '{"prompt": "broken", "max_tokens": 2'])
@@ -91,7 +91,7 @@ def test_malformed_sampling_fields_rejected_cleanly(bad, tmp_path, capsys):
     assert_clean_error(rc, err, f"{inp}:1", next(iter(bad)))
 
 
-def test_generate_happy_path_matches_python_api(tmp_path):
+def test_generate_happy_path_matches_python_api(tmp_path, spawns):
     requests = [
         {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0},
         {"prompt_token_ids": [5, 200, 17, 99, 3], "max_tokens": 3, "temperature": 0},
@@ -152,7 +152,7 @@ def test_several_routers_flags_fail_clearly(args, needle, capsys, monkeypatch):
     assert rc == 2 and "Traceback" not in err and f"pdcluster {args[0]}: error:" in err and needle in err, err
 
 
-def test_a_router_without_a_ray_cluster_there_says_so():
+def test_a_router_without_a_ray_cluster_there_says_so(spawns):
     """(A process of its own: this one may have joined the tests' Ray already.)"""
     out = run_console_script(["router", "--address", "127.0.0.1:1", "--port", "0"])
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

@@ -131,7 +131,7 @@ def test_colocated_matches_single_engine(colocated, prompts, offline_reference):
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_seeded_sampling_equals_the_offline_engine(mode, request):
+def test_seeded_sampling_equals_the_offline_engine(mode, request, ray_session):
     """Temperature 1, top-p 0.9 and a seed per request: the same tokens offline, colocated and
     disaggregated (the draw at each position depends on the seed and the position, not on which
     worker makes it: the decode worker continues the prefill worker's stream)."""

@@ -87,7 +87,7 @@ def local_worker(worker_id: str, role: str, **kw):
         w.shutdown()
 
 
-def test_a_worker_speaks_the_contract_without_ray():
+def test_a_worker_speaks_the_contract_without_ray(spawns):
     """The worker class itself (not an actor): a PrefillOp runs to its first token and holds the
     KV; an AbortOp frees it; a bad op comes back as an ErrorEvent; the LoadReport says so."""
     with local_worker("prefill-0", "prefill") as (w, drain, events):
@@ -104,7 +104,7 @@ def test_a_worker_speaks_the_contract_without_ray():
             w.submit(msg.encode(LOAD))                               # not an operation
 
 
-def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry():
+def test_a_failed_pull_frees_the_reserved_blocks_and_asks_for_a_retry(spawns):
     """A decode worker whose prefill peer cannot be reached (no such actor): the pull fails, the
     reserved blocks come back, the failure is counted, and the router gets a retryable error
     (the dispatcher then re-runs the request from prefill)."""

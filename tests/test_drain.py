@@ -137,7 +137,7 @@ def test_drain_timeout_ends_what_is_left_with_an_error_and_frees_its_blocks(ray_
 
 
 @pytest.mark.parametrize("sig, rc_want", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
-def test_a_signal_drains_then_exits_without_a_traceback(tmp_path, sig, rc_want):
+def test_a_signal_drains_then_exits_without_a_traceback(tmp_path, sig, rc_want, spawns):
     # SIGTERM (an orchestrator) and SIGINT (Ctrl-C in the terminal) with two streams in flight.
     port = free_port()
     short = 64                               # a fraction of a second here, well within the drain

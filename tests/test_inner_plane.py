@@ -95,7 +95,7 @@ def _greedy(port: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, spawns):
     port = free_port()
     log = tmp_path_factory.mktemp("inner") / "serve.log"
     with ServeProcess(log, "--kv-transport", "gloo", "--host", "127.0.0.1", *SMALL_KV, port=port) as s:

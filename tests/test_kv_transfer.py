@@ -68,7 +68,7 @@ def _op_close(worker_id, peer_id):
 
 
 @pytest.fixture(scope="module")
-def child():
+def child(spawns):
     c = Child("test_kv_transfer")
     try:
         assert c.call("ping", deadline_s=CHILD_START_S)

@@ -177,7 +177,7 @@ def _try(fn):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(spawns):
     # Short: Ray's unix sockets live under it (their paths are limited to ~107 bytes).
     root = Path(tempfile.mkdtemp(prefix="pdc-mn-", dir="/tmp"))
     c = TwoNodeCluster(root)
@@ -452,7 +452,7 @@ class DefaultHead:
 
 
 @pytest.fixture(scope="module")
-def default_head():
+def default_head(spawns):
     root = Path(tempfile.mkdtemp(prefix="pdc-head-", dir="/tmp"))
     head = DefaultHead(root)
     try:

@@ -49,7 +49,7 @@ def replay_curl(argv: list[str]) -> httpx.Response:
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code):
+def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code, spawns):
     port = free_port()
     key = "k-" + os.urandom(8).hex()
     with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", *SMALL_KV,
@@ -82,7 +82,7 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         assert "Traceback" not in serve.output, serve.output[-3000:]
 
 
-def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_path):
+def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_path, spawns):
     """`serve --routers 2`: a `pdcluster router` on the next port serves the same pools (the
     offline engine's output). Then SIGKILL (the OOM killer, `kill -9`): serve runs no cleanup,
     yet within 10 s its worker actors and the other router have ended (its local Ray's raylet
@@ -115,7 +115,7 @@ def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_
         # kills whatever of the tree is left)
 
 
-def test_demo_runs_and_reports_every_request():
+def test_demo_runs_and_reports_every_request(spawns):
     n = 8
     res = subprocess.run(pdcluster_cmd("demo", "--num-prompts", str(n), *SMALL_KV), cwd=ROOT, env=subprocess_env(),
                          capture_output=True, text=True, timeout=300)

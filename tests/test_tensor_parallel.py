@@ -34,7 +34,7 @@ def _generate_cli(tmp_path, model: str, tp: int) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
 
 
-def test_generate_tp2_equals_tp1_and_hf(tiny_dir, hf_greedy, tmp_path):
+def test_generate_tp2_equals_tp1_and_hf(tiny_dir, hf_greedy, tmp_path, spawns):
     want = hf_greedy(PROMPTS)
     tp1 = generate_ids(LLMEngine(EngineConfig(model=tiny_dir, cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20))),
                        PROMPTS)
@@ -85,7 +85,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_unsplittable_model_is_refused_by_the_cli(tmp_path):
+def test_unsplittable_model_is_refused_by_the_cli(tmp_path, spawns):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n")
     proc = subprocess.run(pdcluster_cmd("generate", "--model", "tiny", "--input", str(src), "--output",

@@ -118,7 +118,7 @@ def _op_num_connects(worker_id):
 
 
 @pytest.fixture(scope="module")
-def child():
+def child(spawns):
     c = Child("test_transfer_faults")
     try:
         c.start("num_connects", "nobody")                  # any answer: the child is up
@@ -301,7 +301,7 @@ class Fake:
         return self.now
 
 
-def test_the_prefill_lease_expires_on_an_injected_clock(monkeypatch):
+def test_the_prefill_lease_expires_on_an_injected_clock(monkeypatch, spawns):
     """A prefill worker (the Worker class, in this process) runs a prompt to its first token and
     holds the KV under a 10-minute lease; moving its book's clock past the lease frees the
     blocks at once, with no real waiting; just before the end they are still held. (It also
@@ -434,7 +434,7 @@ def shm_pool(ray_session):
 
 
 @pytest.fixture(scope="module", params=["gloo", "shm"])
-def pool(request):
+def pool(request, ray_session):
     return request.getfixturevalue(f"{request.param}_pool")
 
 
@@ -447,7 +447,7 @@ WORKER_FAULTS = {"gloo": ("send:before_header", "send:mid_payload", "send:after_
 
 @pytest.mark.parametrize("transport,where", [(t, w) for t, ws in WORKER_FAULTS.items() for w in ws])
 def test_a_fault_fails_the_pull_cleanly_and_the_request_completes_when_run_again(request, reference, transport,
-                                                                                  where):
+                                                                                  where, ray_session):
     """The decode worker reports a retryable error and decodes nothing; both workers get every
     block back; the failure is counted under its point (the decode side's view: a sender that
     breaks before the payload leaves the receiver waiting for the header or the payload). Run
