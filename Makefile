@@ -36,11 +36,13 @@ $(PROMETHEUS): deploy/get-prometheus.sh
 	deploy/get-prometheus.sh
 
 test: $(STAMP) $(PROMETHEUS)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=20 tests
 
 # The tier to iterate with: every test that neither uses Ray nor starts a process of ours or
 # Ray's (the markers come from fixtures: tests/conftest.py).
 test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=10 -m "not ray and not spawns" tests
 
 # vLLM's CPU build, the peer of `make bench`, in its own venv (it must not share .venv's

@@ -36,7 +36,7 @@ def serve(port: int) -> None:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = body["max_tokens"]
-        for k in range(n):
+        for _ in range(n):
             await resp.write(b'data: {"choices":[{"index":0,"text":"tok ","finish_reason":null}]}\n\n')
         usage = {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n}}
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())

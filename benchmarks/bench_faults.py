@@ -133,7 +133,8 @@ class Kill:
     t_back: float | None = None        # first /health with it whole again
 
     def row(self) -> dict:
-        ms = (lambda t: None if t is None else round((t - self.t_kill) * 1000, 1))
+        def ms(t):
+            return None if t is None else round((t - self.t_kill) * 1000, 1)
         return {"part": self.part, "role": self.role, "worker": self.worker,
                 "noticed_ms": ms(self.t_down), "replaced_ms": ms(self.t_back)}
 

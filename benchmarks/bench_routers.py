@@ -150,7 +150,7 @@ async def sample_loads(url: str, samples: list[dict], stop: asyncio.Event) -> No
                 samples.append(worker_loads(promtext.parse(await r.text())))
             try:
                 await asyncio.wait_for(stop.wait(), 0.1)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

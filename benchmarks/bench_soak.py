@@ -736,7 +736,7 @@ class Load:
             self.fail(t, label, "transport", f"{type(e).__name__}: {e.__cause__ or e}")
         except openai.APIError as e:                      # an error event in a stream
             self.fail(t, label, "stream_error", f"{type(e).__name__}: {e}")
-        except (aiohttp.ClientError, httpx.HTTPError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError, httpx.HTTPError, OSError) as e:
             self.fail(t, label, "transport", f"{type(e).__name__}: {e}")
         except Exception as e:                            # noqa: BLE001 -- a failure, listed
             self.fail(t, label, "client_error", f"{type(e).__name__}: {e}")

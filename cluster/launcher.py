@@ -314,7 +314,7 @@ def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
     return members, infos
 
 
-_ACTOR = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+?)-(?P<worker>(?:%s)-\d+)$" % "|".join(ROLES))
+_ACTOR = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+?)-(?P<worker>(?:" + "|".join(ROLES) + r")-\d+)$")
 
 
 _BOOK = re.compile(r"^pdcluster-(?P<cluster>[A-Za-z0-9_.-]+)-book$")

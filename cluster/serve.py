@@ -416,7 +416,7 @@ class ServingCluster:
         dispatcher.watch(m)
         return m
 
-    def __enter__(self) -> "ServingCluster":
+    def __enter__(self) -> ServingCluster:
         server = self.build()
         self._thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
         self._thread.start()

@@ -202,7 +202,7 @@ class Dispatcher:
                     reply = msg.decode(raw, msg.PollReply)
                 except asyncio.CancelledError:
                     raise
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     stream = _closed(stream)
                     if w.worker_id in self._lapsed:       # our outbox there is gone, not the worker
                         self._lapsed.discard(w.worker_id)

@@ -100,7 +100,7 @@ class EventStream:
             if error is not None:
                 raise error                      # the worker's death
             raise WorkerStopped("the worker shut down")
-        raise asyncio.TimeoutError
+        raise TimeoutError
 
     def close(self) -> None:
         if self._watch is not None:

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import json
 import socket
-import time
 from types import SimpleNamespace
 
 import httpx

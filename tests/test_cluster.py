@@ -268,7 +268,8 @@ def test_missing_or_malformed_authorization_gets_401(disaggregated, method, path
 
 
 def test_disconnect_mid_stream_frees_blocks(disaggregated):
-    steps = lambda: sum(s.steps for s in ray.get([w.handle.stats.remote() for w in disaggregated.workers]))
+    def steps():
+        return sum(s.steps for s in ray.get([w.handle.stats.remote() for w in disaggregated.workers]))
     before = steps()
     body = {"model": "tiny", "prompt": list(range(200)), "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as client:

@@ -201,7 +201,7 @@ def test_no_flip_is_undone_by_the_next_decision(size, rate, prompt, output):
     s = signals(size // 2, size // 2, rate=rate * scale, prompt=prompt, output=output)
     cfg = ControllerConfig(max_workers=size)
     seen, last = [], None
-    for i in range(8):
+    for _ in range(8):
         d = decide(s, cfg, last_change_at=s.now - 100, last=last)
         seen.append(d.action)
         if d.action == NONE:

@@ -24,7 +24,7 @@ OPT_13B_CONFIG = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hid
 
 def prefill(*chunks: tuple[int, int]) -> BatchShape:
     """Chunks as (l, c) pairs."""
-    return sum((BatchShape(1, l, l * l, l * c) for l, c in chunks), BatchShape())
+    return sum((BatchShape(1, n, n * n, n * c) for n, c in chunks), BatchShape())
 
 
 def decode(*contexts: int) -> BatchShape:
@@ -80,7 +80,7 @@ TRUE = LinearStepModel(p0=15e-3, p1=0.1e-3, p2=7e-9, d0=20e-3, d1=6e-7, d2=4e-5)
 
 def samples(model: LinearStepModel, noise: float = 0.0, seed: int = 0) -> list[tuple[BatchShape, float]]:
     rng = random.Random(seed)
-    shapes = [prefill((l, c)) for l in (64, 256, 512, 1024, 2048) for c in (0, 512, 1024)]
+    shapes = [prefill((n, c)) for n in (64, 256, 512, 1024, 2048) for c in (0, 512, 1024)]
     shapes += [prefill((128, 0), (300, 100)), prefill((700, 0), (90, 2000), (1000, 0))]
     shapes += [decode(*[ctx] * n) for n in (1, 8, 32, 64, 128) for ctx in (100, 900, 2000)]
     return [(s, model.step_s(s) * (1 + rng.gauss(0, noise))) for s in shapes]
@@ -102,7 +102,7 @@ def test_fit_with_noise_predicts_within_tolerance():
 
 def test_fit_keeps_coefficients_non_negative():
     # a slightly concave prefill curve would give p2 < 0 by plain least squares
-    data = [(prefill((l, 0)), 0.01 + 1e-4 * l - 1e-9 * l * l) for l in (100, 500, 1000, 2000, 4000)]
+    data = [(prefill((n, 0)), 0.01 + 1e-4 * n - 1e-9 * n * n) for n in (100, 500, 1000, 2000, 4000)]
     data += [(decode(*[ctx] * n), 0.02 + 1e-4 * n) for n in (1, 4, 16, 64) for ctx in (500, 1000)]
     fit = LinearStepModel.fit(data)
     assert min(v for v in dataclasses.astuple(fit) if v is not None) >= 0.0 and fit.p2 == 0.0

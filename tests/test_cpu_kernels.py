@@ -58,7 +58,7 @@ def test_silu_and_mul_equals_torch(rows):
 def reference_attention(q, k_cache, v_cache, cu, lens, tables):
     """Each sequence's rows attend causally to their keys, gathered from the blocks and run
     through torch's SDPA (heads of a group sharing their KV head)."""
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[2]
     g = q.shape[1] // hkv
     out = torch.empty_like(q)
     for s in range(len(lens)):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common import SMALL_KV, ServeProcess, descendants, random_prompts, wait_for
+from common import SMALL_KV, ServeProcess, descendants, random_prompts
 from cluster.serve import free_port
 
 MAX_TOKENS = 16
@@ -179,7 +179,7 @@ def _caches(num_blocks: int, seed: int):
 
 
 def test_a_stranger_on_the_kv_store_cannot_fail_or_forge_a_transfer():
-    from workers.kv_transfer import GlooTransport, KVPeer
+    from workers.kv_transfer import GlooTransport
     d, p = GlooTransport("d-x", "cpu", "127.0.0.1"), GlooTransport("p-x", "cpu", "127.0.0.1")
     recv_caches, send_caches = _caches(8, 0), _caches(8, 1)
     peer = d.peer_for("p-x")

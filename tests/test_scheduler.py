@@ -58,7 +58,7 @@ class FakeModel:
                 assert got == tuple(seq.token_ids[:pos + 1]), f"{seq} reads wrong K/V at position {pos}"
         for seq, n in out.scheduled:                  # as LLMEngine.step
             seq.num_computed_tokens += n
-        for seq, n in out.scheduled:
+        for seq, _ in out.scheduled:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(next_token(seq))
 

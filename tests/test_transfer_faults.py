@@ -262,6 +262,8 @@ def test_a_short_stall_only_slows_the_transfer(child, where):
     theirs = child.call("caches", pair.p)
     for (sk, sv), (rk, rv), (bk, bv) in zip(theirs, pair.caches, before):
         assert torch.equal(rk[DST], sk[SRC]) and torch.equal(rv[DST], sv[SRC])
+        others = [b for b in range(rk.shape[0]) if b not in DST]          # and nothing else was written
+        assert torch.equal(rk[others], bk[others]) and torch.equal(rv[others], bv[others])
     assert pair.d.num_connects == 1                                 # nothing broke: the same group
 
 

@@ -68,7 +68,7 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
         arch = d.get("model_type", "llama")
         if arch not in ("llama", "qwen2", "mistral"):
             raise ValueError(f"unsupported model_type {arch!r}: pdcluster serves llama, qwen2 and mistral")
@@ -93,7 +93,7 @@ class ModelConfig:
             model_type=arch)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
 
     def to_hf_dict(self) -> dict:

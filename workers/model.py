@@ -237,18 +237,18 @@ class LlamaForCausalLM(nn.Module):
         cfg, slots, r = self.config, {}, self.shard.rank
         for i, layer in enumerate(self.model.layers):
             pre, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            q, kv, h, I = attn.q_size, attn.kv_size, cfg.hidden_size, mlp.intermediate_size
+            q, kv, h, inter = attn.q_size, attn.kv_size, cfg.hidden_size, mlp.intermediate_size
             rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
             for name, (off, n) in rows.items():
                 full = n * self.shard.size
                 slots[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, n, (full, h), 0, r * n)
                 if cfg.attention_bias:
                     slots[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, n, (full,), 0, r * n)
-            full_i = I * self.shard.size
-            slots[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, I, (full_i, h), 0, r * I)
-            slots[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, I, I, (full_i, h), 0, r * I)
+            full_i = inter * self.shard.size
+            slots[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter, (full_i, h), 0, r * inter)
+            slots[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, inter, (full_i, h), 0, r * inter)
             slots[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, 0, h, (h, q * self.shard.size), 1, r * q)
-            slots[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, 0, h, (h, full_i), 1, r * I)
+            slots[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, 0, h, (h, full_i), 1, r * inter)
             for name, p in [("input_layernorm.weight", layer.input_layernorm.weight),
                             ("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)]:
                 slots[pre + name] = (p, 0, p.shape[0], tuple(p.shape), 0, 0)

@@ -44,7 +44,8 @@ def profile_steps(engine, repeats: int = 5, seed: int = 0, progress=print) -> li
     budget = engine.scheduler.cfg.max_num_batched_tokens
     max_seqs = engine.scheduler.cfg.max_num_seqs
     out = []
-    ids = (lambda n: [rng.randrange(vocab) for _ in range(n)])
+    def ids(n):
+        return [rng.randrange(vocab) for _ in range(n)]
 
     def clear():
         for rid in list(engine._seqs):

@@ -45,7 +45,7 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
