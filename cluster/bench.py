@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from cluster import loadgen, promtext
+from cluster.flags import add_engine_args, engine_config_from_args
 from router.slo import ATTAINMENT
 from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
                                 TraceRow, alternate, load_custom, load_trace, phase_rows, sample_prefix_repetition,
@@ -79,7 +80,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--launch-decode", type=int, default=1)
     c.add_argument("--launch-workers", type=int, default=2, help="colocated workers")
     # The served engine's flags, as `pdcluster serve` takes them (--model and --seed are bench's own).
-    from cluster.cli import add_engine_args
     add_engine_args(p, skip=LAUNCH_SKIPS)
 
 
@@ -703,7 +703,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
               + ("" if a.save_result else " (not saved: no --save-result)"), flush=True)
     if a.save_result:
         path = save(result, a)
-        plots = [] if a.no_plots else _plots(result, path)
+        plots = [] if a.no_plots else save_plots(result, path)
         print(f"result: {path}" + (" (partial: interrupted)" if interrupted else "")
               + "".join(f"\nplot:   {p}" for p in plots), flush=True)
         if job_id := ray_job_id():
@@ -765,7 +765,7 @@ def sweep_report(result: dict, a) -> str:
     return "\n".join(lines)
 
 
-def _plots(result: dict, path: Path) -> list[Path]:
+def save_plots(result: dict, path: Path) -> list[Path]:
     """PNG plots beside the result file and named after it: NAME.json -> NAME-latency.png (one
     run) or NAME-sweep.png (a sweep; none when no rate finished)."""
     from cluster.bench_plots import plot_distributions, plot_sweep
@@ -838,7 +838,7 @@ def fetch_ray_job_result(a: argparse.Namespace) -> int:
     name, result = found
     a.result_filename = a.result_filename or name
     path = save(result, a)
-    plots = [] if a.no_plots else _plots(result, path)
+    plots = [] if a.no_plots else save_plots(result, path)
     done = (f": {result['completed']} completed, {result['failed']} failed" if "completed" in result else "")
     done += " (interrupted: partial)" if result.get("interrupted") else ""
     print(f"Ray job {job} ({status.value}){done}\nresult: {path}" + "".join(f"\nplot:   {p}" for p in plots))
@@ -852,7 +852,6 @@ def _maybe_launch(a: argparse.Namespace):
         return
     if a.base_url:
         raise ValueError("--launch starts its own server; drop --base-url")
-    from cluster.cli import engine_config_from_args
     from cluster.serve import ServingCluster, free_port
     from cluster.spec import ClusterSpec
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,

@@ -27,7 +27,7 @@ class BenchRequest:
     phase: str | None = None   # the load phase it is sent in (phases, or a trace's "phase" field)
 
 
-def _lens(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
+def random_lens(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
     """n lengths uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
     lo, hi = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
@@ -75,7 +75,7 @@ def sample_random(tokenizer: Tokenizer, num: int, input_len: int, output_len: in
     rng = random.Random(seed)
     gen = RandomText(tokenizer, rng)
     prefix = gen.text(prefix_len)[0] if prefix_len > 0 else ""
-    ins, outs = _lens(rng, num, input_len, range_ratio), _lens(rng, num, output_len, range_ratio)
+    ins, outs = random_lens(rng, num, input_len, range_ratio), random_lens(rng, num, output_len, range_ratio)
     out = []
     for n_in, n_out in zip(ins, outs):
         text, n = gen.text(prefix_len + n_in, prefix)
@@ -438,7 +438,7 @@ def phase_rows(phases: list[Phase], phase_s: float, burstiness: float = 1.0, ran
         while t < end:
             times.append(t)
             t += rng.gammavariate(burstiness, 1.0 / (ph.rate * burstiness))
-        ins = _lens(rng, len(times), ph.input_len, range_ratio)
-        outs = _lens(rng, len(times), ph.output_len, range_ratio)
+        ins = random_lens(rng, len(times), ph.input_len, range_ratio)
+        outs = random_lens(rng, len(times), ph.output_len, range_ratio)
         rows += [TraceRow(t, n_in, n_out, None, ph.name) for t, n_in, n_out in zip(times, ins, outs)]
     return rows

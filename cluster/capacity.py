@@ -16,7 +16,9 @@ import random
 import time
 
 from cluster import loadgen
-from cluster.bench_data import _lens
+from cluster.bench_data import random_lens
+from cluster.flags import (CLUSTER_FLAGS, ENGINE_FLAGS, MODE_ONLY, ROUTER_FLAGS, SLO_FLAGS, add_engine_args, add_flags,
+                           engine_config_from_args, given, nested)
 from cluster.simulate import SimCluster, SimRequest, Simulator, utilization
 from cluster.spec import ClusterSpec
 from router.slo import SLOTargets
@@ -52,13 +54,11 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
-    from cluster.cli import CLUSTER_FLAGS, ROUTER_FLAGS, add_flags
     from router.config import RouterConfig
     add_flags(p.add_argument_group("cluster"), tuple(f for f in CLUSTER_FLAGS if f.flag in
                                                       ("--mode", "--prefill", "--decode", "--workers")), ClusterSpec)
     add_flags(p.add_argument_group("router"), tuple(f for f in ROUTER_FLAGS if f.flag in
                                                      ("--policy", "--max-pending", "--no-decode-gate")), RouterConfig)
-    from cluster.cli import ENGINE_FLAGS
     add_flags(p.add_argument_group("engine"), tuple(f for f in ENGINE_FLAGS if f.flag in SIM_ENGINE_FLAGS),
               EngineConfig)
 
@@ -69,14 +69,12 @@ CONTROLLER_SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
 
 
 def _controller_flags():
-    from cluster.cli import CLUSTER_FLAGS, SLO_FLAGS
     return (tuple(f for f in CLUSTER_FLAGS if f.flag in CONTROLLER_FLAGS),
             tuple(f for f in SLO_FLAGS if f.flag in CONTROLLER_SLO_FLAGS))
 
 
 def add_controller_args(p: argparse.ArgumentParser) -> None:
     """`serve`'s controller and SLO flags (the same fields, defaults and checks)."""
-    from cluster.cli import add_flags
     cluster_flags, slo_flags = _controller_flags()
     c = p.add_argument_group("pool-ratio controller (disaggregated)")
     add_flags(c, cluster_flags, ClusterSpec)
@@ -86,7 +84,6 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
 def control_from_args(a: argparse.Namespace, cluster: SimCluster):
     """The controller's settings, or None without --controller: read and checked as `serve`
     reads them (a ClusterSpec of the simulated pools' shape, SLOTargets)."""
-    from cluster.cli import given
     from cluster.controller import ControllerConfig
     from cluster.sim_control import SimControl
     cluster_flags, slo_flags = _controller_flags()
@@ -113,7 +110,6 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    from cluster.cli import add_engine_args
     p.add_argument("--output", required=True, help="where to write the profile JSON")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per batch shape (the median is kept)")
     p.add_argument("--no-served", action="store_true", help="skip the served-path calibration (it launches a "
@@ -164,8 +160,7 @@ def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode
 
 
 def engine_from_args(a: argparse.Namespace) -> EngineConfig:
-    from cluster.cli import ENGINE_FLAGS, _nested, given
-    return EngineConfig.from_dict(_nested(given(a, tuple(f for f in ENGINE_FLAGS if f.flag in SIM_ENGINE_FLAGS))))
+    return EngineConfig.from_dict(nested(given(a, tuple(f for f in ENGINE_FLAGS if f.flag in SIM_ENGINE_FLAGS))))
 
 
 def with_capacity(cost: CostModel, engine: EngineConfig) -> CostModel:
@@ -195,8 +190,8 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
     if a.dataset_name == "random":
         if a.random_input_len < 1 or a.random_output_len < 1:
             raise ValueError("--random-input-len and --random-output-len must be at least 1")
-        ins = _lens(rng, n, a.random_input_len, a.random_range_ratio)
-        outs = _lens(rng, n, a.random_output_len, a.random_range_ratio)
+        ins = random_lens(rng, n, a.random_input_len, a.random_range_ratio)
+        outs = random_lens(rng, n, a.random_output_len, a.random_range_ratio)
         prefix = [30001, 30001] + [0] * (a.random_prefix_len - 2) if a.random_prefix_len > 1 else None
         p = len(prefix or ())
         return [SimRequest.synthetic(t, p + max(2, k), o, i, prefix)
@@ -244,10 +239,9 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
 
 
 def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig) -> SimCluster:
-    from cluster.cli import CLUSTER_FLAGS, ROUTER_FLAGS, _MODE_ONLY, given
     shape = given(a, tuple(f for f in CLUSTER_FLAGS if f.flag in ("--mode", "--prefill", "--decode", "--workers")))
     mode = shape.get("mode", DISAGGREGATED)
-    for name, (needs, flag) in _MODE_ONLY.items():
+    for name, (needs, flag) in MODE_ONLY.items():
         if name in shape and mode != needs:
             raise ValueError(f"{flag} applies to --mode {needs}; this cluster is {mode}")
     router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in ("--policy", "--max-pending", "--no-decode-gate")))
@@ -277,7 +271,7 @@ def _tokenizer(a: argparse.Namespace):
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from cluster.bench import _plots, parse_options, report, save
+    from cluster.bench import parse_options, save_plots, report, save
     opts = parse_options(a)
     if a.max_concurrency is not None:
         raise ValueError("--max-concurrency is not simulated yet: drop it")
@@ -326,13 +320,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
               f"{ctl['final']['decode']} decode")
     if a.save_result:
         path = save(result, a)
-        plots = [] if a.no_plots or "itl" not in opts.percentile_metrics else _plots(result, path)
+        plots = [] if a.no_plots or "itl" not in opts.percentile_metrics else save_plots(result, path)
         print(f"result: {path}" + "".join(f"\nplot:   {p}" for p in plots), flush=True)
     return 0
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from cluster.cli import engine_config_from_args
     from cluster.profile import run_profile
     if a.repeats < 1:
         raise ValueError("--repeats must be at least 1")

@@ -6,7 +6,6 @@ thread each, so several fit on a laptop.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -23,6 +22,7 @@ from cluster.spec import ClusterSpec
 from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.names import ROLES
+from workers.node import loopback_node, start_local_ray
 
 __all__ = ["ClusterSpec", "KVLeadStore", "NAMESPACE", "check_fits", "check_new", "connect", "find_book", "find_cluster",
            "launch", "open_book", "outlives_launcher", "remove_cluster", "restart", "retire", "shutdown", "start_worker",
@@ -45,7 +45,7 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
         _use_auth_token_if_any()
         try:
             if _loopback_only(address):        # a local serve's Ray (it binds loopback only): join it there
-                with _loopback_node():
+                with loopback_node():
                     ray.init(address=address, _node_ip_address="127.0.0.1", namespace=NAMESPACE, log_to_driver=True)
             else:
                 ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
@@ -60,31 +60,6 @@ def connect(spec: ClusterSpec, num_cpus: int | None = None) -> bool:
                        math.ceil(spec.budget * spec.num_cpus_per_worker * spec.max_tensor_parallel_size))
     start_local_ray(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=True)
     return True
-
-
-def start_local_ray(**options) -> None:
-    """`ray.init` of a local Ray of our own whose every listener is on loopback: GCS, raylet,
-    object manager, the workers' gRPC servers, the dashboard agent and the runtime-env agent
-    bind 127.0.0.1 when that is the node's address (Ray's C++ servers and agents check for it),
-    and our own listeners follow the node's address (workers/worker.py `bind_host`). Ray turns a
-    loopback `_node_ip_address` into the machine's address unless its ENABLE_RAY_CLUSTER switch
-    is off (the way it runs on macOS and Windows), so it is off for the call. No dashboard: our
-    CLI never talks to it (`ray job submit` would need one, on 127.0.0.1, `dashboard_host`'s default)."""
-    with _loopback_node():
-        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
-
-
-@contextlib.contextmanager
-def _loopback_node():
-    """Ray's ENABLE_RAY_CLUSTER off: Ray then keeps a loopback node address (and a loopback GCS
-    address a driver joins) instead of turning it into the machine's address."""
-    import ray._private.ray_constants as constants
-    saved = constants.ENABLE_RAY_CLUSTER
-    constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _loopback_only(address: str) -> bool:

@@ -230,7 +230,8 @@ def test_the_kv_store_listens_on_its_host_only():
 def test_the_tensor_parallel_step_round_trips_and_a_pickle_is_refused():
     from workers.attention import AttentionMetadata, PrefillChunk
     from workers.messages import ContractError
-    from workers.tensor_parallel import StepInputs, decode_step, encode_step
+    from workers.model_runner import StepInputs
+    from workers.tensor_parallel import decode_step, encode_step
     meta = AttentionMetadata(torch.arange(7), 2, 9, 3, torch.tensor([[1, 2], [3, 4]]), torch.tensor([5, 9]),
                              torch.tensor([0, 1, 2]), [PrefillChunk(3, 7, 0, None), PrefillChunk(2, 3, 4, torch.tensor([6]))])
     step = StepInputs([(1, 2)], [(3, 4)], [], torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), meta)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.cli import api_key_from
+from cluster.flags import api_key_from
 from router.app import Line, sandboxed_template
 from router.protocol import MAX_JSON_DEPTH, MAX_JSON_KEYS, MAX_JSON_VALUES, APIError, parse_json
 

@@ -10,7 +10,8 @@ import logging
 import torch
 
 from workers.checkpoint import load_model, model_config
-from workers.config import EngineConfig, canonical_dtype
+from workers.config import EngineConfig
+from workers.device import resolve_device, resolve_dtype
 from workers.engine_core import EngineCore, KVCacheLayout
 from workers.model import Shard, check_shardable
 from workers.model_runner import ModelRunner
@@ -18,24 +19,6 @@ from workers.scheduler import PreemptionCostModel, SchedulerOutput
 from workers.sequence import Sequence
 
 log = logging.getLogger("pdcluster.engine")
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto`: CUDA when torch sees a GPU, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
-        raise ValueError(f"--device {name}: {why}; use --device auto or cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """`auto`: bf16 on CUDA, fp32 on CPU (bf16 matmul on CPU is 50-100x slower than fp32)."""
-    if name == "auto":
-        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
-    return getattr(torch, canonical_dtype(name))
 
 
 class LLMEngine(EngineCore):

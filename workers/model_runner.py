@@ -16,9 +16,21 @@ from workers.model import LlamaForCausalLM
 from workers.sampler import SampledTokens, sample
 from workers.scheduler import SchedulerOutput
 from workers.sequence import Sequence
-from workers.tensor_parallel import StepInputs
 
 log = logging.getLogger("pdcluster.runner")
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank needs to run one step on its slice: the cache operations first, then the
+    forward pass (input ids, positions, attention metadata); rank 0 broadcasts it to the others
+    (workers/tensor_parallel.py)."""
+    copies: list
+    swap_out: list
+    swap_in: list
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
 
 
 @dataclass(slots=True)

@@ -26,11 +26,12 @@ import logging
 import os
 import secrets
 import threading
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from workers.model_runner import ModelRunner, StepInputs
 
 log = logging.getLogger("pdcluster.tp")
 # Ranks 1..N-1 wait in the step broadcast for as long as rank 0 is idle: that group's timeout
@@ -43,18 +44,6 @@ STEP_TIMEOUT_S = 300.0
 
 class RankLost(RuntimeError):
     """Another rank of this worker's group failed: the group is unusable."""
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """What every rank needs to run one step on its slice: the cache operations first, then the
-    forward pass (input ids, positions, attention metadata)."""
-    copies: list
-    swap_out: list
-    swap_in: list
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: object
 
 
 def _wire_tensor(t):
@@ -192,9 +181,8 @@ class Rank:
     def __init__(self, engine_cfg, rank: int, size: int, num_blocks: int, num_host_blocks: int,
                  num_threads: int = 1):
         from workers.checkpoint import load_model
-        from workers.engine import resolve_device, resolve_dtype
+        from workers.device import resolve_device, resolve_dtype
         from workers.model import Shard
-        from workers.model_runner import ModelRunner
         torch.set_num_threads(num_threads)
         torch.manual_seed(engine_cfg.seed)
         cfg, self.rank, self.size = engine_cfg, rank, size
@@ -213,7 +201,7 @@ class Rank:
 
     def kv_segment(self) -> dict | None:
         """Where this rank's KV cache lives (rank 0 maps it to move the worker's KV in and out)."""
-        from workers.worker import node_id
+        from workers.node import node_id
         shared = self.runner.shared_kv
         return None if shared is None else shared.segment(node_id()).to_dict()
 
@@ -248,9 +236,9 @@ class RankGroup:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(include_dashboard=False, log_to_driver=False)
             else:
-                from cluster.launcher import start_local_ray     # all on loopback
+                from workers.node import start_local_ray        # all on loopback
                 start_local_ray(include_dashboard=False, log_to_driver=False)
-        from workers.engine import resolve_device
+        from workers.device import resolve_device
         device = resolve_device(engine_cfg.device)
         self._own_pg = None
         if placement is None:                   # a group of our own for the other ranks
@@ -283,7 +271,7 @@ class RankGroup:
         import ray
         try:
             self.pids = ray.get([a.pid.remote() for a in self.ranks], timeout=self.timeout_s)
-            from workers.worker import bind_host
+            from workers.node import bind_host
             host = bind_host()
             timeout = timedelta(seconds=self.timeout_s)
             store = TPGroup.host(host, timeout)

@@ -41,7 +41,8 @@ from concurrent.futures import Future
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import LLMEngine, resolve_device
+from workers.device import resolve_device
+from workers.engine import LLMEngine
 from workers.faults import FaultPlan
 from workers.handoff import HandoffBook, HandoffError, Outcome
 from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_heads, whole_heads
@@ -52,6 +53,7 @@ from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, Gener
                               encode)
 from workers.leases import RouterLeases
 from workers.names import AUTO, ROLES, SHM, owner_of
+from workers.node import bind_host, node_id, node_ip
 from workers.tensor_parallel import RankLost
 
 log = logging.getLogger("pdcluster.worker")
@@ -944,27 +946,6 @@ def _refused(message: str) -> Exception:
     e = KVTransferRefused(message)
     e.point = "refused"
     return e
-
-
-def node_id() -> str:
-    """Ray's id of this node: same-node peers share memory."""
-    import ray
-    return ray.get_runtime_context().get_node_id()
-
-
-def node_ip() -> str:
-    """The address other nodes reach this one at (Ray's view of it): 127.0.0.1 in a local Ray
-    (cluster/launcher.py `start_local_ray`)."""
-    import ray
-    return ray.util.get_node_ip_address()
-
-
-def bind_host() -> str:
-    """The one address every listener of a worker binds: its event streams, the KV rendezvous
-    store and Gloo's pairs, the tensor-parallel store. Ray's address of this node: loopback in a
-    local Ray, so nothing is reachable from off the machine; on a Ray cluster the node's own
-    address (never every interface), which its peers on other nodes reach."""
-    return node_ip()
 
 
 def _release_on(cluster_id: str, worker_id: str, rid: str) -> None:
