@@ -24,7 +24,7 @@ The policy orders the queues:
             of lower-priority prompts already running; and a waiting prompt whose next uncached
             full blocks a running sequence is computing (the same block hashes) waits for them
             instead of computing them twice, lending that sequence its priority until they are
-            computed (`_inherit`): the inversion is bounded by that shared prefill;
+            computed (`Priority`): the inversion is bounded by that shared prefill;
   deadline  running sequences with output first (one token each per step; the tightest TPOT
             first), then the prefill work as one queue by least slack = TTFT deadline - now -
             remaining prompt tokens x seconds per token (measured: `observe_step`), those that
@@ -107,53 +107,16 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self.watermark_blocks = int(cfg.watermark * kv.pool.num_blocks)
-        self.inherit = cfg.policy == "priority" and cfg.priority_inheritance
-        # Chunked: one queue of prefill work (running chunks and waiting prompts) in the policy's order.
-        self.merged = cfg.chunked_prefill and (cfg.policy == "deadline" or self.inherit)
         self.prefill_s_per_token = cfg.prefill_s_per_token     # deadline: measured from full steps
         self.decode_steps = DecodeStepFit()                     # a decode worker's admission by TPOT
-        self._now = 0.0                          # deadline: the clock at this step's start
-        self._order: dict[str, float] = {}       # deadline: each sequence's ordering slack, fixed
-        self._late: set[str] = set()             # deadline: sequences that can no longer meet theirs
-        self._boosts: dict[str, int] = {}        # inheritance: holder id -> the priority it inherits
-        self._computing: dict[bytes, Sequence] = {}   # inheritance: block hash -> running seq computing it
+        self.policy: QueuePolicy = POLICIES[cfg.policy](self)
+        # Chunked: one queue of prefill work (running chunks and waiting prompts) in the policy's order.
+        self.merged = cfg.chunked_prefill and self.policy.merged
 
     # -- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)
-
-    def _key(self, seq: Sequence) -> tuple:
-        if self.cfg.policy == "priority":
-            return (min(seq.priority, self._boosts.get(seq.seq_id, seq.priority)), seq.arrival_time)
-        if self.cfg.policy == "deadline":
-            return self._slack_key(seq)
-        return (seq.arrival_time,)
-
-    def _slack_key(self, seq: Sequence) -> tuple:
-        """Sequences with output first (decoding, or back after a preemption: their TPOT is
-        running), tightest TPOT first; then first-token work by least slack, the hopeless
-        (negative slack now) last; no deadline: after those that have one and can meet it.
-
-        The order must not follow progress: preemption takes the last in order, so a key that
-        grew as a prefill advanced would let two prefills that do not fit together preempt each
-        other in turn for ever (each recompute undoing the other's progress). So the slack that
-        orders is taken once, at the first look (deadline - all the prompt's work: `now` is the
-        same for all), and hopelessness, judged on the work left, is final once reached: each
-        sequence changes class at most once, and within a class the order is fixed."""
-        if seq.num_output_tokens:
-            return (0, seq.tpot_s or math.inf, seq.arrival_time)
-        if seq.ttft_deadline is None:
-            return (1, False, math.inf, seq.arrival_time)
-        rid, per_token = seq.seq_id, self.prefill_s_per_token
-        order = self._order.get(rid)
-        if order is None:
-            order = self._order[rid] = seq.ttft_deadline - seq.num_tokens * per_token
-        late = rid in self._late
-        if not late and seq.ttft_deadline - self._now - (seq.num_tokens - seq.num_computed_tokens) * per_token < 0:
-            self._late.add(rid)
-            late = True
-        return (1, late, order, seq.arrival_time)
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int = 0) -> None:
         """A step's measured time: steps of at least half the budget (where the per-token cost,
@@ -176,11 +139,11 @@ class Scheduler:
 
     def _insert(self, queue, seq: Sequence) -> None:
         """Keep a queue ordered by the policy's key; appending is the common, O(1) case."""
-        key = self._key(seq)
-        if not queue or self._key(queue[-1]) <= key:
+        key = self.policy.key(seq)
+        if not queue or self.policy.key(queue[-1]) <= key:
             queue.append(seq)
         else:
-            keys = [self._key(s) for s in queue]
+            keys = [self.policy.key(s) for s in queue]
             queue.insert(bisect.bisect_right(keys, key), seq)
 
     def has_unfinished(self) -> bool:
@@ -205,21 +168,14 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._order.pop(seq.seq_id, None)
-        self._late.discard(seq.seq_id)
+        self.policy.forget(seq)
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         whole = not self.cfg.chunked_prefill
-        if self.cfg.policy == "deadline":
-            self._now = self.clock()
-            self.running.sort(key=self._slack_key)
-            if len(self.waiting) > 1:
-                self.waiting = deque(sorted(self.waiting, key=self._slack_key))
-        elif self.inherit:
-            self._inherit()
+        self.policy.before_step()
         if whole and self.waiting and not self.swapped:
             self._schedule_waiting(out, budget, whole=True)
             if out.scheduled:
@@ -240,7 +196,7 @@ class Scheduler:
             seq = self.running[i]
             n = seq.num_tokens - seq.num_computed_tokens
             if self.merged and (n > 1 or not seq.num_output_tokens):   # prefill work: waiting
-                key = self._key(seq)                                    # prompts before it go first
+                key = self.policy.key(seq)                                    # prompts before it go first
                 while budget > 0 and (admitted := self._admit(out, budget, before=(key, i))):
                     budget -= admitted
                     i += 1
@@ -293,10 +249,10 @@ class Scheduler:
         if before is not None and (out.preempted or self.swapped):   # as after the running batch
             return 0
         for seq in self.waiting:
-            if before is not None and not self._key(seq) < before[0]:
+            if before is not None and not self.policy.key(seq) < before[0]:
                 return 0
             computed, num_cached = self.kv.get_computed_blocks(seq)
-            if not self._computing or self._holder(seq, num_cached) is None:
+            if self.policy.holder(seq, num_cached) is None:
                 break
         else:
             return 0
@@ -323,39 +279,6 @@ class Scheduler:
         out.scheduled.append((seq, n))
         return n
 
-    # -- priority inheritance ------------------------------------------------------------------
-    def _inherit(self) -> None:
-        """Find, for each waiting prompt, the running sequence computing its next uncached full
-        block (`_holder`), lend each holder the best priority waiting on it, and order the running
-        batch by the priorities in effect. Rebuilt every step, so a boost ends when the shared
-        blocks are computed (they are cached, so nobody waits on them) and when its holder
-        finishes, is aborted or preempted (it computes nothing): its waiters then compute the
-        blocks themselves. A chain (a waiter whose prefix runs on past a holder's prompt, into
-        blocks another running sequence computes) resolves link by link: only running sequences
-        compute blocks, so each wait is on one."""
-        bs = self.kv.block_size
-        self._computing = {h: r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
-                           for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
-        boosts: dict[str, int] = {}
-        if self._computing:
-            for seq in self.waiting:
-                holder = self._holder(seq, self.kv.get_computed_blocks(seq)[1])
-                if holder is not None:
-                    boosts[holder.seq_id] = min(boosts.get(holder.seq_id, holder.priority), seq.priority)
-        if boosts or self._boosts:
-            self._boosts = boosts
-            self.running.sort(key=self._key)
-
-    def _holder(self, seq: Sequence, num_cached: int) -> Sequence | None:
-        """The running sequence computing `seq`'s next uncached full block (hashes chain, so the
-        same hash is the same prefix), if that block is one `seq` would take from the cache."""
-        m = num_cached // self.kv.block_size
-        if not self.kv.pool.enable_caching or m >= (seq.num_tokens - 1) // self.kv.block_size:
-            return None
-        if seq.prompt_logprobs is not None:      # computes its whole prompt itself
-            return None
-        return self._computing.get(seq.block_hashes[m])
-
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         seq.num_preemptions += 1
@@ -379,3 +302,140 @@ class Scheduler:
         if mode == "swap":
             return True
         return self.cost_model is not None and self.cost_model.prefers_swap(seq.num_computed_tokens)
+
+
+# -- the queue policies (--scheduling-policy) ------------------------------------------------------
+class QueuePolicy:
+    """How a scheduler orders its queues: `key` sorts the running, waiting and swapped sequences
+    (victims of preemption last); `before_step` reorders what the order depends on at each step;
+    `holder` is the running sequence a waiting prompt waits for instead of starting (None: it may
+    start); `forget` drops what the policy keeps of a finished sequence. `merged`: with chunked
+    prefill, the running prompts' chunks and the waiting prompts form one queue of prefill work
+    in this order (else running sequences go first)."""
+    merged = False
+
+    def __init__(self, scheduler: Scheduler):
+        self.s = scheduler
+
+    def key(self, seq: Sequence) -> tuple:
+        return (seq.arrival_time,)
+
+    def before_step(self) -> None:
+        pass
+
+    def holder(self, seq: Sequence, num_cached: int) -> Sequence | None:
+        return None
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
+class FCFS(QueuePolicy):
+    """Arrival order."""
+
+
+class Priority(QueuePolicy):
+    """(priority, arrival), lower first; with inheritance (`priority_inheritance`), a waiting
+    prompt waits for the running sequence computing its next uncached blocks and lends it its
+    priority, and the prefill work is one queue by effective priority."""
+
+    def __init__(self, scheduler: Scheduler):
+        super().__init__(scheduler)
+        self.inherit = self.merged = scheduler.cfg.priority_inheritance
+        self.boosts: dict[str, int] = {}          # holder id -> the priority it inherits
+        self.computing: dict[bytes, Sequence] = {}   # block hash -> the running sequence computing it
+
+    def key(self, seq: Sequence) -> tuple:
+        return (min(seq.priority, self.boosts.get(seq.seq_id, seq.priority)), seq.arrival_time)
+
+    def before_step(self) -> None:
+        if self.inherit:
+            self._inherit()
+
+    def _inherit(self) -> None:
+        """Find, for each waiting prompt, the running sequence computing its next uncached full
+        block (`holder`), lend each holder the best priority waiting on it, and order the running
+        batch by the priorities in effect. Rebuilt every step, so a boost ends when the shared
+        blocks are computed (they are cached, so nobody waits on them) and when its holder
+        finishes, is aborted or preempted (it computes nothing): its waiters then compute the
+        blocks themselves. A chain (a waiter whose prefix runs on past a holder's prompt, into
+        blocks another running sequence computes) resolves link by link: only running sequences
+        compute blocks, so each wait is on one."""
+        s, kv = self.s, self.s.kv
+        bs = kv.block_size
+        self.computing = {h: r for r in s.running if r.num_computed_tokens < r.num_prompt_tokens
+                          for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
+        boosts: dict[str, int] = {}
+        if self.computing:
+            for seq in s.waiting:
+                holder = self.holder(seq, kv.get_computed_blocks(seq)[1])
+                if holder is not None:
+                    boosts[holder.seq_id] = min(boosts.get(holder.seq_id, holder.priority), seq.priority)
+        if boosts or self.boosts:
+            self.boosts = boosts
+            s.running.sort(key=self.key)
+
+    def holder(self, seq: Sequence, num_cached: int) -> Sequence | None:
+        """The running sequence computing `seq`'s next uncached full block (hashes chain, so the
+        same hash is the same prefix), if that block is one `seq` would take from the cache."""
+        if not self.computing:
+            return None
+        kv = self.s.kv
+        m = num_cached // kv.block_size
+        if not kv.pool.enable_caching or m >= (seq.num_tokens - 1) // kv.block_size:
+            return None
+        if seq.prompt_logprobs is not None:      # computes its whole prompt itself
+            return None
+        return self.computing.get(seq.block_hashes[m])
+
+
+class Deadline(QueuePolicy):
+    """Sequences with output first (one token each per step; the tightest TPOT first), then the
+    prefill work as one queue by least slack (TTFT deadline - now - remaining prompt tokens x the
+    scheduler's measured seconds per token), the hopeless last."""
+    merged = True
+
+    def __init__(self, scheduler: Scheduler):
+        super().__init__(scheduler)
+        self.now = 0.0                       # the clock at this step's start
+        self.order: dict[str, float] = {}    # each sequence's ordering slack, fixed
+        self.late: set[str] = set()          # sequences that can no longer meet theirs
+
+    def before_step(self) -> None:
+        s = self.s
+        self.now = s.clock()
+        s.running.sort(key=self.key)
+        if len(s.waiting) > 1:
+            s.waiting = deque(sorted(s.waiting, key=self.key))
+
+    def key(self, seq: Sequence) -> tuple:
+        """Sequences with output first (decoding, or back after a preemption: their TPOT is
+        running), tightest TPOT first; then first-token work by least slack, the hopeless
+        (negative slack now) last; no deadline: after those that have one and can meet it.
+
+        The order must not follow progress: preemption takes the last in order, so a key that
+        grew as a prefill advanced would let two prefills that do not fit together preempt each
+        other in turn for ever (each recompute undoing the other's progress). So the slack that
+        orders is taken once, at the first look (deadline - all the prompt's work: `now` is the
+        same for all), and hopelessness, judged on the work left, is final once reached: each
+        sequence changes class at most once, and within a class the order is fixed."""
+        if seq.num_output_tokens:
+            return (0, seq.tpot_s or math.inf, seq.arrival_time)
+        if seq.ttft_deadline is None:
+            return (1, False, math.inf, seq.arrival_time)
+        rid, per_token = seq.seq_id, self.s.prefill_s_per_token
+        order = self.order.get(rid)
+        if order is None:
+            order = self.order[rid] = seq.ttft_deadline - seq.num_tokens * per_token
+        late = rid in self.late
+        if not late and seq.ttft_deadline - self.now - (seq.num_tokens - seq.num_computed_tokens) * per_token < 0:
+            self.late.add(rid)
+            late = True
+        return (1, late, order, seq.arrival_time)
+
+    def forget(self, seq: Sequence) -> None:
+        self.order.pop(seq.seq_id, None)
+        self.late.discard(seq.seq_id)
+
+
+POLICIES: dict[str, type[QueuePolicy]] = {"fcfs": FCFS, "priority": Priority, "deadline": Deadline}
