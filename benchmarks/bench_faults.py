@@ -120,7 +120,7 @@ def trace_attempts(dispatcher) -> tuple[list[tuple[float, str, tuple, int]], dic
 
 def live_pids(c: ServingCluster) -> dict[str, tuple[str, int]]:
     """worker id -> (role, pid) of each worker that answers now (one being restarted does not)."""
-    return {w: (info["role"], info["pid"]) for w, info in c.answering().items()}
+    return {w: (info.role, info.pid) for w, info in c.answering().items()}
 
 
 @dataclass

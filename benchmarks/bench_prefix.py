@@ -78,7 +78,7 @@ def main() -> None:
                 tok = load_tokenizer(c.spec.model)
                 reqs = sample_prefix_repetition(tok, a.prefixes * a.per_prefix, a.prefix_len, a.suffix_len,
                                                 a.prefixes, a.output_len, seed=r)
-                block_size = c.infos[0]["block_size"]
+                block_size = c.infos[0].block_size
                 if a.wait_idle:
                     meter.wait_idle(a.wait_idle)
                 with meter.part(f"{policy}-{r}"):

@@ -23,6 +23,7 @@ from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.names import ROLES
 from workers.node import loopback_node, start_local_ray
+from workers.messages import WorkerInfo
 
 __all__ = ["ClusterSpec", "KVLeadStore", "NAMESPACE", "check_fits", "check_new", "connect", "find_book", "find_cluster",
            "launch", "open_book", "outlives_launcher", "remove_cluster", "restart", "retire", "shutdown", "start_worker",
@@ -265,7 +266,7 @@ def room_for_one(spec: ClusterSpec) -> str | None:
     return short[0] if short else None
 
 
-def launch(spec: ClusterSpec) -> tuple[list[Member], list[dict]]:
+def launch(spec: ClusterSpec) -> tuple[list[Member], list[WorkerInfo]]:
     """Create the workers and wait until each has loaded its model (or fail clearly)."""
     handles = [(worker_id, role, start_worker(spec, worker_id, role)) for worker_id, role in spec.roles()]
     members = [Member(w, r, h, ACTIVE) for w, r, h in handles]
@@ -322,7 +323,7 @@ def _cluster_names(cluster_id: str | None, with_books: bool = False) -> tuple[st
     return cluster_id, found[cluster_id]
 
 
-def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[dict], object]:
+def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[ClusterSpec, list[Member], list[WorkerInfo], object]:
     """A running cluster, found by its actors' names on the Ray cluster this process joined:
     (its launch settings, from its book; its members; each one's `ready()` answer; its book).
     Without `cluster_id`, the one cluster there is. A worker that does not answer within
@@ -347,11 +348,11 @@ def find_cluster(cluster_id: str | None, timeout_s: float = 60.0) -> tuple[Clust
         else:
             infos.append(info)
         # Its role now (a controller may have moved it); one that did not answer, as it was named
-        members.append(Member(w, info["role"] if info else w.rsplit("-", 1)[0], handles[w], ACTIVE if info else STARTING))
+        members.append(Member(w, info.role if info else w.rsplit("-", 1)[0], handles[w], ACTIVE if info else STARTING))
     if not infos:
         raise RuntimeError(f"no worker of cluster {cluster_id!r} answered within {timeout_s:g}s")
-    if full := [i["worker_id"] for i in infos if i["routers"] >= i["max_routers"]]:
-        raise RuntimeError(f"worker {full[0]} streams to {infos[0]['max_routers']} routers already, the most a "
+    if full := [i.worker_id for i in infos if i.routers >= i.max_routers]:
+        raise RuntimeError(f"worker {full[0]} streams to {infos[0].max_routers} routers already, the most a "
                            "worker takes: stop one first (a dead router's place frees once its lease lapses)")
     return spec, members, infos, book
 

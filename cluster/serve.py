@@ -28,6 +28,7 @@ from router.metrics import Metrics
 from router.config import API_KEY_ENV, RouterConfig
 from workers.names import AUTO, COLOCATED, PREFILL, ROLES
 from workers.checkpoint import load_tokenizer
+from workers.messages import WorkerInfo
 
 
 __all__ = ["ServingCluster", "banner", "free_port", "serve_forever"]   # free_port: for tests and tools
@@ -137,7 +138,7 @@ class ServingCluster:
     die, a router attached to the pools takes it over once its lease lapses."""
 
     def __init__(self, spec: ClusterSpec, router: RouterConfig | None = None, ray_num_cpus: int | None = None,
-                 attach: tuple[list[Member], list[dict]] | None = None, book=None, **router_fields):
+                 attach: tuple[list[Member], list[WorkerInfo]] | None = None, book=None, **router_fields):
         self.spec = spec
         self.attach = attach
         self.book = book                              # the cluster's book actor (the launcher opens it)
@@ -148,7 +149,7 @@ class ServingCluster:
         self.ray_num_cpus = ray_num_cpus
         self.pools: PoolRegistry | None = None
         self.controller = None                        # cluster/pool_control.py's, with spec.controller
-        self.infos: list[dict] = []                   # each launched worker's ready() answer
+        self.infos: list[WorkerInfo] = []             # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._renewed = -math.inf                     # when this router last renewed the lead
         self._term = 0                                # the term it last held the lead in
@@ -179,7 +180,7 @@ class ServingCluster:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def answering(self, timeout_s: float = 10.0) -> dict[str, dict]:
+    def answering(self, timeout_s: float = 10.0) -> dict[str, WorkerInfo]:
         """worker id -> its `ready()` answer (role, pid, node, ...), for each worker that answers
         now (one being restarted does not): fault drills and their tests find processes here."""
         out = {}
@@ -188,7 +189,7 @@ class ServingCluster:
                 info = ray.get(w.handle.ready.remote(), timeout=timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
-            out[info["worker_id"]] = info
+            out[info.worker_id] = info
         return out
 
     def build(self, announce=None) -> DrainingServer:
@@ -211,7 +212,7 @@ class ServingCluster:
                 stop_cluster(members, self.book)
             raise
 
-    def _build_router(self, members: list[Member], infos: list[dict], tokenizer, announce) -> DrainingServer:
+    def _build_router(self, members: list[Member], infos: list[WorkerInfo], tokenizer, announce) -> DrainingServer:
         # Any router may come to lead (cluster/book.py): each keeps what leading needs ready.
         self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.owns else None)
         self.infos = infos
@@ -220,7 +221,7 @@ class ServingCluster:
         self.dispatcher = dispatcher = Dispatcher(
             self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries, hang_timeout_s=cfg.worker_hang_timeout_s,
             restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
-            block_size=infos[0]["block_size"], local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+            block_size=infos[0].block_size, local_prefill_max_tokens=cfg.local_prefill_max_tokens,
             decode_gate=cfg.decode_gate, decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
             router_lease_s=self.spec.router_lease_s, leads=False)
         sched = self.spec.engine.scheduler
@@ -231,14 +232,14 @@ class ServingCluster:
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens)
                      if cfg.admission == SLO else None)
-        roles = {r: sum(i["role"] == r for i in infos) for r in ROLES}
-        server = Server(dispatcher, tokenizer, self.model_name, min(i["max_model_len"] for i in infos),
+        roles = {r: sum(i.role == r for i in infos) for r in ROLES}
+        server = Server(dispatcher, tokenizer, self.model_name, min(i.max_model_len for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
                         max_validating=cfg.max_validating,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
-                                      "num_gpus": sum(i["device"].startswith("cuda") for i in infos)})
+                                      "num_gpus": sum(i.device.startswith("cuda") for i in infos)})
         self.server = server
         app = build_app(server)
         app.state.dispatcher = dispatcher
@@ -256,7 +257,7 @@ class ServingCluster:
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
-    def _step_fit(self, dispatcher: Dispatcher, infos: list[dict]):
+    def _step_fit(self, dispatcher: Dispatcher, infos: list[WorkerInfo]):
         """The step cost model the controller and SLO admission price the pools with: fitted on
         the steps the workers serve and, with the controller on, first on a grid one worker times
         before serving (seconds on a GPU), so that the controller has a model from the start."""
@@ -266,17 +267,17 @@ class ServingCluster:
             t0 = time.monotonic()
             profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
-        fit = StepFit(info["bytes_per_block"] // info["block_size"],
-                      min(i["num_blocks"] for i in infos) * info["block_size"], profiled)
+        fit = StepFit(info.bytes_per_block // info.block_size,
+                      min(i.num_blocks for i in infos) * info.block_size, profiled)
         dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
         return fit
 
-    def _controller(self, dispatcher: Dispatcher, infos: list[dict], fit):
+    def _controller(self, dispatcher: Dispatcher, infos: list[WorkerInfo], fit):
         from cluster.controller import ControllerConfig
         from cluster.pool_control import LiveControl, PoolController
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
         cores = os.cpu_count() or 1
-        if infos[0]["device"] == "cpu" and cores < spec.budget:
+        if infos[0].device == "cpu" and cores < spec.budget:
             # The cost model prices each worker as a device of its own (as a GPU is); CPU workers
             # with fewer cores than workers share them, so a move between pools moves no compute.
             log.warning("controller: %d CPU workers (the budget) share %d cores here: the controller prices each "
@@ -451,7 +452,7 @@ class ServingCluster:
 def banner(cluster: ServingCluster) -> list[str]:
     """What `serve` prints once it answers: the workers, the URLs, and a request that works as
     printed (with the API key's header when one is required)."""
-    nodes = {i["worker_id"]: i.get("node", "?") for i in cluster.infos}
+    nodes = {i.worker_id: i.node for i in cluster.infos}
     auth = ' -H "Authorization: Bearer $PDCLUSTER_API_KEY"' if cluster.cfg.api_key else ""    # never the key
     body = json.dumps({"model": cluster.model_name, "prompt": "Hello", "max_tokens": 16})
     how = "" if cluster.owns else f"router {cluster.cfg.router_id}, attached to "

@@ -327,7 +327,7 @@ def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
     the prompt ends on a block boundary (that token is recomputed: its logits are needed)."""
     c = disaggregated
     url = f"{c.base_url.removesuffix('/v1')}/metrics"
-    block_size = ray.get(c.workers[0].handle.ready.remote())["block_size"]
+    block_size = ray.get(c.workers[0].handle.ready.remote()).block_size
     tiny = builtin_config("tiny")
     bytes_per_block = KVLayout(tiny.num_hidden_layers, block_size, tiny.num_key_value_heads, tiny.head_dim,
                                "float32").bytes_per_block

@@ -30,6 +30,8 @@ EXAMPLES = [
     LOAD,
     msg.PollReply([msg.TokenEvent("a", [1], held=True), msg.ErrorEvent("b", "bad")], LOAD, {"step_s": [0.01]}),
     msg.KVSendRequest("r3.1", "decode-0", "10.0.0.2:4711", 17),
+    msg.WorkerInfo("decode-0", "decode", 4096, 256, 16, 8192, "torch", "cpu", "127.0.0.1", 4242, 1, [], 10.0, "c1",
+                   {"model": "tiny", "cache": {"block_size": 16}}, 1, 64),
 ]
 
 

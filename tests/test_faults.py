@@ -44,7 +44,7 @@ def chaos(ray_session):
 
 def worker_pids(c: ServingCluster) -> dict[str, int]:
     """The process of each worker that answers now (one being restarted does not)."""
-    return {w: info["pid"] for w, info in c.answering(timeout_s=30).items()}
+    return {w: info.pid for w, info in c.answering(timeout_s=30).items()}
 
 
 def pools(c: ServingCluster) -> dict:

@@ -63,7 +63,7 @@ def test_a_decode_worker_flips_to_prefill_under_load_and_back(cluster, prompts, 
     assert c.pools["decode-1"].state == DRAINING
     assert fut.result(timeout=180) == reference
     wait_for(lambda: (c.pools["decode-1"].state, c.pools["decode-1"].role), lambda s: s == (ACTIVE, PREFILL), 60)
-    assert ray.get(c.pools["decode-1"].handle.ready.remote())["role"] == PREFILL
+    assert ray.get(c.pools["decode-1"].handle.ready.remote()).role == PREFILL
     # (the loop thread counts the change after the member's state moved: wait for it, not race it)
     wait_for(lambda: metric(c, "pdcluster:pool_role_changes_total", {"from_role": DECODE, "to_role": PREFILL}),
              lambda n: n == before["dp"] + 1, 10)
@@ -113,7 +113,7 @@ def test_a_worker_killed_while_draining_resumes_its_requests_and_completes_its_f
     ray.kill(m.handle, no_restart=False)
     assert fut.result(timeout=300) == reference
     wait_for(lambda: (m.state, m.role), lambda s: s == (ACTIVE, PREFILL), 120)
-    assert ray.get(m.handle.ready.remote())["role"] == PREFILL
+    assert ray.get(m.handle.ready.remote()).role == PREFILL
     assert metric(c, "pdcluster:requests_resumed_total", {"cause": "worker_died"}) >= 1
     assert metric(c, "pdcluster:workers_replaced_total", {"role": DECODE}) + \
         metric(c, "pdcluster:workers_replaced_total", {"role": PREFILL}) > restarts

@@ -140,7 +140,7 @@ def test_a_killed_prefill_worker_is_forgotten_and_its_prefix_served_unchanged(cl
         prompts = [prefix + [rng.randrange(1, 250) for _ in range(10)] for _ in range(2)]
         assert complete(client, prompts[0]) == offline(prompts[:1])[0]
         holder = max(d.prefix_index.matches(d.prefix_index.hashes(prompts[1])).items(), key=lambda kv: kv[1])[0]
-        pid = cluster.answering(timeout_s=30)[holder]["pid"]
+        pid = cluster.answering(timeout_s=30)[holder].pid
         os.kill(pid, signal.SIGKILL)
         # The router notices (it may restart the worker before a poll here sees it away): it
         # forgets what the worker held.

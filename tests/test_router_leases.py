@@ -221,12 +221,12 @@ def test_a_worker_takes_at_most_max_routers():
         w.leases.clock = clock
         owners = [owner_tag(f"r{i}") for i in range(MAX_ROUTERS)]
         addresses = {w.stream_events(o, KEY) for o in owners}
-        assert len(addresses) == MAX_ROUTERS and w.ready()["routers"] == MAX_ROUTERS
+        assert len(addresses) == MAX_ROUTERS and w.ready().routers == MAX_ROUTERS
         with pytest.raises(RuntimeError, match="the most it takes"):
             w.stream_events(owner_tag("one-more"), KEY)
         assert w.stream_events(owners[0], KEY) in addresses                  # one already in: its stream again
         clock.t += w.leases.lease_s + 1
         for o in owners[1:]:
             w.heartbeat(o)
-        wait_for(lambda: w.ready()["routers"], lambda n: n == MAX_ROUTERS - 1, 10)   # owners[0] lapsed
+        wait_for(lambda: w.ready().routers, lambda n: n == MAX_ROUTERS - 1, 10)   # owners[0] lapsed
         w.stream_events(owner_tag("one-more"), KEY)

@@ -218,8 +218,8 @@ def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, 
             while sum(map(len, outs)) < len(prompts) * MAX_NEW_TOKENS // 4:
                 assert asyncio.get_running_loop().time() < deadline, outs
                 await asyncio.wait(runs, timeout=0.05)
-            victim = next(i for w, i in r0.answering().items() if i["role"] == "decode")
-            os.kill(victim["pid"], 9)
+            victim = next(i for w, i in r0.answering().items() if i.role == "decode")
+            os.kill(victim.pid, 9)
             await asyncio.gather(*runs)
             return outs
         assert asyncio.run(kill_a_decode_worker_mid_way()) == want

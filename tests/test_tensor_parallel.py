@@ -154,14 +154,14 @@ def test_a_dead_rank_restarts_its_worker_and_its_requests_complete(ray_session, 
     with ServingCluster(spec, port=free_port(), admission="queue") as c:
         prefill = next(w for w in c.workers if w.role == "prefill")
         info = ray.get(prefill.handle.ready.remote())
-        (rank1,) = info["rank_pids"]
+        (rank1,) = info.rank_pids
         os.kill(rank1, signal.SIGKILL)
         # The prefill worker's next step finds the group broken and ends; Ray restarts it with
         # new ranks and the router resumes what it had: nothing lost, nothing changed.
         got = asyncio.run(_send_all(c.base_url, CLUSTER_PROMPTS, CLUSTER_TOKENS))
         assert got == cluster_reference
         after = ray.get(prefill.handle.ready.remote())
-        assert after["pid"] != info["pid"] and rank1 not in after["rank_pids"]
+        assert after.pid != info.pid and rank1 not in after.rank_pids
         wait_pools_clean(c)
 
 

@@ -171,6 +171,30 @@ class TransferTotals:
 
 
 @message
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's answer to `ready()` (through Ray, also a message here): who it is, its engine's
+    shape, where it runs, and how many routers it streams to."""
+    worker_id: str
+    role: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    attention_backend: str
+    device: str
+    node: str                          # the address other nodes reach it at
+    pid: int
+    tensor_parallel_size: int
+    rank_pids: list[int]               # its other tensor-parallel ranks' processes
+    router_lease_s: float
+    cluster_id: str
+    engine: dict                       # its EngineConfig, as a dict
+    routers: int                       # routers it streams to now
+    max_routers: int
+
+
+@message
 @dataclass(slots=True)
 class LoadReport:
     """A worker's state at one poll: gauges and cumulative counters (the router turns their

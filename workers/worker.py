@@ -48,7 +48,7 @@ from workers.handoff import HandoffBook, HandoffError, Outcome
 from workers.kv_shm import ORDERED, KVSegment, PeerCaches, copy_heads, whole_heads
 from workers.kv_cache_manager import cdiv
 from workers.kv_stream import CopyPlan, KVFeed, StreamEnded, newer
-from workers.messages import (SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVMoreOp,
+from workers.messages import (WorkerInfo, SAMPLE_KINDS, AbortOp, DecodeOp, ErrorEvent, GenerateOp, HeldKV, KVMoreOp,
                               KVSendRequest, LoadReport, PollReply, PrefillOp, TokenEvent, TransferTotals, decode,
                               encode)
 from workers.leases import RouterLeases
@@ -157,16 +157,13 @@ class Worker:
         self._loop.start()
 
     # -- called by the router / launcher (any thread) -----------------------------------------
-    def ready(self) -> dict:
+    def ready(self) -> WorkerInfo:
         e = self.engine
-        return {"worker_id": self.worker_id, "role": self.role, "max_model_len": e.max_model_len,
-                "num_blocks": e.layout.num_blocks, "block_size": e.layout.block_size,
-                "bytes_per_block": e.layout.bytes_per_token * e.layout.block_size,
-                "attention_backend": e.runner.backend.name, "device": str(e.device), "node": node_ip(),
-                "pid": os.getpid(), "tensor_parallel_size": e.cfg.tensor_parallel_size,
-                "rank_pids": e.ranks.pids if e.ranks else [], "router_lease_s": self.leases.lease_s,
-                "cluster_id": self.cluster_id, "engine": dataclasses.asdict(e.cfg),
-                "routers": self.leases.num_live, "max_routers": MAX_ROUTERS}
+        return WorkerInfo(self.worker_id, self.role, e.max_model_len, e.layout.num_blocks, e.layout.block_size,
+                          e.layout.bytes_per_token * e.layout.block_size, e.runner.backend.name, str(e.device),
+                          node_ip(), os.getpid(), e.cfg.tensor_parallel_size, e.ranks.pids if e.ranks else [],
+                          self.leases.lease_s, self.cluster_id, dataclasses.asdict(e.cfg), self.leases.num_live,
+                          MAX_ROUTERS)
 
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | KVMoreOp | AbortOp; results come back as events."""
