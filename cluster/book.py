@@ -26,12 +26,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from workers.leases import LeaderLease, LeadStore
 
 __all__ = ["ClusterBook", "book_name"]
 
 ARRIVAL, FINISH = 0, 1
+
+
+class Record(NamedTuple):
+    """One posted request event: its sequence number, its poster, ARRIVAL or FINISH, when it
+    happened and (a finish) when it was sent, on the book's clock; the rest of what was posted."""
+    seq: int
+    poster: str
+    kind: int
+    at: float
+    sent: float | None
+    rest: tuple
 
 
 def book_name(cluster_id: str) -> str:
@@ -44,8 +56,7 @@ class ClusterBook:
                  clock: Callable[[], float] = time.monotonic, lead_store: LeadStore | None = None):
         self.spec, self.horizon_s, self.clock = spec, horizon_s, clock
         self.lead = LeaderLease(clock, lead_store)       # (goes on from lead_store's record)
-        # (sequence number, poster, ARRIVAL | FINISH, when it happened, when it was sent, the rest)
-        self._records: deque[tuple] = deque(maxlen=max_records)
+        self._records: deque[Record] = deque(maxlen=max_records)
         self._seq = 0
         self._taken: dict[str, int] = {}         # taker -> the last sequence number it took
 
@@ -66,12 +77,12 @@ class ClusterBook:
         now = self.clock()
         for a in arrivals:
             self._seq += 1
-            self._records.append((self._seq, owner, ARRIVAL, now - a[0], None, tuple(a[1:])))
+            self._records.append(Record(self._seq, owner, ARRIVAL, now - a[0], None, tuple(a[1:])))
         for f in finishes:
             self._seq += 1
-            self._records.append((self._seq, owner, FINISH, now - f[0], now - f[1], tuple(f[2:])))
+            self._records.append(Record(self._seq, owner, FINISH, now - f[0], now - f[1], tuple(f[2:])))
         horizon = now - self.horizon_s
-        while self._records and self._records[0][3] < horizon:
+        while self._records and self._records[0].at < horizon:
             self._records.popleft()
 
     def take(self, owner: str) -> tuple[list, list]:
@@ -79,14 +90,14 @@ class ClusterBook:
         first take gets every one still within the horizon)."""
         now, since = self.clock(), self._taken.get(owner, 0)
         arrivals, finishes = [], []
-        for seq, poster, kind, at, sent, rest in reversed(self._records):     # newest first
-            if seq <= since:
+        for r in reversed(self._records):                   # newest first
+            if r.seq <= since:
                 break
-            if poster == owner:
+            if r.poster == owner:
                 continue
-            if kind == ARRIVAL:
-                arrivals.append((now - at, *rest))
+            if r.kind == ARRIVAL:
+                arrivals.append((now - r.at, *r.rest))
             else:
-                finishes.append((now - at, now - sent, *rest))
+                finishes.append((now - r.at, now - r.sent, *r.rest))
         self._taken[owner] = self._seq
         return arrivals, finishes
