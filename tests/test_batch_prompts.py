@@ -318,3 +318,44 @@ def test_a_stream_whose_client_is_gone_before_its_head_gives_its_slots_back(spec
         return server, dispatcher
     server, dispatcher = asyncio.run(go())
     assert server.pending == 0 and dispatcher.live == 0
+
+
+# -- a stream behind its tokens: the queued ones go out merged -------------------------------------
+class BurstDispatcher(StandInDispatcher):
+    """A request's tokens all at once, one per event, with no pause between: they are all queued
+    before its stream takes the first (a router that fell behind)."""
+
+    async def generate(self, req):
+        for k in range(self.tokens):
+            last = k == self.tokens - 1
+            yield TokenEvent([65 + k % 26], last, "length" if last else None)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_token_events_queued_behind_a_stream_go_out_as_one_chunk_with_nothing_lost(kind):
+    """The oracle: the tokens the dispatcher made, and the same request answered whole."""
+    tokenizer = load_tokenizer(MODEL)
+    want = [65 + k % 26 for k in range(50)]
+
+    async def go():
+        server = Server(BurstDispatcher(), tokenizer, MODEL, 4096)
+        body = {"model": MODEL, "max_tokens": 50, "stream_options": {"include_usage": True}}
+        body.update({"prompt": [1, 2]} if kind == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+        transport = httpx.ASGITransport(app=build_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router/v1") as c:
+            return (await c.post(kind, json={**body, "stream": True}),
+                    await c.post(kind, json={k: v for k, v in body.items() if k != "stream_options"}))
+    streamed, whole = asyncio.run(go())
+    assert streamed.status_code == whole.status_code == 200, (streamed.text, whole.text)
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 50, events[-2:]
+    chunks = [e["choices"][0] for e in events[:-2] if e["choices"]]
+    if kind == "completions":
+        assert [t for ch in chunks for t in ch["token_ids"]] == want
+        text, whole_text = "".join(ch["text"] for ch in chunks), whole.json()["choices"][0]["text"]
+    else:
+        text = "".join(ch["delta"].get("content", "") for ch in chunks)
+        whole_text = whole.json()["choices"][0]["message"]["content"]
+    assert text == whole_text == tokenizer.decode(want)
+    assert chunks[-1]["finish_reason"] == "length" and all(ch["finish_reason"] is None for ch in chunks[:-1])
+    assert len(chunks) < 10, len(chunks)                  # merged: not a chunk per token
