@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from router.admission import SLOAdmission
-from router.dispatch import Dispatcher, RequestFailed, TokenEvent
+from router.dispatch import Dispatcher, RequestFailed, TokenDelta
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
@@ -366,12 +366,12 @@ class Server:
         events.put_nowait(_END)
 
     async def run(self, req: GenerationRequest, source=None, shares_prompt: bool = False):
-        """Yields (text delta, token ids, finish_reason or None, logprobs, prompt logprobs: asked
-        for, with the first item only); records metrics.
+        """Yields a TextDelta per event (prompt logprobs, asked for, with the first only);
+        records metrics.
         The request counts as waiting until its first token, then as running.
         The dispatcher runs in a task of its own, so that a drain can end the request (cancel
         that task: the dispatcher aborts it on the workers) and still answer its client.
-        `source`: its TokenEvents (a sample of a shared start), else `dispatcher.generate`'s;
+        `source`: its TokenDeltas (a sample of a shared start), else `dispatcher.generate`'s;
         `shares_prompt`: another sample's prefill computes its prompt (counted there)."""
         if self.ending:
             self.metrics.errors.labels("shutdown").inc()
@@ -428,7 +428,7 @@ class Server:
                 text = detok.push(ev.token_ids, ev.finished)
                 plp = None if first_given else ev.prompt_logprobs      # a resume may send them again
                 first_given = True
-                yield text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs, plp
+                yield TextDelta(text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs, plp)
                 if ev.finished:
                     e2e = time.monotonic() - t0
                     m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
@@ -468,7 +468,7 @@ class Server:
                 self.admission.ended(ticket)
 
 
-def _merge_queued(ev: TokenEvent, events: asyncio.Queue) -> tuple[TokenEvent, object]:
+def _merge_queued(ev: TokenDelta, events: asyncio.Queue) -> tuple[TokenDelta, object]:
     """`ev` and the request's token events queued behind it (its stream fell behind the tokens:
     a busy router, a slow client) as one event, so they go out as one chunk and one write, as
     vLLM's output collector merges a request's outputs its consumer has not taken. Stops at the
@@ -477,15 +477,15 @@ def _merge_queued(ev: TokenEvent, events: asyncio.Queue) -> tuple[TokenEvent, ob
     ids, logprobs = list(ev.token_ids), None if ev.logprobs is None else list(ev.logprobs)
     while not events.empty():
         nxt = events.get_nowait()
-        if (not isinstance(nxt, TokenEvent) or nxt.prompt_logprobs is not None
+        if (not isinstance(nxt, TokenDelta) or nxt.prompt_logprobs is not None
                 or (nxt.logprobs is None) != (logprobs is None)):
-            return TokenEvent(ids, False, None, logprobs, ev.prompt_logprobs), nxt
+            return TokenDelta(ids, False, None, logprobs, ev.prompt_logprobs), nxt
         ids += nxt.token_ids
         if logprobs is not None:
             logprobs += nxt.logprobs
         if nxt.finished:
-            return TokenEvent(ids, True, nxt.finish_reason, logprobs, ev.prompt_logprobs), None
-    return TokenEvent(ids, False, None, logprobs, ev.prompt_logprobs), None
+            return TokenDelta(ids, True, nxt.finish_reason, logprobs, ev.prompt_logprobs), None
+    return TokenDelta(ids, False, None, logprobs, ev.prompt_logprobs), None
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -688,13 +688,25 @@ async def _respond(server: Server, request: Request, req: GenerationRequest | li
         server._done(sum(r.best_of for r in reqs))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What `Server.run` yields per event: the text it adds (stop strings and incomplete
+    characters held back), its token ids, the finish reason (None until the last), the tokens'
+    logprobs and, with the first only, the prompt's."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None
+    prompt_logprobs: list | None
+
+
 def _as_batch(req: GenerationRequest | list[GenerationRequest]) -> list[GenerationRequest]:
     return req if isinstance(req, list) else [req]
 
 
 async def _merged(server: Server, reqs: list[GenerationRequest]):
-    """Yields (prompt index, sample index, text delta, token ids, finish_reason or None,
-    logprobs, prompt logprobs) of each of the batch's prompts and each prompt's samples, as they come. Each
+    """Yields (prompt index, sample index, TextDelta) of each of the batch's prompts and each
+    prompt's samples, as they come. Each
     sample goes through `Server.run` in a task of its own (a prompt's samples from one shared
     start, where they fit); the first error ends them all, and so does closing or cancelling
     this generator (each run's cleanup aborts its request on the workers). The hand-over queue
@@ -702,7 +714,7 @@ async def _merged(server: Server, reqs: list[GenerationRequest]):
     request does."""
     if len(reqs) == 1 and reqs[0].best_of == 1:
         async for item in server.run(reqs[0]):
-            yield (0, 0, *item)
+            yield 0, 0, item
         return
     async with contextlib.AsyncExitStack() as starts:
         runs = []
@@ -734,7 +746,7 @@ async def _merged(server: Server, reqs: list[GenerationRequest]):
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    yield (p, j, *item)
+                    yield p, j, item
         finally:
             for t in tasks:
                 t.cancel()
@@ -751,15 +763,15 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
     async def collect():
         got: dict[tuple[int, int], tuple[list, list, list, list, list]] = {}   # (prompt, sample) -> parts
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for p, j, delta, tok, fin, lp, plp in events:
+            async for p, j, d in events:
                 texts, ids, reason, lps, plps = got.setdefault((p, j), ([], [], [None], [], []))
-                texts.append(delta)
-                ids += tok
-                if lp:
-                    lps += lp
-                if plp:
-                    plps += plp
-                reason[0] = fin or reason[0]
+                texts.append(d.text)
+                ids += d.token_ids
+                if d.logprobs:
+                    lps += d.logprobs
+                if d.prompt_logprobs:
+                    plps += d.prompt_logprobs
+                reason[0] = d.finish_reason or reason[0]
         return got
 
     task = asyncio.ensure_future(collect())
@@ -871,7 +883,8 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                                          "finish_reason": None}]})
         offsets: dict[int, int] = {}                       # choice -> text offset of its next token
         async with contextlib.aclosing(_merged(server, reqs)) as events:
-            async for p, j, delta, tok, fin, lp, plp in events:
+            async for p, j, d in events:
+                delta, tok, fin, lp, plp = d.text, d.token_ids, d.finish_reason, d.logprobs, d.prompt_logprobs
                 i = p * req.n + j
                 n_out += len(tok)
                 echo = None

@@ -51,7 +51,7 @@ log = logging.getLogger("pdcluster.router")
 
 
 @dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenDelta:
     """What the HTTP layer streams: new tokens of one request, and whether it ended."""
     token_ids: list[int]
     finished: bool
@@ -464,7 +464,7 @@ class Dispatcher:
     @contextlib.asynccontextmanager
     async def samples(self, reqs: list[GenerationRequest]):
         """Several samples of one prompt (`n` > 1; `reqs`: the prompt with each sample's
-        parameters): an async iterator of TokenEvents per sample, as `generate` gives, all
+        parameters): an async iterator of TokenDeltas per sample, as `generate` gives, all
         started by one carrier (`_SharedStart`): one prefill, one handoff, then each sample
         decodes from the shared KV. A sample whose start fails resumes alone, as any request."""
         shared = _SharedStart(self, reqs)
@@ -474,7 +474,7 @@ class Dispatcher:
             await shared.close()
 
     async def generate(self, req: GenerationRequest, first: _First | None = None):
-        """Async iterator of TokenEvents; raises RequestFailed when resumes run out. `first`:
+        """Async iterator of TokenDeltas; raises RequestFailed when resumes run out. `first`:
         the first attempt is a sample of a shared start (see `samples`)."""
         base = first.base if first is not None else self._new_base()
         delivered: list[int] = []                        # output tokens the client has
@@ -520,7 +520,7 @@ class Dispatcher:
 
     async def _attempt(self, req: GenerationRequest, rid: str, q: asyncio.Queue, involved: list,
                        delivered: list[int]):
-        """Yields TokenEvents; yields a _Resume once when the attempt failed retryably. Starts
+        """Yields TokenDeltas; yields a _Resume once when the attempt failed retryably. Starts
         after the `delivered` output tokens (a resumed request)."""
         outputs = list(delivered)
         if not outputs:                      # a new request (a resumed one is already under way)
@@ -545,7 +545,7 @@ class Dispatcher:
                     if op is msg.GenerateOp:         # prefilled where it decodes: it has its seat
                         self._leave_gate(rid, reached_decode=True)
                     outputs += ev.tokens
-                    yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
+                    yield TokenDelta(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
                 if ev.finished:
                     if d is not None:                # it reserved blocks for a KV that will not come
                         _fire(d.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
@@ -577,7 +577,7 @@ class Dispatcher:
                     self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
                     self._leave_gate(rid, reached_decode=True)
                 w.assigned.discard(rid)
-                yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
+                yield TokenDelta(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
                 if ev.finished:
                     return
         finally:
@@ -722,7 +722,7 @@ class _SharedStart:
             if (resume := _resume_for(ev)) is not None:
                 yield resume
                 return
-            yield TokenEvent(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
+            yield TokenDelta(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
             if ev.finished:
                 return
 

@@ -20,7 +20,7 @@ import pytest
 
 from common import VOCAB, nothing_left_running, sse_events, wait_for
 from router.app import Server, build_app
-from router.dispatch import RequestFailed, TokenEvent
+from router.dispatch import RequestFailed, TokenDelta
 from router.metrics import Metrics
 from router.protocol import MAX_PROMPTS
 from workers.checkpoint import load_tokenizer
@@ -229,7 +229,7 @@ class StandInDispatcher:
                     await self.release.wait()          # the others stay in flight until released
                 await asyncio.sleep(0)
                 last = k == self.tokens - 1
-                yield TokenEvent([65 + k % 26], last, "length" if last else None)
+                yield TokenDelta([65 + k % 26], last, "length" if last else None)
         finally:
             self.live -= 1
 
@@ -328,7 +328,7 @@ class BurstDispatcher(StandInDispatcher):
     async def generate(self, req):
         for k in range(self.tokens):
             last = k == self.tokens - 1
-            yield TokenEvent([65 + k % 26], last, "length" if last else None)
+            yield TokenDelta([65 + k % 26], last, "length" if last else None)
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat/completions"])
