@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from cluster import cli
+from cluster import flags as flag_defs
 from cluster.spec import ClusterSpec
 from router.config import RouterConfig
 from router.slo import SLOTargets
@@ -29,8 +30,8 @@ def _paths(cls, prefix: str = "") -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("flags, cls", [(cli.ENGINE_FLAGS, EngineConfig), (cli.CLUSTER_FLAGS, ClusterSpec),
-                                        (cli.ROUTER_FLAGS, RouterConfig), (cli.SLO_FLAGS, SLOTargets)])
+@pytest.mark.parametrize("flags, cls", [(flag_defs.ENGINE_FLAGS, EngineConfig), (flag_defs.CLUSTER_FLAGS, ClusterSpec),
+                                        (flag_defs.ROUTER_FLAGS, RouterConfig), (flag_defs.SLO_FLAGS, SLOTargets)])
 def test_every_field_has_one_flag(flags, cls):
     bound = [f.field for f in flags]
     assert len(bound) == len(set(bound)), "two flags for one field"
@@ -40,11 +41,11 @@ def test_every_field_has_one_flag(flags, cls):
 
 def test_no_flags_give_the_dataclass_defaults():
     a = cli.build_parser().parse_args(["serve"])
-    engine = cli.engine_config_from_args(a)
+    engine = flag_defs.engine_config_from_args(a)
     assert engine == EngineConfig()
-    spec = cli.cluster_spec_from_args(a, engine)
+    spec = flag_defs.cluster_spec_from_args(a, engine)
     assert dataclasses.replace(spec, cluster_id="x") == ClusterSpec(cluster_id="x")
-    assert cli.router_config_from_args(a) == RouterConfig()
+    assert flag_defs.router_config_from_args(a) == RouterConfig()
 
 
 def test_flag_values_land_in_their_fields_and_units():
@@ -52,13 +53,13 @@ def test_flag_values_land_in_their_fields_and_units():
         "serve", "--model", "small", "--block-size", "32", "--kv-cache-memory-mib", "64", "--no-prefix-caching",
         "--max-num-seqs", "7", "--preemption-mode", "swap", "--kv-lease-s", "12.5", "--kv-transfer-timeout-s", "3",
         "--prefill", "3", "--port", "9001", "--policy", "random", "--slo-ttft-ms", "250", "--max-retries", "0"])
-    engine = cli.engine_config_from_args(a)
+    engine = flag_defs.engine_config_from_args(a)
     assert (engine.model, engine.cache.block_size, engine.cache.kv_cache_memory_bytes) == ("small", 32, 64 * 2**20)
     assert engine.cache.enable_prefix_caching is False
     assert (engine.scheduler.max_num_seqs, engine.scheduler.preemption_mode) == (7, "swap")
-    spec = cli.cluster_spec_from_args(a, engine)
+    spec = flag_defs.cluster_spec_from_args(a, engine)
     assert (spec.model, spec.num_prefill, spec.lease_s, spec.transfer_timeout_s) == ("small", 3, 12.5, 3.0)
-    router = cli.router_config_from_args(a)
+    router = flag_defs.router_config_from_args(a)
     assert (router.port, router.policy, router.max_retries) == (9001, "random", 0)
     assert router.slo.ttft_s == pytest.approx(0.25) and router.slo.tpot_s == SLOTargets().tpot_s
 
@@ -67,7 +68,7 @@ def test_bench_launch_takes_the_engine_flags():
     a = cli.build_parser().parse_args(["bench", "--launch", "--block-size", "8", "--max-num-seqs", "3",
                                        "--model", "tiny", "--seed", "5"])
     from cluster.bench import LAUNCH_SKIPS
-    engine = cli.engine_config_from_args(a, skip=LAUNCH_SKIPS)
+    engine = flag_defs.engine_config_from_args(a, skip=LAUNCH_SKIPS)
     assert (engine.cache.block_size, engine.scheduler.max_num_seqs) == (8, 3)
     assert engine.seed == EngineConfig().seed            # --seed is bench's (the dataset's), not the engine's
 

@@ -18,7 +18,7 @@ from workers.leases import RouterLeases
 from workers.names import check_name, owner_of, owner_tag
 from workers.sequence import SamplingParams
 
-# A worker's stream binds on Ray's view of this node's address (worker.node_ip), which starts
+# A worker's stream binds on Ray's view of this node's address (workers/node.py node_ip), which starts
 # a Ray in this process when none runs: the session's, so that later modules can use it.
 pytestmark = pytest.mark.usefixtures("ray_session")
 
