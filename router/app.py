@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from router.admission import SLOAdmission
-from router.dispatch import Dispatcher, RequestFailed, TokenDelta
+from router.dispatch import Dispatcher, RequestFailed
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
@@ -393,13 +393,9 @@ class Server:
         task = asyncio.ensure_future(self._generate(req, events, source))
         self._runs.add(task)
         task.add_done_callback(lambda t: self._generation_done(t, events))
-        held = None                                      # taken from the queue while merging: next
         try:
             while True:
-                if held is None:
-                    ev = await events.get()
-                else:
-                    ev, held = held, None
+                ev = await events.get()
                 if ev is _DEADLINE:
                     raise DeadlinePassed
                 if ev is _END:
@@ -407,8 +403,6 @@ class Server:
                         raise self._shutdown_error(n_out)
                     task.result()                        # RequestFailed, or a worker's APIError
                     raise RequestFailed("the request ended without a finish")
-                if ev.token_ids and not ev.finished and not events.empty():
-                    ev, held = _merge_queued(ev, events)
                 now = time.monotonic()
                 if ev.token_ids:
                     if n_out == 0:
@@ -466,26 +460,6 @@ class Server:
             (m.running if n_out else m.waiting).dec()
             if ticket is not None:
                 self.admission.ended(ticket)
-
-
-def _merge_queued(ev: TokenDelta, events: asyncio.Queue) -> tuple[TokenDelta, object]:
-    """`ev` and the request's token events queued behind it (its stream fell behind the tokens:
-    a busy router, a slow client) as one event, so they go out as one chunk and one write, as
-    vLLM's output collector merges a request's outputs its consumer has not taken. Stops at the
-    request's end, and before a sentinel or an event that does not merge (prompt logprobs, a
-    resume's): that one is returned, to be taken next."""
-    ids, logprobs = list(ev.token_ids), None if ev.logprobs is None else list(ev.logprobs)
-    while not events.empty():
-        nxt = events.get_nowait()
-        if (not isinstance(nxt, TokenDelta) or nxt.prompt_logprobs is not None
-                or (nxt.logprobs is None) != (logprobs is None)):
-            return TokenDelta(ids, False, None, logprobs, ev.prompt_logprobs), nxt
-        ids += nxt.token_ids
-        if logprobs is not None:
-            logprobs += nxt.logprobs
-        if nxt.finished:
-            return TokenDelta(ids, True, nxt.finish_reason, logprobs, ev.prompt_logprobs), None
-    return TokenDelta(ids, False, None, logprobs, ev.prompt_logprobs), None
 
 
 def _error_response(e: APIError) -> JSONResponse:
