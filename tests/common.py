@@ -222,12 +222,12 @@ class ServeProcess:
 
 
 # -- the tiers (conftest.py): whether the running test may start processes -------------------------
-LIVE_ALLOWED = [True]        # set by conftest before each test's fixtures
+live_allowed = True          # set by conftest before each test's fixtures
 
 
 def require_live(what: str) -> None:
     """For helpers that start processes without subprocess (multiprocessing's spawn)."""
-    if not LIVE_ALLOWED[0]:
+    if not live_allowed:
         raise RuntimeError(f"this test starts {what}: ask for the `spawns` fixture, so that it is marked and "
                            "`make test-fast` leaves it out")
 

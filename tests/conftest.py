@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any fixture of the test is set up (a module's cluster included)."""
-    common.LIVE_ALLOWED[0] = any(item.get_closest_marker(m) for m in LIVE.values())
+    common.live_allowed = any(item.get_closest_marker(m) for m in LIVE.values())
 
 
 def _live_process(args) -> bool:
@@ -58,7 +58,7 @@ _popen_init = subprocess.Popen.__init__
 
 
 def _guarded_popen_init(self, args, *rest, **kw):
-    if not common.LIVE_ALLOWED[0] and _live_process(args):
+    if not common.live_allowed and _live_process(args):
         raise RuntimeError(f"this test starts {str(args)[:120]}: ask for the `spawns` fixture (a process of ours) "
                            "or `ray_session` (Ray), so that it is marked and `make test-fast` leaves it out")
     _popen_init(self, args, *rest, **kw)

@@ -391,7 +391,7 @@ def test_a_stall_at_the_start_of_an_overload_costs_no_goodput_once_it_has_aged_o
         after = 23.0 + s.a.margin_window_s + 5.0
         runs[stall] = sum(r["ttft"] <= SLO.ttft_s for r in s.admitted() if r["arrived"] >= after) / (120 - after)
     steady, stalled = runs.values()
-    assert steady >= 0.9 * 20 * (1 - FIFOServer().a.explore_share)
+    assert steady >= 0.9 * 20 * (1 - s.a.explore_share)
     assert stalled >= 0.95 * steady, runs
 
 
