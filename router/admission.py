@@ -76,11 +76,12 @@ SATURATED = 0.9         # a line not empty this share of the time: requests end 
 class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
-    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage", "first_at")
+    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage", "first_at", "second_at", "tokens")
 
     def __init__(self, prompt_tokens: int, predicted_ttft_s: float):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
-        self.first_at = math.nan
+        self.first_at = self.second_at = math.nan
+        self.tokens = 0
 
 
 class DrainRate:
@@ -154,6 +155,7 @@ class SLOAdmission:
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
+        self.paces: deque[tuple[float, float]] = deque()  # (when, seconds per token after the second), lately
         self.window_s = window_s
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
@@ -166,6 +168,7 @@ class SLOAdmission:
 
     def progress(self, t: Ticket, tokens_out: int, ttft_s: float = math.nan) -> None:
         """The request has `tokens_out` tokens out (call after each token event)."""
+        t.tokens = max(t.tokens, tokens_out)
         if t.stage == WAITING and tokens_out >= 1:
             self._leave(t)
             t.stage = HANDOFF
@@ -177,12 +180,16 @@ class SLOAdmission:
             self._leave(t)
             t.stage = DECODING
             now = self.clock()
+            t.second_at = now
             self.gaps.append((now, now - t.first_at))
             self._gap = None
 
     def ended(self, t: Ticket) -> None:
         if t.stage in (HANDOFF, DECODING):
             self.completions.append(self.clock())
+        if t.stage == DECODING and t.tokens > 2:
+            now = self.clock()
+            self.paces.append((now, (now - t.second_at) / (t.tokens - 2)))
         self._leave(t)
         t.stage = ENDED
 
@@ -297,6 +304,25 @@ class SLOAdmission:
             self._gap = statistics.median(g for _, g in self.gaps) if len(self.gaps) >= 5 else 0.0
         return self._gap
 
+    def decode_pace(self) -> float | None:
+        """Seconds per token after the second, lately: the median over the requests that ended in
+        the window with more than two tokens (None with fewer than 5)."""
+        horizon = self.clock() - self.window_s
+        while self.paces and self.paces[0][0] < horizon:
+            self.paces.popleft()
+        return statistics.median(p for _, p in self.paces) if len(self.paces) >= 5 else None
+
+    def handoff_budget(self, max_tokens: int) -> float:
+        """The longest first-to-second-token gap with which a request of `max_tokens` still meets
+        the TPOT target: its TPOT is (gap + (max_tokens - 2) x pace) / (max_tokens - 1), with the
+        decode pace as measured lately, but never more than half the target (what it assumes
+        before any is measured): the rule answers for the handoff, and a decode pool that runs
+        slower than its target is the TTFT line's and the decode gate's to price, not a reason
+        to refuse everything at light load."""
+        pace = self.decode_pace()
+        pace = self.slo.tpot_s / 2 if pace is None else min(pace, self.slo.tpot_s / 2)
+        return self.slo.tpot_s * (max_tokens - 1) - pace * max(0, max_tokens - 2)
+
     def check(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> Verdict:
         """Admit, or say why not. Only work already in the pools refuses a request: one that would
         miss on its own (a prompt longer than the TTFT target allows) is let in, since coming
@@ -311,11 +337,13 @@ class SLOAdmission:
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
                 TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit))
-        wait, budget = self.handoff_wait(), self.slo.tpot_s * (max_tokens - 1) / 2
-        if max_tokens > 1 and wait > budget:
+        wait = self.handoff_wait()
+        budget = self.handoff_budget(max_tokens) if max_tokens > 1 and wait > 0 else math.inf
+        if wait > budget:
             return self._refuse(Verdict(
                 False, f"the gap between first and second token is {wait:.2f}s lately (the handoff to the decode "
-                       f"pool), over this request's {budget:.2f}s share of its TPOT budget", TPOT,
+                       f"pool), over the {budget:.2f}s that this request's {max_tokens} tokens leave it at the "
+                       f"TPOT target", TPOT,
                 retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit))
         self.probe_credit = min(1.0, self.probe_credit + self.explore_share)
         return Verdict(True, predicted_ttft_s=ttft, ttft_limit_s=limit)

@@ -148,12 +148,59 @@ def test_slow_handoffs_refuse_what_would_miss_its_tpot():
         a.progress(t, 2)
         a.ended(t)
     assert a.handoff_wait() == pytest.approx(0.5)
-    v = a.check(256, 16)                           # 15 tokens after the first at 20 ms: 0.15 s for its handoff
-    assert not v.admit and v.code == "tpot" and v.retry_after_s == pytest.approx(0.5 - 0.15)
+    v = a.check(256, 16)    # no decode pace seen: half the target assumed, 0.3 - 14 x 0.01 s left for its handoff
+    assert not v.admit and v.code == "tpot" and v.retry_after_s == pytest.approx(0.5 - 0.16)
     assert a.check(256, 1).admit                   # one token: no TPOT to miss
-    assert a.check(256, 60).admit                  # 0.59 s of budget: the wait fits in its half
+    assert a.check(256, 60).admit                  # 0.6 s of budget: the wait fits
     clock.t += 6.0                                 # the window passes without handoffs: nothing to tell
     assert a.handoff_wait() == 0.0 and a.check(256, 16).admit
+
+
+def served_tpot(gap_s: float, pace_s: float, tokens: int) -> float:
+    """TPOT as vLLM's benchmark client computes it, (end - first token) / (tokens - 1), of a
+    request whose second token comes `gap_s` after its first and each later one `pace_s` apart."""
+    first = 0.0
+    end = first + gap_s + pace_s * (tokens - 2)
+    return (end - first) / (tokens - 1)
+
+
+@pytest.mark.parametrize("pace_s", [0.002, 0.006])
+def test_a_slow_handoff_refuses_exactly_the_lengths_whose_tpot_would_miss(pace_s):
+    """Handoffs take 0.2 s lately and decode runs `pace_s` a token (well inside the 20 ms
+    target): a request is refused exactly when its own TPOT, as the client measures it, would
+    miss; a short output carries the gap over few tokens, a long one amortises it."""
+    clock = Clock()
+    a = cluster(clock=clock)
+    for _ in range(6):
+        t = a.started(256)
+        a.progress(t, 1)
+        clock.t += 0.2
+        a.progress(t, 2)
+        for k in range(3, 31):
+            clock.t += pace_s
+            a.progress(t, k)
+        a.ended(t)
+    verdicts = {n: a.check(256, n).admit for n in range(2, 80)}
+    assert verdicts == {n: served_tpot(0.2, pace_s, n) <= SLO.tpot_s for n in range(2, 80)}
+    assert not all(verdicts.values()) and any(verdicts.values())
+
+
+def test_a_decode_pool_slower_than_the_target_does_not_make_the_handoff_rule_refuse_more():
+    """Decode at 50 ms a token against a 20 ms target: every long request would miss, but that
+    is the decode pool's pace, not the handoff's; the rule then assumes half the target, as
+    before any pace is measured, so a short gap refuses nothing."""
+    clock = Clock()
+    a = cluster(clock=clock)
+    for _ in range(6):
+        t = a.started(256)
+        a.progress(t, 1)
+        clock.t += 0.015
+        a.progress(t, 2)
+        clock.t += 0.05 * 20
+        a.progress(t, 22)
+        a.ended(t)
+    assert a.decode_pace() == pytest.approx(0.05)
+    assert all(a.check(256, n).admit for n in range(2, 80))
 
 
 def test_measured_ttft_corrects_the_predictions_by_adding_what_they_miss():
