@@ -170,7 +170,8 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     starts the other ranks itself (workers/tensor_parallel.py), and they end with it."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from workers.worker import Worker, actor_name      # torch: only once workers are made
+    from workers.peers import actor_name
+    from workers.worker import Worker, WorkerSettings      # torch: only once workers are made
     gpus = gpus_per_worker(spec)
     tp = spec.tensor_parallel_size(role)
     name = actor_name(spec.cluster_id, worker_id)
@@ -186,9 +187,10 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     if os.environ.get(FAULTS_ENV):        # a fault drill: every worker gets the plan, on any node
         opts["runtime_env"] = {"env_vars": {FAULTS_ENV: os.environ[FAULTS_ENV]}}
     engine = dataclasses.replace(_engine(spec, gpus), tensor_parallel_size=tp)
-    handle = ray.remote(Worker).options(**opts).remote(
-        worker_id, role, engine, spec.kv_transport, 1, spec.lease_s, spec.transfer_timeout_s, spec.cluster_id,
-        group, spec.router_lease_s)
+    settings = WorkerSettings(kv_transport=spec.kv_transport, lease_s=spec.lease_s,
+                              transfer_timeout_s=spec.transfer_timeout_s, cluster_id=spec.cluster_id,
+                              router_lease_s=spec.router_lease_s)
+    handle = ray.remote(Worker).options(**opts).remote(worker_id, role, engine, settings, group)
     if group is not None:
         _GROUPS[handle] = group
     return handle

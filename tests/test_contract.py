@@ -75,8 +75,8 @@ def local_worker(worker_id: str, role: str, **kw):
     """A Worker object in this process (no actor) on `tiny` with 32 blocks; yields it, drain()
     (one poll: its PollReply, the events appended to `events`) and the events seen so far."""
     from workers.config import CacheConfig, EngineConfig
-    from workers.worker import Worker
-    w = Worker(worker_id, role, EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)), **kw)
+    from workers.worker import Worker, WorkerSettings
+    w = Worker(worker_id, role, EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)), WorkerSettings(**kw))
     events: list = []
 
     def drain() -> msg.PollReply:

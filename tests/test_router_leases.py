@@ -87,8 +87,9 @@ class Reader:
 @contextlib.contextmanager
 def local_worker(**kw):
     """A colocated Worker object in this process (no actor) on `tiny`, 160 blocks of 16 tokens."""
-    from workers.worker import Worker
-    w = Worker("colocated-0", "colocated", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=160)), **kw)
+    from workers.worker import Worker, WorkerSettings
+    w = Worker("colocated-0", "colocated", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=160)),
+               WorkerSettings(**kw))
     try:
         yield w
     finally:

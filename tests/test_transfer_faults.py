@@ -320,7 +320,7 @@ def test_the_prefill_lease_expires_on_an_injected_clock(monkeypatch, spawns):
         assert reply.load.kv_blocks_used == 3
         clock.now += 600 - 1e-3
         for _ in range(2):                  # two whole loop turns (commands, lease expiry, report)
-            w._in_loop(lambda: None)
+            w.loop.ask(lambda: None)
         stats = w.stats()
         assert (stats.held, stats.kv_blocks_used) == (1, 3)
         clock.now += 2e-3                   # past the lease: freed within a loop turn or two
@@ -492,10 +492,10 @@ def test_partly_received_blocks_are_never_computed_on(pool, reference):
     the request decodes the single engine's tokens (and its committed blocks are indexed)."""
     from workers import messages as msg
     from workers.config import CacheConfig, EngineConfig
-    from workers.worker import Worker
+    from workers.worker import Worker, WorkerSettings
     spec, P, _, _ = pool
     w = Worker("decode-local", "decode", EngineConfig(model="tiny", cache=CacheConfig(num_blocks=32)),
-               spec.kv_transport, transfer_timeout_s=5, cluster_id=spec.cluster_id)
+               WorkerSettings(spec.kv_transport, transfer_timeout_s=5, cluster_id=spec.cluster_id))
     try:
         D = Side(w, local=True)
         w.faults = FaultPlan.parse("recv:mid_payload:fail*1")
@@ -511,7 +511,7 @@ def test_partly_received_blocks_are_never_computed_on(pool, reference):
         before = clone(caches)
 
         def held_kv(worker, rid):                   # on the prefill actor: the held blocks' KV
-            ids = worker._in_loop(lambda: worker.engine.held_block_ids(rid))
+            ids = worker.loop.ask(lambda: worker.engine.held_block_ids(rid))
             return [(k[ids].clone(), v[ids].clone()) for k, v in worker.engine.runner.kv_caches]
         first = prefill(P, "partial.0")
         sent = P.on(held_kv, "partial.0")
