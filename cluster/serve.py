@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import shlex
 import signal
@@ -17,13 +16,15 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import (NAMESPACE, ClusterSpec, check_fits, check_new, connect, find_book, launch, named_workers,
-                              open_book, restart, retire, room_for_one, start_worker, stop_cluster)
+from cluster.launcher import (ClusterSpec, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
 from cluster.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
-from router.dispatch import Dispatcher, awaitable
-from router.pools import STARTING, STOPPED, Member, PoolRegistry
+from cluster.lead import LeadKeeper
+from router.dispatch import Dispatcher, DispatchSettings
+from router.leadership import Leadership
+from router.supervisor import SupervisionSettings, Supervisor
+from router.pools import STARTING, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import API_KEY_ENV, RouterConfig
 from workers.names import AUTO, COLOCATED, PREFILL, ROLES
@@ -37,19 +38,19 @@ log = logging.getLogger("pdcluster.serve")
 
 @contextlib.asynccontextmanager
 async def _lifespan(app):
-    dispatcher, cluster = app.state.dispatcher, app.state.cluster
-    dispatcher.start()
+    supervisor, lead = app.state.supervisor, app.state.lead
+    supervisor.start()
     tasks = []
-    if cluster is not None:
-        await cluster._claim_lead()               # before the first request: who leads is settled
-        tasks = [asyncio.ensure_future(cluster._lead()), asyncio.ensure_future(cluster._follow())]
+    if lead is not None:
+        await lead.claim()                        # before the first request: who leads is settled
+        tasks = [asyncio.ensure_future(lead.keep()), asyncio.ensure_future(lead.follow())]
     yield
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    if cluster is not None:
-        await cluster._step_down()
-    await dispatcher.stop()
+    if lead is not None:
+        await lead.step_down()
+    await supervisor.stop()
 
 
 class DrainingServer(uvicorn.Server):
@@ -143,6 +144,9 @@ class ServingCluster:
         self.attach = attach
         self.book = book                              # the cluster's book actor (the launcher opens it)
         self.dispatcher: Dispatcher | None = None
+        self.supervisor: Supervisor | None = None
+        self.leadership = Leadership()                # whether this router leads (it claims at start)
+        self.lead: LeadKeeper | None = None           # its claims on the book, once it serves
         self.cfg = router or RouterConfig(**router_fields)
         self.host, self.port = self.cfg.host, self.cfg.port
         self.model_name = self.cfg.served_model_name or spec.model
@@ -151,8 +155,6 @@ class ServingCluster:
         self.controller = None                        # cluster/pool_control.py's, with spec.controller
         self.infos: list[WorkerInfo] = []             # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
-        self._renewed = -math.inf                     # when this router last renewed the lead
-        self._term = 0                                # the term it last held the lead in
         self._thread: threading.Thread | None = None
 
     @property
@@ -163,7 +165,7 @@ class ServingCluster:
     @property
     def leads(self) -> bool:
         """It holds the cluster's lead now (before it serves: it will claim it first, if it owns)."""
-        return self.dispatcher.leads if self.dispatcher is not None else self.owns
+        return self.leadership.leads if self.lead is not None else self.owns
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -214,22 +216,26 @@ class ServingCluster:
 
     def _build_router(self, members: list[Member], infos: list[WorkerInfo], tokenizer, announce) -> DrainingServer:
         # Any router may come to lead (cluster/book.py): each keeps what leading needs ready.
-        self.pools = PoolRegistry.of(members, budget=self.spec.budget if self.owns else None)
+        self.pools = PoolRegistry.of(members, budget=self.spec.budget)
         self.infos = infos
         cfg = self.cfg
         metrics = Metrics(cfg.slo, cfg.router_id, workers=False)
-        self.dispatcher = dispatcher = Dispatcher(
-            self.pools, self.spec.mode, metrics, cfg.policy, cfg.max_retries, hang_timeout_s=cfg.worker_hang_timeout_s,
-            restart_timeout_s=self.spec.ready_timeout_s, restart=restart, retire=retire,
-            block_size=infos[0].block_size, local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-            decode_gate=cfg.decode_gate, decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id,
-            router_lease_s=self.spec.router_lease_s, leads=False)
+        metrics.follow(self.leadership)
+        self.dispatcher = dispatcher = Dispatcher(self.pools, self.spec.mode, metrics, DispatchSettings(
+            cfg.policy, cfg.max_retries, hang_timeout_s=cfg.worker_hang_timeout_s,
+            restart_timeout_s=self.spec.ready_timeout_s, block_size=infos[0].block_size,
+            local_prefill_max_tokens=cfg.local_prefill_max_tokens, decode_gate=cfg.decode_gate,
+            decode_seats=self.spec.engine.scheduler.max_num_seqs, router_id=cfg.router_id))
+        self.supervisor = Supervisor(dispatcher, self.leadership, SupervisionSettings(
+            cfg.worker_hang_timeout_s, self.spec.ready_timeout_s, self.spec.router_lease_s), restart, retire)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
-        fit = self._step_fit(dispatcher, infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
+        fit = self._step_fit(infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
         if local_auto:
             dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
+        if self.controller is not None:
+            self.leadership.subscribe(lambda resume: self.controller.start(), self.controller.stop)
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens)
                      if cfg.admission == SLO else None)
         roles = {r: sum(i.role == r for i in infos) for r in ROLES}
@@ -237,13 +243,15 @@ class ServingCluster:
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
-                        max_validating=cfg.max_validating,
+                        max_validating=cfg.max_validating, leadership=self.leadership,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i.device.startswith("cuda") for i in infos)})
         self.server = server
         app = build_app(server)
-        app.state.dispatcher = dispatcher
-        app.state.cluster = self
+        self.lead = LeadKeeper(self.spec.cluster_id, self.spec.router_lease_s, self.book, self.leadership,
+                               dispatcher.owner, self.pools, self.supervisor, metrics.requests,
+                               lambda: self._uvicorn.request_exit())
+        app.state.supervisor, app.state.lead = self.supervisor, self.lead
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).
@@ -257,7 +265,7 @@ class ServingCluster:
         self._uvicorn = DrainingServer(config, server, cfg.drain_timeout_s, announce)
         return self._uvicorn
 
-    def _step_fit(self, dispatcher: Dispatcher, infos: list[WorkerInfo]):
+    def _step_fit(self, infos: list[WorkerInfo]):
         """The step cost model the controller and SLO admission price the pools with: fitted on
         the steps the workers serve and, with the controller on, first on a grid one worker times
         before serving (seconds on a GPU), so that the controller has a model from the start."""
@@ -269,7 +277,7 @@ class ServingCluster:
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
         fit = StepFit(info.bytes_per_block // info.block_size,
                       min(i.num_blocks for i in infos) * info.block_size, profiled)
-        dispatcher.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
+        self.supervisor.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
         return fit
 
     def _controller(self, dispatcher: Dispatcher, infos: list[WorkerInfo], fit):
@@ -286,122 +294,9 @@ class ServingCluster:
         control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
                               spec.controller_window_s)
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
-                              sched.max_num_seqs, add_worker=lambda role: self._add_worker(dispatcher, role))
+                              sched.max_num_seqs, add_worker=self._add_worker)
 
-    # -- the lead (cluster/book.py) ------------------------------------------------------------
-    async def _claim_lead(self) -> None:
-        """Claim the cluster's lead (the holder's claim renews it), and lead or follow as the book
-        answers. A router that cannot reach the book keeps leading only while its last renewal
-        lasts (another takes the lead once it lapses); a book gone for good means that the
-        cluster was removed (`pdcluster down`, or its launcher stopped it): this router stops.
-        Its own drains go on only when it leads again at the term it last led in (the book's
-        terms outlive the book's restarts, cluster/book.py): nobody led in between."""
-        d, lease_s = self.dispatcher, self.spec.router_lease_s
-        sent = time.monotonic()                          # the lease runs from the claim, not its answer
-        try:
-            # (an answer later than the lease is worth nothing: the lead may have moved meanwhile)
-            holder, term = await asyncio.wait_for(awaitable(self.book.claim.remote(d.owner, lease_s)), lease_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            try:
-                removed = await asyncio.to_thread(find_book, self.spec.cluster_id) is None
-            except Exception:                            # the GCS itself is away: try again next turn
-                removed = False
-            if removed:
-                log.error("cluster %s was removed; this router stops", self.spec.cluster_id)
-                self._uvicorn.request_exit()
-            elif d.leads and time.monotonic() - self._renewed > lease_s:
-                log.error("could not renew the lead within its lease (%r): following", e)
-                await self._demote()
-            else:
-                log.warning("could not reach the cluster's book: %r", e)
-            return
-        if holder == d.owner:
-            self._renewed = sent
-            if d.leads and term != self._term:           # it stalled past its lease, and another led meanwhile
-                log.error("cluster %s had another leader meanwhile (term %d, now %d): leading anew",
-                          self.spec.cluster_id, self._term, term)
-                await self._demote()
-            if not d.leads:
-                (log.info if term == 1 else log.warning)("router %s leads cluster %s now (term %d)", self.cfg.router_id,
-                                                         self.spec.cluster_id, term)
-                self._promote(resume=term == self._term)
-            self._term = term
-        elif d.leads:
-            log.error("router %s took the lead (this one had stalled past its lease): following", holder)
-            await self._demote()
-
-    def _promote(self, resume: bool) -> None:
-        self.dispatcher.take_lead(resume)
-        self.pools.budget = self.spec.budget
-        if self.controller is not None:
-            self.controller.start()
-
-    async def _demote(self) -> None:
-        self.dispatcher.give_up_lead()
-        self.pools.budget = None
-        if self.controller is not None:
-            await self.controller.stop()
-
-    async def _lead(self) -> None:
-        """Every quarter lease: claim the lead; relay requests (a follower posts its new ones to
-        the book, the leader takes the others' into its log, for the controller)."""
-        log_, posted = self.dispatcher.metrics.requests, -math.inf
-        while True:
-            await asyncio.sleep(self.spec.router_lease_s / 4)
-            await self._claim_lead()
-            try:
-                if self.dispatcher.leads:
-                    posted = log_.clock()                # (should it follow again: only what is new)
-                    arrivals, finishes = await asyncio.wait_for(
-                        awaitable(self.book.take.remote(self.dispatcher.owner)), self.spec.router_lease_s / 2)
-                    log_.merge_aged(arrivals, finishes)
-                else:
-                    cut = log_.clock()
-                    arrivals, finishes = log_.aged_since(posted)
-                    posted = cut
-                    if arrivals or finishes:
-                        await asyncio.wait_for(awaitable(self.book.post.remote(self.dispatcher.owner, arrivals, finishes)),
-                                               self.spec.router_lease_s / 2)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:                       # the next turn claims, and finds out why
-                log.warning("could not relay requests through the cluster's book: %r", e)
-
-    async def _step_down(self) -> None:
-        """Stopping: stop the controller, and hand the lead on at once (not at its lapse)."""
-        if self.dispatcher.leads:
-            if self.controller is not None:
-                await self.controller.stop()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(awaitable(self.book.release.remote(self.dispatcher.owner)), 2)
-
-    async def _follow(self, every_s: float = 5.0) -> None:
-        """While another router leads: every few seconds, take in the workers it added since (its
-        controller grows pools); each joins once it answers `ready()`."""
-        cluster_id, dispatcher = self.spec.cluster_id, self.dispatcher
-        while True:
-            await asyncio.sleep(every_s)
-            if dispatcher.leads:
-                continue
-            try:
-                names = (await asyncio.to_thread(named_workers)).get(cluster_id, {})
-            except Exception as e:                       # the GCS is briefly away: next time
-                log.warning("could not list the cluster's workers: %s", e)
-                continue
-            for worker_id, name in names.items():
-                if worker_id in self.pools and self.pools[worker_id].state != STOPPED:
-                    continue
-                try:
-                    handle = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
-                except Exception as e:                   # gone meanwhile
-                    log.info("worker %s: not found (%s)", worker_id, e)
-                    continue
-                log.info("worker %s joined the cluster; following it", worker_id)
-                dispatcher.watch(self.pools.add(worker_id, worker_id.rsplit("-", 1)[0], handle, STARTING))
-
-    async def _add_worker(self, dispatcher: Dispatcher, role: str) -> Member | None:
+    async def _add_worker(self, role: str) -> Member | None:
         """The controller grows a pool: a new actor that joins once it has loaded (never above the
         budget; without room on the Ray cluster, nothing starts and the log says why)."""
         if len(self.pools.live()) >= self.spec.budget:
@@ -414,7 +309,7 @@ class ServingCluster:
         worker_id = next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
         handle = await asyncio.to_thread(start_worker, self.spec, worker_id, role)
         m = self.pools.add(worker_id, role, handle, STARTING)
-        dispatcher.watch(m)
+        self.supervisor.watch(m)
         return m
 
     def __enter__(self) -> ServingCluster:

@@ -43,6 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
+from router.leadership import Leadership
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
@@ -104,8 +105,9 @@ class Server:
                  cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
                  admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
                  slo: SLOTargets | None = None, request_timeout_s: float | None = 600.0,
-                 body_timeout_s: float = 30.0, max_validating: int = 64):
+                 body_timeout_s: float = 30.0, max_validating: int = 64, leadership: Leadership | None = None):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.leadership = leadership or Leadership(leads=True)   # a router of its own leads its pools
         self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
@@ -507,7 +509,7 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = {r: server.dispatcher.pools.count(r) for r in ROLES}
-        leads = server.dispatcher.leads                # this router leads the cluster (cluster/book.py)
+        leads = server.leadership.leads                # this router leads the cluster (cluster/book.py)
         if server.draining:                            # a load balancer stops sending here
             return JSONResponse({"status": "draining", "workers": alive, "leads": leads}, status_code=503)
         ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))

@@ -1,25 +1,24 @@
 """The request lifecycle across the pools: pick, prefill, hand off, decode, stream, resume.
 
-One pump per worker long-polls its events (tokens, "KV held", errors) and its load report, and
-routes each event to the request's queue. A request's coroutine walks:
+A request's coroutine walks:
 
     disaggregated:  pick prefill ─▶ first token (TTFT) + KV held ─▶ pick decode ─▶ tokens ─▶ done
     colocated:      pick worker ─▶ tokens ─▶ done
 
+Its events come from the worker's stream, which the supervisor reads (router/supervisor.py:
+it records each frame's report in the pools, then hands the frame here, `take_frame`, and the
+events go to their requests' queues).
+
 The router keeps what it has delivered. A failed KV handoff, a dead worker or a hung one
-(no answer to a poll within `hang_timeout_s`) resumes the request: prompt + delivered tokens
-are prefilled on a live worker and decoding goes on, so the client never sees a token twice
-or a gap (seeded sampling depends on the position only, so it continues the same). After
-`max_retries` resumes the request fails with a clear error. A cancelled request (client gone)
-is aborted on every worker that knows it, so its blocks come back.
+(the supervisor's `resume_all`) resumes the request: prompt + delivered tokens are prefilled
+on a live worker and decoding goes on, so the client never sees a token twice or a gap (seeded
+sampling depends on the position only, so it continues the same). After `max_retries` resumes
+in a row without progress the request fails with a clear error. A cancelled request (client
+gone) is aborted on every worker that knows it, so its blocks come back.
 
-A worker that died or hung is restarted by Ray (the launcher's `restart` kills a hung one so
-that Ray restarts it); it rejoins the pools once it answers `ready()` again, and every other
-worker forgets its transport pairs with the old process.
-
-The workers are router/pools.py's registry: the dispatcher picks among a role's active members,
-starts a pump for each (one added later too: `watch`), and completes the drains the controller
-starts (a drained worker flips its role, or leaves through `retire`).
+The workers are router/pools.py's registry, which the dispatcher reads (it picks among a role's
+active members); what it writes on a member is its own: the requests open there (`sent`,
+`assigned`), so that a loss resumes them.
 
 Workers are reached through handles (`handle.method.remote(...)` returns an awaitable); the
 messages are workers/messages.py's dataclasses, encoded there.
@@ -28,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -35,10 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.admission import DecodeGate
-from router.events import EventStream
 from router.metrics import Metrics
 from router.picker import Picker, check_local_prefill, decode_load
-from router.pools import ACTIVE, DEAD, DRAINING, STOPPED, Member, PoolRegistry
+from router.pools import DEAD, STOPPED, Member, PoolRegistry
 from router.prefix_index import PrefixIndex
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
@@ -71,66 +70,55 @@ class _Resume:
     error: str
 
 
+@dataclass(frozen=True)
+class DispatchSettings:
+    policy: str = P2C                  # how a worker is picked (router/picker.py)
+    max_retries: int = 2               # resumes in a row without progress before a request fails
+    seed: int | None = None            # the pickers' randomness (None: fresh)
+    hang_timeout_s: float = 10.0       # a request silent this long: is it still on its worker?
+    restart_timeout_s: float = 300.0   # a pick waits this long for a pool's worker on its way (back) in
+    block_size: int = 16               # the workers' KV block size (the prefix index hashes blocks)
+    # Disaggregated: a request with at most this many prompt tokens to compute (beyond what its
+    # decode worker's prefix cache holds) is prefilled there, with no handoff; "auto": as the
+    # cost model says, request by request (`price_local_prefill`).
+    local_prefill_max_tokens: int | str = 0
+    decode_gate: bool = True           # new requests wait before their prefill while the decode pool is full
+    decode_seats: int | None = None    # the workers' sequence limit (the gate's capacity before it sees one full)
+    router_id: str = "router"
+
+
 class Dispatcher:
-    def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics, policy: str = P2C,
-                 max_retries: int = 2, seed: int | None = None, hang_timeout_s: float = 10.0,
-                 restart_timeout_s: float = 300.0, restart: Callable[[object], None] | None = None,
-                 retire: Callable[[object], None] | None = None, block_size: int = 16,
-                 local_prefill_max_tokens: int | str = 0, decode_gate: bool = True,
-                 decode_seats: int | None = None, router_id: str = "router", router_lease_s: float = 10.0,
-                 leads: bool = True):
+    def __init__(self, pools: PoolRegistry | list[Member], mode: str, metrics: Metrics,
+                 settings: DispatchSettings = DispatchSettings()):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_local_prefill(local_prefill_max_tokens)
+        s = self.settings = settings
+        check_local_prefill(s.local_prefill_max_tokens)
         self.pools = pools if isinstance(pools, PoolRegistry) else PoolRegistry.of(pools)
         # Every request id starts with this router's owner tag: the workers send its events to
-        # this router's stream only, and end its requests when its lease lapses (a heartbeat
-        # to each worker every quarter lease keeps it; workers/leases.py).
-        self.owner = owner_tag(router_id)
-        self.router_lease_s = router_lease_s
-        # One router leads (it holds the cluster's lead: cluster/book.py): it restarts hung
-        # workers, drains, retires; another follows the roles the workers report (a flip the
-        # leader's controller made). `take_lead` and `give_up_lead` move it.
-        self.leads = leads
-        self._lapsed: set[str] = set()       # workers that said our lease had lapsed there
-        self._hung: set[str] = set()         # workers this router lost as hung while it followed, not back
-        self._beat: asyncio.Task | None = None
-        self.mode, self.metrics, self.max_retries = mode, metrics, max_retries
-        self.hang_timeout_s, self.restart_timeout_s = hang_timeout_s, restart_timeout_s
-        self.request_silence_s = hang_timeout_s   # a request silent this long: is it still on its worker?
-        self._restart = restart              # kills a hung worker's process so that Ray restarts it
-        self._retire = retire                # ends a drained worker that leaves the cluster (blocking)
-        self.prefill_picker = Picker(policy, seed)
-        self.decode_picker = Picker(policy, None if seed is None else seed + 1)
-        # Disaggregated: a request with at most this many prompt tokens to compute (beyond what
-        # its decode worker's prefix cache holds) is prefilled there, with no handoff; "auto":
-        # as the cost model says, request by request (`price_local_prefill`).
-        self.local_prefill_max_tokens = local_prefill_max_tokens if mode != COLOCATED else 0
+        # this router's stream only, and end its requests when its lease lapses (the
+        # supervisor's heartbeats keep it; workers/leases.py).
+        self.owner = owner_tag(s.router_id)
+        self.mode, self.metrics, self.max_retries = mode, metrics, s.max_retries
+        self.hang_timeout_s, self.restart_timeout_s = s.hang_timeout_s, s.restart_timeout_s
+        self.request_silence_s = s.hang_timeout_s   # a request silent this long: is it still on its worker?
+        self.prefill_picker = Picker(s.policy, s.seed)
+        self.decode_picker = Picker(s.policy, None if s.seed is None else s.seed + 1)
+        self.local_prefill_max_tokens = s.local_prefill_max_tokens if mode != COLOCATED else 0
         self._local_cost: tuple[StepFit, int] | None = None      # auto: the fit, the largest chunk
         self.handoff_s: float | None = None      # a handoff as the router sees it (held -> first decode token), smoothed
-        # The workers' prefix caches as the router sees them (`block_size`: the workers'), kept
-        # when picking uses them: prefix-aware picking, or local prefills counting cached tokens.
-        self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
+        # The workers' prefix caches as the router sees them, kept when picking uses them:
+        # prefix-aware picking, or local prefills counting cached tokens.
+        self.prefix_index = (PrefixIndex(s.block_size) if s.policy == PREFIX or self.local_prefill_max_tokens
                              else None)
         # Disaggregated: new requests wait in its line, before their prefill, while the decode
-        # pool is full (router/admission.py DecodeGate; `decode_seats`: the workers' sequence limit).
-        self.gate = DecodeGate(decode_seats) if mode == DISAGGREGATED and decode_gate else None
+        # pool is full (router/admission.py DecodeGate).
+        self.gate = DecodeGate(s.decode_seats) if mode == DISAGGREGATED and s.decode_gate else None
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
-        self._pumps: dict[str, asyncio.Task] = {}
-        self._stopping = False
-        self.sample_listeners: list[Callable[[str, str, dict], None]] = []   # (worker, role, samples)
         self.pools.listen(self._pool_changed)
-        metrics.count_pools(self.pools)
 
     def _pool_changed(self, m: Member, old_state: str, old_role: str) -> None:
-        self.metrics.count_pools(self.pools)
-        if old_role != m.role:
-            self.metrics.role_changes.labels(old_role, m.role).inc()
-        if self.leads and DRAINING in (m.state, old_state) and m.alive:
-            # The worker itself refuses new requests while drained, those of routers that
-            # follow these pools too (they resume them elsewhere)
-            _tell(m.handle, "set_accepting", m.state != DRAINING)
         if m.state in (DEAD, STOPPED):
             if self.prefix_index is not None:            # its cache is gone with it
                 self.prefix_index.forget(m.worker_id)
@@ -138,218 +126,25 @@ class Dispatcher:
                 self.gate.forget(m.worker_id)
         self._open_gate()                                # a decode worker more or less
 
-    def take_lead(self, resume: bool = False) -> None:
-        """This router leads now. A drain that another leader left half done is called off (the
-        worker takes new requests again; the controller, if any, decides anew): no router
-        would ever finish it. `resume`: this router led last, and only lost touch with the
-        book for a while: its own drains go on. (`_restart` blocks briefly: a Ray kill.)"""
-        self.leads = True
-        self.metrics.export_workers(True)
-        for m in list(self.pools.draining()):
-            if not (resume and (m.to_role is not None or m.leaving)):
-                self.pools.follow(m.worker_id, m.role, True)
-        # A worker seen hung while another led is restarted now, should that leader have died
-        # before it did (if it did, the worker loads its model once more: one restart too many,
-        # rather than a worker that never comes back).
-        for worker_id in self._hung:
-            log.warning("worker %s: hung and not back; restarting it", worker_id)
-            if self._restart is not None:
-                self._restart(self.pools[worker_id].handle)
-        self._hung.clear()
-
-    def give_up_lead(self) -> None:
-        """Another router leads now: follow the pools as the workers report them."""
-        self.leads = False
-        self.metrics.export_workers(False)
-
-    def start(self) -> None:
-        for m in self.pools.live():
-            self.watch(m)
-        self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
-
-    def watch(self, m: Member) -> None:
-        """Start polling a worker (one launched later starts in `starting` and joins its pool once
-        it answers `ready()`)."""
-        self._pumps[m.worker_id] = asyncio.get_running_loop().create_task(self._pump(m))
-
-    async def stop(self) -> None:
-        """Stop reading the workers' streams. Each pump ends after the frame it waits for (one
-        comes every half second at least), or is cancelled past the hang timeout."""
-        self._stopping = True
-        if self._beat is not None:
-            self._beat.cancel()
-        pumps = list(self._pumps.values())
-        if pumps:
-            await asyncio.wait(pumps, timeout=self.hang_timeout_s)
-        for t in pumps:
-            t.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        for w in self.pools.live():                      # our leases end now, not at a lapse
-            if w.alive:
-                _tell(w.handle, "leave", self.owner)
-
-    # -- the pumps -----------------------------------------------------------------------------
-    async def _pump(self, w: Member) -> None:
-        if w.state != ACTIVE and not await self._await_ready(w, self.restart_timeout_s):
-            return
-        stream = None
-        try:
-            while w.state != STOPPED and not self._stopping:
-                try:
-                    if stream is None:
-                        stream = await EventStream.open(w.handle, self.owner, self.hang_timeout_s)
-                    raw, polled_at = await stream.next(self.hang_timeout_s)
-                    reply = msg.decode(raw, msg.PollReply)
-                except asyncio.CancelledError:
-                    raise
-                except TimeoutError:
-                    stream = _closed(stream)
-                    if w.worker_id in self._lapsed:       # our outbox there is gone, not the worker
-                        self._lapsed.discard(w.worker_id)
-                        self._resume_all(w, "lease_expired", "this router's lease lapsed")
-                        continue
-                    self._lost(w, "hung", f"no events nor heartbeat within {self.hang_timeout_s:g}s")
-                    if self.leads and self._restart is not None:
-                        self._restart(w.handle)
-                    else:                                # the leader restarts it; or this router, should it lead
-                        self._hung.add(w.worker_id)
-                    back = await self._await_ready(w, self.restart_timeout_s)
-                    self._hung.discard(w.worker_id)
-                    if not back:
-                        return
-                    continue
-                except Exception as e:                   # the actor died (Ray restarts it)
-                    stream = _closed(stream)
-                    if w.state == STOPPED:               # retired while we waited
-                        return
-                    self._lost(w, "died", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-                    if not await self._await_ready(w, self.restart_timeout_s):
-                        return
-                    continue
-                self._take(w, reply, polled_at)
-                if self.leads and w.state == DRAINING and w.idle():   # (a follower's drains are the leader's)
-                    await self._finish_drain(w)
-        finally:
-            _closed(stream)
-
-    def _take(self, w: Member, reply: msg.PollReply, polled_at: float) -> None:
-        """A worker's frame: its report, samples, cache events, then its events."""
-        self._lapsed.discard(w.worker_id)               # (our outbox there is alive)
-        if not self.leads:                               # the leader's drains and flips, as the worker tells
-            self.pools.follow(w.worker_id, reply.load.role, reply.load.accepting)
-        w.reported(reply.load, polled_at)
+    def take_frame(self, w: Member, reply: msg.PollReply) -> None:
+        """A worker's frame, after the supervisor recorded its report: its prefix-cache changes,
+        its requests' events, and what the decode gate learns from a decode worker's report."""
         if self.prefix_index is not None:
             self.prefix_index.set_capacity(w.worker_id, reply.load.kv_blocks_total)
             self.prefix_index.remove(w.worker_id, reply.cache_evicted)
             self.prefix_index.add(w.worker_id, reply.cache_stored)
-        self.metrics.observe_load(reply.load)
-        self.metrics.observe_samples(w.worker_id, reply.load.role, reply.samples)
-        for fn in self.sample_listeners:
-            fn(w.worker_id, reply.load.role, reply.samples)
         for ev in reply.events:
             self._deliver(ev)
         if w.role == DECODE and self.gate is not None:
             self.gate.observe(w.worker_id, reply.load)
             self._open_gate()
 
-    async def _finish_drain(self, w: Member) -> None:
-        """A drained worker flips its role (the worker checks, on its own loop, that it holds
-        nothing) and rejoins; or, drained to leave, it stops."""
-        if w.to_role is not None:
-            try:
-                flipped = await asyncio.wait_for(awaitable(w.handle.set_role.remote(w.to_role)), self.hang_timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:                       # the next poll finds out what happened
-                log.warning("worker %s: role change failed: %s", w.worker_id, e)
-                return
-            if not flipped:                              # something arrived after all: drain on
-                return
-            old = w.role
-            self.pools.finish_drain(w.worker_id)
-            self.metrics.forget_worker(w.worker_id, old)
-            log.info("worker %s: %s -> %s after a drain of %.1fs", w.worker_id, old, w.role,
-                     time.monotonic() - w.since)
-            return
-        self.pools.finish_drain(w.worker_id)
-        self.metrics.forget_worker(w.worker_id, w.role)
-        log.info("worker %s: drained, leaving the cluster", w.worker_id)
-        if self.leads and self._retire is not None:
-            await asyncio.to_thread(self._retire, w.handle)
-
-    def _lost(self, w: Member, cause: str, detail: str) -> None:
-        """Take a dead or hung worker out of the pools and resume everything open on it."""
-        log.error("worker %s %s: %s; resuming its %d requests elsewhere", w.worker_id, cause, detail,
-                  len(w.assigned))
-        self.pools.lost(w.worker_id)
-        self.metrics.workers_lost.labels(w.role, cause).inc()
-        self._resume_all(w, f"worker_{cause}", f"worker {w.worker_id} {cause}")
-        for other in self.pools:                          # their transport pairs with it are stale
-            if other is not w and other.alive:
-                _fire(other.handle.forget_peer.remote(w.worker_id))
-
-    def _resume_all(self, w: Member, cause: str, error: str) -> None:
-        """Every request of this router open on `w` resumes elsewhere."""
+    def resume_all(self, w: Member, cause: str, error: str) -> None:
+        """Every request of this router open on `w` resumes elsewhere (it died, hung, or lost our
+        lease: the supervisor says which)."""
         for rid in list(w.assigned):
             self._deliver(msg.ErrorEvent(rid, error, retryable=True, cause=cause))
         w.assigned.clear()
-
-    async def _heartbeats(self) -> None:
-        """Renew this router's lease on every worker it streams from, every quarter lease. A
-        worker that answers False had let it lapse (this router stalled past the lease): it
-        ended our requests there, and its outbox's errors resume them; should that outbox be
-        gone too, the stream's silence reopens it (`_pump`), not a restart of the worker."""
-        period = self.router_lease_s / 4
-        while not self._stopping:
-            live = [w for w in self.pools.live() if w.alive]
-            answers = await asyncio.gather(*(self._beat_one(w, period * 2) for w in live), return_exceptions=True)
-            for w, kept in zip(live, answers):
-                if kept is False:
-                    log.warning("worker %s: this router's lease had lapsed there; its requests there resume",
-                                w.worker_id)
-                    self._lapsed.add(w.worker_id)
-            await asyncio.sleep(period)
-
-    async def _beat_one(self, w: Member, timeout_s: float) -> bool:
-        """One heartbeat (a worker that fails to answer is the pump's business)."""
-        return await asyncio.wait_for(awaitable(w.handle.heartbeat.remote(self.owner)), timeout_s)
-
-    async def _await_ready(self, w: Member, timeout_s: float) -> bool:
-        """Wait for a starting (or restarted) worker to load its model; then it joins its pool.
-        Ray restarts a process with the role it was created in: a restarted worker first takes
-        its current one (or, lost while draining, the one it was moving to: it holds nothing now,
-        so its flip, or its exit, completes at once)."""
-        t0 = time.monotonic()
-        restarting = w.state == DEAD
-        while time.monotonic() - t0 < timeout_s and w.state != STOPPED and not self._stopping:
-            try:
-                await asyncio.wait_for(awaitable(w.handle.ready.remote()), timeout_s)
-                if restarting:
-                    await asyncio.wait_for(awaitable(w.handle.set_role.remote(w.to_role or w.role)), timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception:                            # still starting or restarting
-                await asyncio.sleep(0.5)
-                continue
-            if not restarting:
-                self.pools.activate(w.worker_id)
-                log.info("worker %s (%s) joined after %.1fs", w.worker_id, w.role, time.monotonic() - t0)
-                return True
-            self.pools.restarted(w.worker_id)
-            self.metrics.workers_replaced.labels(w.role).inc()
-            log.warning("worker %s is back after %.1fs", w.worker_id, time.monotonic() - t0)
-            if w.state != STOPPED:
-                return True
-            break
-        else:
-            if w.state == STOPPED or self._stopping:     # (stopping: the dispatcher, not the worker)
-                return False
-            log.error("worker %s did not %s within %.0fs; the %s pool stays smaller", w.worker_id,
-                      "come back" if restarting else "start", timeout_s, w.role)
-        self.pools.stop(w.worker_id)
-        if self.leads and self._retire is not None:
-            await asyncio.to_thread(self._retire, w.handle)
-        return False
 
     # -- the decode gate ------------------------------------------------------------------------
     async def _pass_gate(self, rid: str) -> None:
@@ -458,8 +253,19 @@ class Dispatcher:
             self.prefix_index.add(w.worker_id, start.hashes)
         return w, op
 
-    def _new_base(self) -> str:
+    def new_base(self) -> str:
+        """A new request's id, before each attempt's suffix."""
         return f"{self.owner}{OWNER_SEP}r{next(self._ids)}"
+
+    def open_request(self, rid: str) -> asyncio.Queue:
+        """The queue an attempt's events come to (`take_frame` fills it)."""
+        q = self._queues[rid] = asyncio.Queue()
+        return q
+
+    def close_request(self, rid: str) -> None:
+        """An attempt ended: its queue goes, and it leaves the decode gate if it had not yet."""
+        self._leave_gate(rid)
+        self._queues.pop(rid, None)
 
     @contextlib.asynccontextmanager
     async def samples(self, reqs: list[GenerationRequest]):
@@ -476,7 +282,7 @@ class Dispatcher:
     async def generate(self, req: GenerationRequest, first: _First | None = None):
         """Async iterator of TokenDeltas; raises RequestFailed when resumes run out. `first`:
         the first attempt is a sample of a shared start (see `samples`)."""
-        base = first.base if first is not None else self._new_base()
+        base = first.base if first is not None else self.new_base()
         delivered: list[int] = []                        # output tokens the client has
         stalled = 0                                      # resumes in a row that got nowhere
         for attempt in itertools.count():
@@ -485,8 +291,8 @@ class Dispatcher:
                 first.taken = True
                 rid, q, involved, run = first.rid, first.queue, first.involved, first.run
             else:
-                rid, q, involved, run = f"{base}.{attempt}", asyncio.Queue(), [], self._attempt
-                self._queues[rid] = q
+                rid, involved, run = f"{base}.{attempt}", [], self.attempt
+                q = self.open_request(rid)
             finished = False
             resume: _Resume | None = None
             try:
@@ -500,14 +306,13 @@ class Dispatcher:
                 if resume is None:
                     return
             finally:
-                self._leave_gate(rid)
-                self._queues.pop(rid, None)
+                self.close_request(rid)
                 for w in involved:
                     w.assigned.discard(rid)
                     if w.alive and not finished:
                         # Cancelled, failed or resumed: free whatever it still holds there
                         # (idempotent on the worker). A finished request holds nothing.
-                        _fire(w.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
+                        fire(w.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
             # An attempt that got past its first token made progress: the budget counts the
             # failures in a row without any (a persistent fault), not the faults a long request
             # happens to meet.
@@ -518,19 +323,25 @@ class Dispatcher:
             log.warning("request %s: %s; resuming after %d delivered tokens (attempt %d)", base, resume.error,
                         len(delivered), attempt + 2)
 
-    async def _attempt(self, req: GenerationRequest, rid: str, q: asyncio.Queue, involved: list,
-                       delivered: list[int]):
+    async def attempt(self, req: GenerationRequest, rid: str, q: asyncio.Queue, involved: list,
+                      delivered: list[int], forks: list[msg.Fork] = (), involve: Callable | None = None):
         """Yields TokenDeltas; yields a _Resume once when the attempt failed retryably. Starts
-        after the `delivered` output tokens (a resumed request)."""
+        after the `delivered` output tokens (a resumed request). With `forks` it is the carrier
+        of a shared start (`_SharedStart`): the worker that computes or receives its prompt
+        starts the forks there (the carrier's KV is not streamed), and `involve(w)` is told of
+        that worker, where they run (else it joins `involved`, as every worker this attempt
+        uses)."""
+        involve = involve or involved.append
         outputs = list(delivered)
         if not outputs:                      # a new request (a resumed one is already under way)
             await self._pass_gate(rid)
         silence = _Silence(q, self.request_silence_s)
         try:
             w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
-            involved.append(w)
-            _fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
-                                                       ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s))))
+            (involve if op is msg.GenerateOp else involved.append)(w)
+            fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
+                                                      ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s,
+                                                      forks=list(forks) if op is msg.GenerateOp else []))))
             d = None            # the decode worker, picked early when the prompt's KV streams to it
             while True:
                 ev = await self._next_event(q, w, rid, silence)
@@ -538,7 +349,7 @@ class Dispatcher:
                     yield resume
                     return
                 if _computed_so_far(ev):
-                    if op is msg.PrefillOp:
+                    if op is msg.PrefillOp and not forks:
                         d = await self._stream_kv(req, rid, w, d, involved, outputs, ev.kv)
                     continue
                 if ev.tokens or ev.finished:
@@ -548,7 +359,7 @@ class Dispatcher:
                     yield TokenDelta(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
                 if ev.finished:
                     if d is not None:                # it reserved blocks for a KV that will not come
-                        _fire(d.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
+                        fire(d.handle.submit.remote(msg.encode(msg.AbortOp(rid))))
                     return
                 if ev.held:
                     held_kv = ev.kv
@@ -557,14 +368,14 @@ class Dispatcher:
             # The prefill worker holds the KV: hand it to a decode worker, which pulls when it has
             # room (or, streaming, has copied all but the last chunk's blocks already).
             if d is not None:
-                _fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, held_kv, outputs))))
+                fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, held_kv, outputs))))
             else:
                 d = await self._pick_live(DECODE)
-                involved.append(d)
+                involve(d)
                 d.sent(rid, 1)
-                _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
-                                                                     w.worker_id, req.priority, tpot_s=req.tpot_s,
-                                                                     kv=held_kv))))
+                fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
+                                                                    w.worker_id, req.priority, forks=list(forks),
+                                                                    tpot_s=req.tpot_s, kv=held_kv))))
             while True:
                 ev = await self._next_event(q, d, rid, silence)
                 if (resume := _resume_for(ev)) is not None:
@@ -590,13 +401,13 @@ class Dispatcher:
         decode worker and reserves there (a DecodeOp that streams); later ones tell it more.
         Returns the decode worker."""
         if d is not None:
-            _fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, kv))))
+            fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, kv))))
             return d
         d = await self._pick_live(DECODE)
         involved.append(d)
         d.sent(rid, 1)
         self.metrics.kv_streamed.inc()
-        _fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, list(outputs),
+        fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, list(outputs),
                                                              w.worker_id, req.priority, tpot_s=req.tpot_s, kv=kv,
                                                              streaming=True))))
         return d
@@ -699,22 +510,18 @@ class _SharedStart:
 
     def __init__(self, dispatcher: Dispatcher, reqs: list[GenerationRequest]):
         self.d, self.req = dispatcher, reqs[0]
-        base = dispatcher._new_base()
+        base = dispatcher.new_base()
         self.rid = f"{base}.carrier"
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = dispatcher.open_request(self.rid)
         self.involved: list[Member] = []
-        dispatcher._queues[self.rid] = self.queue
-        self.first = []
-        for j in range(len(reqs)):
-            f = _First(f"{base}-{j}", f"{base}-{j}.0", asyncio.Queue(), [], self._wait)
-            dispatcher._queues[f.rid] = f.queue
-            self.first.append(f)
+        self.first = [_First(f"{base}-{j}", f"{base}-{j}.0", dispatcher.open_request(f"{base}-{j}.0"), [], self._wait)
+                      for j in range(len(reqs))]
         self.forks = [msg.Fork(f.rid, r.params) for f, r in zip(self.first, reqs)]
         self.forked = False
         self.task = asyncio.ensure_future(self._start())
 
     async def _wait(self, req, rid, q, involved, delivered):
-        """A sample's first attempt: its fork's events (`_attempt`'s second half, on its own id)."""
+        """A sample's first attempt: its fork's events (an attempt's second half, on its own id)."""
         while True:
             ev = await q.get()
             if isinstance(ev, RequestFailed):
@@ -735,47 +542,26 @@ class _SharedStart:
             w.sent(f.rid, 0)
 
     async def _start(self) -> None:
-        d, req, q = self.d, self.req, self.queue
+        """The carrier's attempt, as any request's (one token, then held or forked): it ends
+        "forked" where its samples run, or the start failed."""
+        carrier = dataclasses.replace(self.req, params=self.CARRIER)
         try:
-            prompt = req.prompt_token_ids
-            await d._pass_gate(self.rid)
-            w, op = await d._pick_start(self.rid, prompt)
-            if op is msg.GenerateOp:             # colocated, or prefilled on its decode worker
-                self._involve(w)
-                _fire(w.handle.submit.remote(msg.encode(msg.GenerateOp(
-                    self.rid, prompt, self.CARRIER, req.priority, forks=self.forks,
-                    ttft_left_s=req.ttft_left_s(()), tpot_s=req.tpot_s))))
-            else:
-                self.involved.append(w)
-                _fire(w.handle.submit.remote(msg.encode(msg.PrefillOp(self.rid, prompt, self.CARRIER, req.priority,
-                                                                      ttft_left_s=req.ttft_left_s(()),
-                                                                      tpot_s=req.tpot_s))))
-                while _computed_so_far(ev := await q.get()):
-                    pass                         # a carrier's KV is not streamed
-                if isinstance(ev, msg.ErrorEvent) or not ev.held:
-                    return self._failed(ev)
-                dw = await d._pick_live(DECODE)
-                dw.sent(self.rid, 1)
-                self._involve(dw)
-                _fire(dw.handle.submit.remote(msg.encode(msg.DecodeOp(
-                    self.rid, prompt, self.CARRIER, ev.tokens, w.worker_id, req.priority, forks=self.forks,
-                    tpot_s=req.tpot_s, kv=ev.kv))))
-            ev = await q.get()
-            if isinstance(ev, msg.TokenEvent) and ev.reason == "forked":
-                d._leave_gate(self.rid, reached_decode=True)
-                self.forked = True
-                for m in self.involved:
-                    m.assigned.discard(self.rid)
-                return
-            self._failed(ev)
+            async for delta in self.d.attempt(carrier, self.rid, self.queue, self.involved, [], self.forks,
+                                              self._involve):
+                if isinstance(delta, _Resume):
+                    return self._fail(msg.ErrorEvent("", delta.error, True, delta.cause))
+                if delta.finished and delta.finish_reason == "forked":
+                    self.forked = True
+                    for m in self.involved:
+                        m.assigned.discard(self.rid)
+                    return
+                if delta.finished:    # it ended at its first token (the app shares no start where it could)
+                    break
+            self._fail(RequestFailed(f"the shared start of {len(self.first)} samples ended early"))
+        except APIError as e:                            # refused by the worker: so is every sample
+            self._fail(msg.ErrorEvent("", e.message, False, "handoff_failed"))
         except RequestFailed as e:                       # no live worker to start on
             self._fail(e)
-
-    def _failed(self, ev: msg.Event) -> None:
-        if isinstance(ev, msg.ErrorEvent):
-            self._fail(msg.ErrorEvent("", ev.error, ev.retryable, ev.cause or "handoff_failed"))
-        else:       # the carrier ended at its first token (the app shares no start where it could)
-            self._fail(RequestFailed(f"the shared start of {len(self.first)} samples ended early ({ev.reason})"))
 
     def _fail(self, failure: msg.ErrorEvent | RequestFailed) -> None:
         """Every sample still in its first attempt gets the start's failure (a retryable one
@@ -789,19 +575,18 @@ class _SharedStart:
         and any fork whose sample never started its first attempt."""
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        self.d._leave_gate(self.rid)
-        self.d._queues.pop(self.rid, None)
+        self.d.close_request(self.rid)
         for m in self.involved:
             m.assigned.discard(self.rid)
             if m.alive and not self.forked:
-                _fire(m.handle.submit.remote(msg.encode(msg.AbortOp(self.rid))))
+                fire(m.handle.submit.remote(msg.encode(msg.AbortOp(self.rid))))
         for f in self.first:
             if not f.taken:
-                self.d._queues.pop(f.rid, None)
+                self.d.close_request(f.rid)
                 for m in f.involved:
                     m.assigned.discard(f.rid)
                     if m.alive:
-                        _fire(m.handle.submit.remote(msg.encode(msg.AbortOp(f.rid))))
+                        fire(m.handle.submit.remote(msg.encode(msg.AbortOp(f.rid))))
 
 
 def _computed_so_far(ev: msg.Event) -> bool:
@@ -827,21 +612,16 @@ def awaitable(ref):
     return wait()
 
 
-def _closed(stream: EventStream | None) -> None:
-    if stream is not None:
-        stream.close()
-
-
-def _tell(handle, method: str, *args) -> None:
-    """`_fire` a call, and let a handle that cannot even send it pass too (an actor Ray has
+def tell(handle, method: str, *args) -> None:
+    """`fire` a call, and let a handle that cannot even send it pass too (an actor Ray has
     given up on raises at once)."""
     try:
-        _fire(getattr(handle, method).remote(*args))
+        fire(getattr(handle, method).remote(*args))
     except Exception as e:
         log.debug("could not call %s: %s", method, e)
 
 
-def _fire(ref) -> None:
+def fire(ref) -> None:
     """A call whose answer nobody needs (an abort, a forget): let a failure pass silently (the
     worker may be gone, which is what the call was about)."""
     if hasattr(ref, "future"):

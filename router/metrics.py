@@ -192,6 +192,10 @@ class Metrics:
                             "drains, runs the controller, exports the workers' series)", registry=self.registry_own)
         self.export_workers(workers)
 
+    def follow(self, leadership) -> None:
+        """Export the workers' series while this router leads (router/leadership.py)."""
+        leadership.subscribe(lambda resume: self.export_workers(True), lambda: self.export_workers(False))
+
     def export_workers(self, on: bool) -> None:
         """Serve the workers' and pools' series at /metrics too (the leading router does), or
         keep them for this router's own use only."""

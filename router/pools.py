@@ -140,10 +140,12 @@ class PoolRegistry:
         return [m for m in self._members.values() if m.state == DRAINING]
 
     # -- changing ---------------------------------------------------------------------------------
-    def add(self, worker_id: str, role: str, handle, state: str = STARTING) -> Member:
+    def add(self, worker_id: str, role: str, handle, state: str = STARTING, within_budget: bool = True) -> Member:
+        """A worker joins. `within_budget=False`: one that another router added (the leader keeps
+        the budget; a follower's view may still count a worker the leader has retired)."""
         if worker_id in self._members and self._members[worker_id].state != STOPPED:
             raise ValueError(f"worker {worker_id} is already in the pools")
-        if self.budget is not None and len(self.live()) >= self.budget:
+        if within_budget and self.budget is not None and len(self.live()) >= self.budget:
             raise ValueError(f"the worker budget of {self.budget} is reached")
         m = Member(worker_id, role, handle, state)
         self._members[worker_id] = m

@@ -107,7 +107,7 @@ class BookHandle:
 
 
 def test_the_router_that_led_keeps_its_drains_across_a_restart_of_the_book(monkeypatch):
-    """`ServingCluster._claim_lead`'s decision across a restart of the book: r0 leads (term 2)
+    """`LeadKeeper.claim`'s decision across a restart of the book: r0 leads (term 2)
     and drains a worker; it loses the book for longer than its lease (it follows); Ray restarts
     the book; r0 takes the lead back at term 2, so its drain goes on. Later r0 stalls, r1 leads
     meanwhile (term 3) and leaves: r0's next claim gives term 4, and r0 calls off its old drain
@@ -115,13 +115,15 @@ def test_the_router_that_led_keeps_its_drains_across_a_restart_of_the_book(monke
     import asyncio
     import time
 
-    from cluster import serve
+    from cluster import lead, serve
+    from cluster.lead import LeadKeeper
     from cluster.spec import ClusterSpec
     from router.dispatch import Dispatcher
     from router.metrics import Metrics
+    from router.supervisor import Supervisor
     from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
     from workers.names import DECODE, DISAGGREGATED, PREFILL
-    monkeypatch.setattr(serve, "find_book", lambda cluster_id: object())     # away, not removed
+    monkeypatch.setattr(lead, "find_book", lambda cluster_id: object())      # away, not removed
     lease_s = 4.0
     clock, store = Clock(), LeadStore()
     handle = BookHandle(ClusterBook({}, clock=clock, lead_store=store))
@@ -132,34 +134,37 @@ def test_the_router_that_led_keeps_its_drains_across_a_restart_of_the_book(monke
         c = serve.ServingCluster(ClusterSpec(model="tiny", router_lease_s=lease_s), attach=([], []), book=handle,
                                  router_id=router_id)
         c.pools = pools
-        c.dispatcher = Dispatcher(pools, DISAGGREGATED, Metrics(workers=False), router_id=router_id, leads=False)
+        metrics = Metrics(workers=False)
+        c.supervisor = Supervisor(Dispatcher(pools, DISAGGREGATED, metrics), c.leadership)
+        c.lead = LeadKeeper("default", lease_s, handle, c.leadership, router_id, pools, c.supervisor,
+                            metrics.requests, lambda: None)
         return c
 
     r0, r1 = router("r0"), router("r1")
-    claim = lambda r: asyncio.run(r._claim_lead())               # noqa: E731
+    claim = lambda r: asyncio.run(r.lead.claim())               # noqa: E731
     claim(r1)
-    asyncio.run(r1._step_down())                                 # r1 led first (term 1), and left
+    asyncio.run(r1.lead.step_down())                             # r1 led first (term 1), and left
     claim(r0)
-    assert r0.leads and r0._term == 2
+    assert r0.leads and r0.leadership.term == 2
     r0.pools.drain("decode-1", PREFILL)                          # r0's own drain
     handle.book = None                                           # the book's node dies ...
-    r0._renewed = time.monotonic() - lease_s - 1                 # ... for longer than r0's lease
+    r0.leadership.renewed_at = time.monotonic() - lease_s - 1    # ... for longer than r0's lease
     claim(r0)
     assert not r0.leads                                          # it follows meanwhile
     handle.book = ClusterBook({}, clock=clock, lead_store=store)  # Ray restarts the book
     claim(r1)
     assert not r1.leads                                          # r0's for one lease from the restart
     claim(r0)
-    assert r0.leads and r0._term == 2
+    assert r0.leads and r0.leadership.term == 2
     assert (r0.pools["decode-1"].state, r0.pools["decode-1"].to_role) == (DRAINING, PREFILL)
     # r0 stalls past its lease (no claim), the book restarts once more, r1 leads and leaves.
     handle.book = ClusterBook({}, clock=clock, lead_store=store)
     clock.t += lease_s + 0.1
     claim(r1)
-    assert r1.leads and r1._term == 3
-    asyncio.run(r1._step_down())
+    assert r1.leads and r1.leadership.term == 3
+    asyncio.run(r1.lead.step_down())
     claim(r0)                                                    # it thought it still led
-    assert r0.leads and r0._term == 4
+    assert r0.leads and r0.leadership.term == 4
     assert (r0.pools["decode-1"].state, r0.pools["decode-1"].role, r0.pools["decode-1"].to_role) == \
         (ACTIVE, DECODE, None)
 

@@ -83,7 +83,7 @@ def test_a_decode_worker_flips_to_prefill_under_load_and_back(cluster, prompts, 
 
 def test_the_cluster_grows_within_its_budget_and_shrinks_after_a_drain(cluster, prompts, reference):
     c = cluster
-    add = lambda role: c._add_worker(c.server.dispatcher, role)   # noqa: E731 (what the controller calls)
+    add = c._add_worker                           # (what the controller calls)
     m = on_loop(c, lambda: add(PREFILL))
     assert m is not None and m.worker_id == "prefill-1" and len(c.workers) == 4
     assert on_loop(c, lambda: add(DECODE)) is None                 # the budget is 4: nothing starts

@@ -13,10 +13,12 @@ import pytest
 from common import Clock
 from cluster.controller import ControllerConfig
 from cluster.pool_control import LiveControl, PoolController
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, DispatchSettings
+from router.leadership import Leadership
 from router.metrics import Metrics
 from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
 from router.slo import RequestLog, SLOTargets, judge
+from router.supervisor import Supervisor
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
 from workers.messages import LoadReport, TransferTotals
 from workers.names import AUTO, DECODE, DISAGGREGATED, PREFILL
@@ -71,7 +73,8 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     true step costs the fit was made from) hands it off."""
     p, d = Member("prefill-0", PREFILL, "hp0", ACTIVE), Member("decode-0", DECODE, "hd0", ACTIVE)
     p.report, d.report = report(p.worker_id, PREFILL), report(d.worker_id, DECODE)
-    disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False), local_prefill_max_tokens=AUTO)
+    disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False),
+                      DispatchSettings(local_prefill_max_tokens=AUTO))
     disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048)
     assert not disp._prefill_locally(d, 128)
     p.report = report(p.worker_id, PREFILL, queued=4096)
@@ -173,20 +176,26 @@ def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
 
 
 def test_a_new_leader_calls_off_another_leaders_drains_and_restarts_what_it_saw_hang():
-    """`Dispatcher.take_lead` on plain state: a drain the last leader left half done is called
-    off (nobody would finish it), unless this router led last and only lost touch with the book
-    (its own drain goes on); and a worker it saw hang while it followed is restarted."""
+    """The supervisor when its router comes to lead, on plain state: a drain the last leader left
+    half done is called off (nobody would finish it), unless this router led last and only lost
+    touch with the book (its own drain goes on); and a worker it saw hang while it followed is
+    restarted. The metrics export the workers' series while it leads."""
     handles = {w: object() for w in ("prefill-0", "decode-0", "decode-1")}
     pools = PoolRegistry.of([Member(w, w.rsplit("-", 1)[0], h, ACTIVE) for w, h in handles.items()])
     restarted = []
-    d = Dispatcher(pools, DISAGGREGATED, Metrics(workers=False), restart=restarted.append, leads=True)
+    lead = Leadership()
+    metrics = Metrics(workers=False)
+    metrics.follow(lead)
+    sup = Supervisor(Dispatcher(pools, DISAGGREGATED, metrics), lead, restart=restarted.append)
+    lead.take()
     pools.drain("decode-1", PREFILL)                       # this router's own drain, towards prefill
-    d.give_up_lead()                                       # it lost touch with the book a while
-    d.take_lead(resume=True)                               # ... and nobody else led meanwhile
+    asyncio.run(lead.give_up())                            # it lost touch with the book a while
+    assert not metrics.exporting_workers
+    lead.take(resume=True)                                 # ... and nobody else led meanwhile
     assert (pools["decode-1"].state, pools["decode-1"].to_role) == (DRAINING, PREFILL)
-    d.give_up_lead()
-    d._hung.add("decode-0")                                # it saw decode-0 hang while it followed
-    d.take_lead(resume=False)                              # another led in between
+    asyncio.run(lead.give_up())
+    sup._hung.add("decode-0")                              # it saw decode-0 hang while it followed
+    lead.take(resume=False)                                # another led in between
     assert (pools["decode-1"].state, pools["decode-1"].role, pools["decode-1"].to_role) == (ACTIVE, DECODE, None)
-    assert restarted == [handles["decode-0"]] and not d._hung
-    assert d.metrics.exporting_workers and d.metrics.registry.get_sample_value("pdcluster:router_leader") == 1
+    assert restarted == [handles["decode-0"]] and not sup._hung
+    assert metrics.exporting_workers and metrics.registry.get_sample_value("pdcluster:router_leader") == 1

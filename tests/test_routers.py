@@ -179,7 +179,6 @@ def test_an_attached_router_follows_the_leaders_pool_changes(r0, tmp_path, hf_gr
         return httpx.get(f"{url}/health", timeout=10).json()["workers"]
     try:
         assert pools_of(r1.url) == {"prefill": 1, "decode": 2, "colocated": 0}
-        dispatcher = r0.server.dispatcher
 
         async def drain_under_load():
             # r1 streams while the leader drains decode-1: r1's requests that reach it after the
@@ -193,7 +192,7 @@ def test_an_attached_router_follows_the_leaders_pool_changes(r0, tmp_path, hf_gr
             return outs
         assert asyncio.run(drain_under_load()) == want
         wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 1, "colocated": 0}, 60)
-        added = asyncio.run_coroutine_threadsafe(r0._add_worker(dispatcher, "decode"), r0.loop).result(60)
+        added = asyncio.run_coroutine_threadsafe(r0._add_worker("decode"), r0.loop).result(60)
         assert added is not None and added.worker_id == "decode-2"
         wait_for(lambda: pools_of(r1.url), lambda p: p == {"prefill": 2, "decode": 2, "colocated": 0}, 120)
         assert greedy_through([r1.url], prompts) == want

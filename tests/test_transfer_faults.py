@@ -636,8 +636,10 @@ def test_a_request_resumes_through_a_failed_handoff(pool, reference):
     from what it delivered and the stream is the single engine's tokens, none twice, none lost."""
     import asyncio
 
-    from router.dispatch import Dispatcher
+    from router.dispatch import Dispatcher, DispatchSettings
+    from router.leadership import Leadership
     from router.metrics import Metrics
+    from router.supervisor import Supervisor
     from router.protocol import GenerationRequest
     _, P, D, workers = pool
     D.set_faults("recv:mid_payload:fail*1")
@@ -645,8 +647,9 @@ def test_a_request_resumes_through_a_failed_handoff(pool, reference):
 
     async def run() -> tuple[list[int], Metrics]:
         metrics = Metrics()
-        dispatcher = Dispatcher(workers, "disaggregated", metrics, max_retries=2)
-        dispatcher.start()
+        dispatcher = Dispatcher(workers, "disaggregated", metrics, DispatchSettings(max_retries=2))
+        supervisor = Supervisor(dispatcher, Leadership(leads=True))
+        supervisor.start()
         try:
             req = GenerationRequest("completion", "tiny", PROMPT, params(), stream=True)
             out = []
@@ -654,7 +657,7 @@ def test_a_request_resumes_through_a_failed_handoff(pool, reference):
                 out += ev.token_ids
             return out, metrics
         finally:
-            await dispatcher.stop()
+            await supervisor.stop()
     try:
         tokens, metrics = asyncio.run(asyncio.wait_for(run(), 60))
     finally:
@@ -675,8 +678,10 @@ def test_a_fault_that_never_clears_fails_the_request_after_its_retries(pool, ref
     block is left anywhere."""
     import asyncio
 
-    from router.dispatch import Dispatcher, RequestFailed
+    from router.dispatch import Dispatcher, DispatchSettings, RequestFailed
+    from router.leadership import Leadership
     from router.metrics import Metrics
+    from router.supervisor import Supervisor
     from router.protocol import GenerationRequest
     _, P, D, workers = pool
     D.set_faults("recv:after_payload:fail")        # a point both transports pass
@@ -685,13 +690,14 @@ def test_a_fault_that_never_clears_fails_the_request_after_its_retries(pool, ref
     out: list[int] = []
 
     async def run() -> None:
-        dispatcher = Dispatcher(workers, "disaggregated", metrics, max_retries=2)
-        dispatcher.start()
+        dispatcher = Dispatcher(workers, "disaggregated", metrics, DispatchSettings(max_retries=2))
+        supervisor = Supervisor(dispatcher, Leadership(leads=True))
+        supervisor.start()
         try:
             async for ev in dispatcher.generate(GenerationRequest("completion", "tiny", PROMPT, params())):
                 out.extend(ev.token_ids)
         finally:
-            await dispatcher.stop()
+            await supervisor.stop()
     try:
         with pytest.raises(RequestFailed, match="3 attempts in a row failed"):
             asyncio.run(asyncio.wait_for(run(), 60))
