@@ -5,7 +5,7 @@ benchmark client as the load (issue 14).
     .venv/bin/python benchmarks/bench_admission.py [--duration-s 30] [--rates 0.5,1,1.5,2,3,4]
 
 For each admission policy (queue, then slo) a local 1 prefill + 1 decode `tiny` cluster serves
-(cluster.serve.ServingCluster, the SLOs --slo-ttft-ms / --slo-tpot-ms). The load is
+(cluster.run.serve.ServingCluster, the SLOs --slo-ttft-ms / --slo-tpot-ms). The load is
 vllm.benchmarks.serve run in .venv-vllm (--vllm-python): random prompts of --input-len tokens,
 --output-len output tokens with ignore_eos, Poisson arrivals at --request-rate, and its --goodput
 with the same SLOs, so the goodput numbers are vLLM's own (requests meeting both SLOs per second
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Meter  # noqa: E402
-from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.launcher import NAMESPACE, ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
 

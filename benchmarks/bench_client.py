@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import httpx  # noqa: E402
 
-from cluster import loadgen  # noqa: E402
-from cluster.bench_data import BenchRequest  # noqa: E402
-from cluster.serve import free_port  # noqa: E402
+from cluster.loadtest import loadgen  # noqa: E402
+from cluster.loadtest.bench_data import BenchRequest  # noqa: E402
+from cluster.run.serve import free_port  # noqa: E402
 
 
 def serve(port: int) -> None:

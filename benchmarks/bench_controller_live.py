@@ -7,7 +7,7 @@ The load is `pdcluster bench --dataset-name phases`: phases alternate between pr
 (long prompts, a couple of output tokens) and decode-heavy (short prompts, long outputs), each
 with its own rate; the same requests at the same send times go to every fixed split of
 --workers `tiny` workers (1P+(N-1)D .. (N-1)P+1D) and to the controlled cluster, which starts at
-1 prefill + (N-1) decode. Streaming, greedy, ignore_eos (cluster.loadgen, as bench sends). Each
+1 prefill + (N-1) decode. Streaming, greedy, ignore_eos (cluster.loadtest.loadgen, as bench sends). Each
 run reports goodput (requests meeting both SLOs per second) over the whole load and per phase,
 failures by kind, and, for the controller, its decisions and role changes. On this 2-core box
 every worker shares the cores with the router and each other, so the splits differ by where the
@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Meter  # noqa: E402
-from cluster import loadgen  # noqa: E402
-from cluster.bench_data import DECODE_HEAVY, PREFILL_HEAVY, Phase, alternate, phase_rows, sample_trace  # noqa: E402
-from cluster.launcher import ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.loadtest import loadgen  # noqa: E402
+from cluster.loadtest.bench_data import DECODE_HEAVY, PREFILL_HEAVY, Phase, alternate, phase_rows, sample_trace  # noqa: E402
+from cluster.run.launcher import ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402
 

@@ -25,11 +25,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cluster import loadgen  # noqa: E402
-from cluster.bench_data import load_trace  # noqa: E402
-from cluster.controller import ControllerConfig  # noqa: E402
-from cluster.sim_control import ControlledSimulator, SimControl  # noqa: E402
-from cluster.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
+from cluster.loadtest import loadgen  # noqa: E402
+from cluster.loadtest.bench_data import load_trace  # noqa: E402
+from cluster.run.controller import ControllerConfig  # noqa: E402
+from cluster.capacity.sim_control import ControlledSimulator, SimControl  # noqa: E402
+from cluster.capacity.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
 from workers.config import CacheConfig, EngineConfig  # noqa: E402
 from workers.cost_model import roofline  # noqa: E402
 

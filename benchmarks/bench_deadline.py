@@ -21,8 +21,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cluster.bench_data import load_trace  # noqa: E402
-from cluster.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
+from cluster.loadtest.bench_data import load_trace  # noqa: E402
+from cluster.capacity.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
 from router.slo import SLOTargets, judge  # noqa: E402
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from workers.cost_model import roofline  # noqa: E402

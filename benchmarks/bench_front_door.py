@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 
 from benchmarks.bench_routers import pdcluster, wait_healthy  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
-from cluster.ports import free_port  # noqa: E402
+from cluster.run.ports import free_port  # noqa: E402
 
 
 def slow_shapes(size: int) -> dict[str, tuple[bytes, int]]:

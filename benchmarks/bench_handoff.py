@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from benchmarks.common import Meter, add_common_args, memory_bandwidth, write_json  # noqa: E402
-from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.launcher import NAMESPACE, ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 
 
 def counter(cluster, name: str) -> float:

@@ -8,10 +8,10 @@ disaggregated cluster keeps prefill off the decode worker.
 
     .venv/bin/python benchmarks/bench_interference.py [--rate 4] [--num-requests 80] [--long-frac 0.25]
 
-The load is `pdcluster bench`'s: cluster.loadgen sends the requests (streaming
-/v1/completions, ignore_eos, greedy) at gamma-distributed gaps (cluster.loadgen.arrival_gaps,
+The load is `pdcluster bench`'s: cluster.loadtest.loadgen sends the requests (streaming
+/v1/completions, ignore_eos, greedy) at gamma-distributed gaps (cluster.loadtest.loadgen.arrival_gaps,
 --burstiness 1 = Poisson) and times each from its SSE stream; prompts are random text of an
-exact length in `tiny`'s tokenizer (cluster.bench_data.sample_random). Each request is long
+exact length in `tiny`'s tokenizer (cluster.loadtest.bench_data.sample_random). Each request is long
 (--long-len prompt tokens, --long-out new tokens) for a --long-frac share of them, else short
 (--short-len in, --short-out out); both modes get the same requests at the same send times.
 Reported per mode, with colocated / disaggregated beside each:
@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Meter, add_common_args, write_json  # noqa: E402
-from cluster import loadgen  # noqa: E402
-from cluster.bench_data import BenchRequest, sample_random  # noqa: E402
-from cluster.launcher import ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.loadtest import loadgen  # noqa: E402
+from cluster.loadtest.bench_data import BenchRequest, sample_random  # noqa: E402
+from cluster.run.launcher import ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402
 from workers.names import MODES  # noqa: E402
 

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Meter, add_common_args, write_json  # noqa: E402
-from cluster import loadgen  # noqa: E402
-from cluster.bench_data import sample_random  # noqa: E402
-from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.loadtest import loadgen  # noqa: E402
+from cluster.loadtest.bench_data import sample_random  # noqa: E402
+from cluster.run.launcher import NAMESPACE, ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from workers.checkpoint import load_tokenizer  # noqa: E402
 from workers.names import AUTO  # noqa: E402
 

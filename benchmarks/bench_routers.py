@@ -50,8 +50,8 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks.common import write_json  # noqa: E402
-from cluster import promtext  # noqa: E402
-from cluster.ports import free_ports  # noqa: E402
+from cluster.loadtest import promtext  # noqa: E402
+from cluster.run.ports import free_ports  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLUSTER_ID = "bench-routers"

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from benchmarks.common import Meter, add_common_args, write_json  # noqa: E402
-from cluster.launcher import NAMESPACE, ClusterSpec  # noqa: E402
-from cluster.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.launcher import NAMESPACE, ClusterSpec  # noqa: E402
+from cluster.run.serve import ServingCluster, free_port  # noqa: E402
 from workers.sequence import sample_seed  # noqa: E402
 
 COUNTERS = {"computed": ("pdcluster:prefix_cache_queries_total", "pdcluster:prefix_cache_hits_total"),

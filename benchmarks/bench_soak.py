@@ -81,8 +81,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from benchmarks.common import proc_stats  # noqa: E402
-from cluster import promtext  # noqa: E402
-from cluster.ports import free_port  # noqa: E402
+from cluster.loadtest import promtext  # noqa: E402
+from cluster.run.ports import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "tiny"

@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import NamedTuple
 
-from cluster.spec import PLACEMENTS, ClusterSpec
+from cluster.run.spec import PLACEMENTS, ClusterSpec
 from router.admission import ADMISSION_POLICIES
 from router.config import API_KEY_ENV, RouterConfig
 from router.slo import SLOTargets

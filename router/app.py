@@ -509,7 +509,7 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = {r: server.dispatcher.pools.count(r) for r in ROLES}
-        leads = server.leadership.leads                # this router leads the cluster (cluster/book.py)
+        leads = server.leadership.leads                # this router leads the cluster (cluster/run/book.py)
         if server.draining:                            # a load balancer stops sending here
             return JSONResponse({"status": "draining", "workers": alive, "leads": leads}, status_code=503)
         ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))

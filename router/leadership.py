@@ -1,7 +1,7 @@
 """Whether this router leads its cluster: the one record of it.
 
 Several routers may serve one cluster; one leads: it holds the lead in the cluster's book
-(cluster/book.py; cluster/lead.py claims and renews it). The leader restarts hung workers,
+(cluster/run/book.py; cluster/run/lead.py claims and renews it). The leader restarts hung workers,
 finishes drains and retires workers (router/supervisor.py), runs the pool controller, and
 exports the workers' and pools' metrics; the others follow the pools as the workers report
 them. Every part reads `leads` here, and the parts that act on a change hear it (`subscribe`),

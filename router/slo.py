@@ -86,11 +86,11 @@ class SLOWindow:
 
 
 class RequestLog:
-    """Recent requests as the pool controller reads them (cluster/controller.py `observe`):
+    """Recent requests as the pool controller reads them (cluster/run/controller.py `observe`):
     arrivals (time, prompt tokens, max_tokens asked) and finishes (time, sent at, output tokens,
     max_tokens asked, TTFT met, TPOT met), kept for `horizon_s`. The serving router and the
     simulator each keep one (the simulator on its own clock); the leading router also takes in
-    the other routers' (cluster/book.py relays them). Not ordered by time once merged: its
+    the other routers' (cluster/run/book.py relays them). Not ordered by time once merged: its
     readers filter by time."""
 
     def __init__(self, horizon_s: float = 300.0, clock=time.monotonic, max_len: int = 200_000):

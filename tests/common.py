@@ -295,8 +295,8 @@ def api_cluster(mode: str = "disaggregated"):
     """A 1 prefill + 1 decode `tiny` cluster (or one colocated worker) for the API's tests (a
     small cache and batch). Its admission is the queue bound: SLO admission may refuse a long
     batch on a busy box, which is its own tests' subject (test_admission*.py), not these."""
-    from cluster.launcher import ClusterSpec
-    from cluster.serve import ServingCluster, free_port
+    from cluster.run.launcher import ClusterSpec
+    from cluster.run.serve import ServingCluster, free_port
     spec = ClusterSpec(model="tiny", mode=mode, num_prefill=1, num_decode=1, num_colocated=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
     with ServingCluster(spec, port=free_port(), admission="queue") as c:

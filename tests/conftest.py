@@ -120,7 +120,7 @@ def ray_session():
     fractions of these 4 CPUs."""
     import ray
 
-    from cluster.launcher import NAMESPACE
+    from cluster.run.launcher import NAMESPACE
     if ray.is_initialized():      # one a Worker made in this process started implicitly (test_contract's)
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)

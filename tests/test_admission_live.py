@@ -18,8 +18,8 @@ import time
 
 import aiohttp
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
+from cluster.run.launcher import ClusterSpec
+from cluster.run.serve import ServingCluster, free_port
 from router.slo import SLOTargets
 
 PROMPT, OUTPUT = 512, 8

@@ -18,12 +18,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster import bench, loadgen
-from cluster.bench import search_rate
-from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, Phase, TraceRow, alternate, load_trace, phase_rows,
+from cluster.loadtest import bench, loadgen
+from cluster.loadtest.bench import search_rate
+from cluster.loadtest.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, Phase, TraceRow, alternate, load_trace, phase_rows,
                                 sample_random, sample_trace)
 from cluster.cli import main
-from cluster.serve import free_port
+from cluster.run.serve import free_port
 from workers.checkpoint import load_tokenizer
 
 # The injected server: "fast" prompts get their first token after FAST_MS, "slow" ones after
@@ -446,7 +446,7 @@ def test_launch_runs_the_real_cluster(ray_session, tmp_path, capsys):
 
 
 def test_datasets_size_prompts_in_the_tokenizer(tmp_path):
-    from cluster.bench_data import load_custom, sample_prefix_repetition, sample_sharegpt
+    from cluster.loadtest.bench_data import load_custom, sample_prefix_repetition, sample_sharegpt
     tok = load_tokenizer("tiny")
     reqs = sample_random(tok, 40, 64, 20, range_ratio=0.25, prefix_len=16, seed=3)
     assert all(len(tok.encode(q.prompt)) == q.prompt_len for q in reqs)

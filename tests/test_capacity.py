@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from cluster import loadgen
+from cluster.loadtest import loadgen
 from cluster.cli import main
 from tests.common import pdcluster_cmd, subprocess_env
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link

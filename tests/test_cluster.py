@@ -14,11 +14,11 @@ import openai
 import pytest
 import ray
 
-from cluster import promtext
-from cluster.launcher import ClusterSpec
+from cluster.loadtest import promtext
+from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
 from common import wait_for, wait_pools_clean
-from cluster.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster, free_port
 from workers.checkpoint import builtin_config
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

@@ -1,4 +1,4 @@
-"""A cluster's book (cluster/book.py), as plain Python on fake clocks: the lead passes from a
+"""A cluster's book (cluster/run/book.py), as plain Python on fake clocks: the lead passes from a
 holder that stops renewing to the next claimant, and only then; its term outlives the book's
 restarts (its lead store), so a router that led keeps its drains across one and a router
 taking over gets a higher term; the requests the other routers relay through it reach the
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.book import ClusterBook
-from cluster.controller import observe
+from cluster.run.book import ClusterBook
+from cluster.run.controller import observe
 from common import Clock, wait_for
 from router.slo import RequestLog
 from workers.leases import LeaderLease, LeadStore
@@ -115,9 +115,9 @@ def test_the_router_that_led_keeps_its_drains_across_a_restart_of_the_book(monke
     import asyncio
     import time
 
-    from cluster import lead, serve
-    from cluster.lead import LeadKeeper
-    from cluster.spec import ClusterSpec
+    from cluster.run import lead, serve
+    from cluster.run.lead import LeadKeeper
+    from cluster.run.spec import ClusterSpec
     from router.dispatch import Dispatcher
     from router.metrics import Metrics
     from router.supervisor import Supervisor
@@ -237,8 +237,8 @@ def test_a_book_that_ray_restarts_goes_on_from_its_term(ray_session):
     and the next reign's term is higher than every one before the restart."""
     import ray
 
-    from cluster.launcher import KVLeadStore, open_book
-    from cluster.spec import ClusterSpec
+    from cluster.run.launcher import KVLeadStore, open_book
+    from cluster.run.spec import ClusterSpec
     spec = ClusterSpec(model="tiny", cluster_id=f"booktest{os.getpid()}")
     book = open_book(spec)
     lease_s = 3600.0                                             # never lapses here: no clock bounds

@@ -8,7 +8,7 @@ import pytest
 
 from cluster import cli
 from cluster import flags as flag_defs
-from cluster.spec import ClusterSpec
+from cluster.run.spec import ClusterSpec
 from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -67,7 +67,7 @@ def test_flag_values_land_in_their_fields_and_units():
 def test_bench_launch_takes_the_engine_flags():
     a = cli.build_parser().parse_args(["bench", "--launch", "--block-size", "8", "--max-num-seqs", "3",
                                        "--model", "tiny", "--seed", "5"])
-    from cluster.bench import LAUNCH_SKIPS
+    from cluster.loadtest.bench import LAUNCH_SKIPS
     engine = flag_defs.engine_config_from_args(a, skip=LAUNCH_SKIPS)
     assert (engine.cache.block_size, engine.scheduler.max_num_seqs) == (8, 3)
     assert engine.seed == EngineConfig().seed            # --seed is bench's (the dataset's), not the engine's
@@ -120,8 +120,8 @@ def test_simulate_reads_the_controller_flags_as_serve_does():
     import argparse
     import types
 
-    from cluster.capacity import add_controller_args, control_from_args
-    from cluster.spec import ClusterSpec
+    from cluster.capacity.commands import add_controller_args, control_from_args
+    from cluster.run.spec import ClusterSpec
     from router.slo import SLOTargets
     p = argparse.ArgumentParser()
     add_controller_args(p)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from cluster.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
+from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, needs, window_start)
 
 CFG = ControllerConfig(max_workers=4, cooldown_s=30)
@@ -299,8 +299,8 @@ def _stationary(name: str, rate: float, seconds: float, seed: int = 0, burstines
     """A stationary load with realistic noise: gamma-distributed gaps (`burstiness` is the
     shape, as vLLM's benchmark takes it: 0.5 is burstier than Poisson) at a fixed mean `rate`,
     each request's prompt and output lengths drawn from the real trace's rows."""
-    from cluster.bench_data import load_trace
-    from cluster.simulate import SimRequest
+    from cluster.loadtest.bench_data import load_trace
+    from cluster.capacity.simulate import SimRequest
     rows = load_trace(name, max_len=8192)
     rng = random.Random(seed)
     out, t = [], 0.0
@@ -313,8 +313,8 @@ def _stationary(name: str, rate: float, seconds: float, seed: int = 0, burstines
 
 
 def _controlled(num_prefill, num_decode, budget, **control):
-    from cluster.sim_control import ControlledSimulator, SimControl
-    from cluster.simulate import SimCluster
+    from cluster.capacity.sim_control import ControlledSimulator, SimControl
+    from cluster.capacity.simulate import SimCluster
     from tests.test_simulator import engine
     from workers.cost_model import roofline
 
@@ -330,7 +330,7 @@ def test_simulated_pools_follow_a_phase_shift():
     """2 prefill + 6 decode H100 workers (Llama-3-8B roofline): a prefill-heavy phase moves
     workers to prefill, the decode-heavy phase after it moves them back; nothing is lost, every
     block comes back, and a change of several workers counts each."""
-    from cluster.simulate import SimRequest
+    from cluster.capacity.simulate import SimRequest
     from tests.test_simulator import assert_pools_clean
 
     rng = random.Random(0)

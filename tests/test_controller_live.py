@@ -14,8 +14,8 @@ import time
 
 import openai
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
+from cluster.run.launcher import ClusterSpec
+from cluster.run.serve import ServingCluster, free_port
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

@@ -14,9 +14,9 @@ import json
 import httpx
 import pytest
 
-from cluster.launcher import ClusterSpec
+from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster, free_port
 from common import Clock, random_prompts, wait_for, wait_pools_clean
 from router.admission import DecodeGate
 from router.config import RouterConfig
@@ -118,7 +118,7 @@ def test_simulated_gate_moves_the_wait_before_the_first_token():
     """Requests at 3x what 4 decode seats finish: with the gate, once it has seen the seats full,
     a request's second token follows its first by about a handoff and a step; without it, by
     seconds of waiting for a seat. The same tokens either way, and every block comes back."""
-    import cluster.simulate as S
+    import cluster.capacity.simulate as S
     from workers.config import EngineConfig, SchedulerConfig
     from workers.cost_model import CostModel, LinearStepModel, Link
     step = LinearStepModel(p0=0.010, p1=1e-4, p2=0.0, d0=0.005, d1=0.0, d2=0.001)

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import ray
 
-from cluster.launcher import ClusterSpec
+from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster, free_port
 from common import SMALL_KV, ServeProcess, wait_for, wait_pools_clean
 
 PROMPT = list(range(40, 90))

@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from cluster import promtext
-from cluster.launcher import ClusterSpec
+from cluster.loadtest import promtext
+from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster, free_port
 from common import wait_for, wait_pools_clean
 from router.config import RouterConfig
 from router.pools import ACTIVE

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import zmq
 
 from common import SMALL_KV, ServeProcess, descendants, random_prompts
-from cluster.serve import free_port
+from cluster.run.serve import free_port
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(26, [5, 40, 90, 17, 130, 3])

@@ -23,7 +23,7 @@ def _prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stream_pool(ray_session):
-    from cluster.launcher import ClusterSpec, launch, shutdown
+    from cluster.run.launcher import ClusterSpec, launch, shutdown
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1,
                        engine={"cache": {"num_blocks": 64}, "scheduler": {"max_num_batched_tokens": CHUNK}},
                        num_cpus_per_worker=0.5, lease_s=60, transfer_timeout_s=5, kv_transport="shm")

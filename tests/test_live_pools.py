@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import ray
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
+from cluster.run.launcher import ClusterSpec
+from cluster.run.serve import ServingCluster, free_port
 from common import wait_for, wait_pools_clean
 from router.pools import ACTIVE, DRAINING, STOPPED
 from test_cluster import API_KEY, MAX_TOKENS, engine_cfg, mixed_prompts, send_all

@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster import promtext
-from cluster.ports import free_ports
-from cluster.serve import free_port
+from cluster.loadtest import promtext
+from cluster.run.ports import free_ports
+from cluster.run.serve import free_port
 from workers.cpu_kernels import cache_dir
 from common import descendants, kill_all, still_running, wait_for
 
@@ -391,7 +391,7 @@ def test_result_block_in_a_job_log():
     cut short is not a result, and the rest of the log is kept for the submitter to read."""
     import io
 
-    from cluster.bench import RESULT_BEGIN, emit_result, extract_result
+    from cluster.loadtest.bench import RESULT_BEGIN, emit_result, extract_result
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         print("progress\r")

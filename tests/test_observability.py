@@ -21,10 +21,10 @@ import openai
 import pytest
 import yaml
 
-from cluster import promtext
-from cluster.launcher import ClusterSpec
+from cluster.loadtest import promtext
+from cluster.run.launcher import ClusterSpec
 from common import wait_for
-from cluster.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster, free_port
 from router.metrics import Metrics
 from workers.checkpoint import builtin_config
 from workers.kv_transfer import KVLayout
@@ -204,7 +204,7 @@ def test_worker_counters_grow_from_cumulative_reports():
 def test_the_workers_series_are_exported_by_the_leading_router_only():
     """A follower keeps the workers' series for itself; once it leads they are served, with its
     `router` label, and `router_leader` says which router that is."""
-    from cluster import promtext
+    from cluster.loadtest import promtext
     from workers.messages import LoadReport
     m = Metrics(router="r1", workers=False)
     m.observe_load(LoadReport("decode-0", "decode", waiting=0, running=2, swapped=0, queued_prefill_tokens=0,

@@ -1,4 +1,4 @@
-"""The serving process's controller loop (cluster/pool_control.py) on plain state: the cost
+"""The serving process's controller loop (cluster/run/pool_control.py) on plain state: the cost
 model it fits from step samples, the signals it reads from the router, and how it carries a
 decision out through the pool registry. No Ray: workers are registry members with reports."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from common import Clock
-from cluster.controller import ControllerConfig
-from cluster.pool_control import LiveControl, PoolController
+from cluster.run.controller import ControllerConfig
+from cluster.run.pool_control import LiveControl, PoolController
 from router.dispatch import Dispatcher, DispatchSettings
 from router.leadership import Leadership
 from router.metrics import Metrics

@@ -16,9 +16,9 @@ import openai
 import pytest
 import ray
 
-from cluster import promtext
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
+from cluster.loadtest import promtext
+from cluster.run.launcher import ClusterSpec
+from cluster.run.serve import ServingCluster, free_port
 from common import (MAX_NEW_TOKENS, PROMPTS, ROOT, descendants, kill_all, pdcluster_cmd, still_running,
                     wait_for, wait_pools_clean)
 
@@ -234,7 +234,7 @@ def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, 
 def test_a_second_launch_of_running_pools_and_down_of_absent_ones_fail_naming_the_way(r0):
     """`serve --cluster-id` of pools that run already fails before it launches anything, naming
     `pdcluster router` and `pdcluster down`; `down` of pools that are not there names those that are."""
-    from cluster.launcher import remove_cluster
+    from cluster.run.launcher import remove_cluster
     again = ServingCluster(ClusterSpec(model="tiny", num_prefill=1, num_decode=1, cluster_id=r0.spec.cluster_id),
                            port=free_port())
     with pytest.raises(RuntimeError, match="runs on this Ray cluster already.*pdcluster router.*pdcluster down"):
@@ -247,7 +247,7 @@ def test_a_second_launch_of_running_pools_and_down_of_absent_ones_fail_naming_th
 def test_a_restarted_book_is_claimed_again_and_the_router_serves_on(r0, hf_greedy):
     """The book's process dies (its node lost): Ray restarts it with the launch settings, the
     lead is claimed anew within a lease, and serving never stopped."""
-    from cluster.launcher import find_book
+    from cluster.run.launcher import find_book
     book = find_book(r0.spec.cluster_id)
     pid = ray.get(book.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(book, no_restart=False)
@@ -272,7 +272,7 @@ def _try_pid(book):
 def test_a_launch_that_fails_after_its_workers_started_leaves_nothing(ray_session, monkeypatch):
     """Whatever fails between the workers' start and serving (here: building the router) stops
     the workers and removes the book: on a Ray cluster they are detached and would outlive us."""
-    from cluster.launcher import find_book, named_workers
+    from cluster.run.launcher import find_book, named_workers
 
     def broken(self, *args):
         raise RuntimeError("the router could not be built")

@@ -6,7 +6,7 @@ Ray), answers the official `openai` client with the offline engine's greedy outp
 single-engine path, itself checked against transformers in test_hf_parity), and on Ctrl-C
 (SIGINT) or SIGTERM (what Kubernetes and systemd send) drains, stops its workers and Ray, and
 exits with 128 + the signal, the shell's convention (uvicorn re-raises the signal after its
-graceful shutdown; cluster/serve.py turns it into an exit that runs the cleanup).
+graceful shutdown; cluster/run/serve.py turns it into an exit that runs the cleanup).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from cluster.offline import generate
-from cluster.serve import free_port
+from cluster.run.serve import free_port
 from common import ROOT, SMALL_KV, ServeProcess, pdcluster_cmd, still_running, subprocess_env, wait_for
 
 PROMPT, MAX_TOKENS = "The quick brown fox", 12

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-import cluster.simulate as S
-from cluster.plan import Placement, at_rate, placements, search
+import cluster.capacity.simulate as S
+from cluster.capacity.plan import Placement, at_rate, placements, search
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link, roofline
 

@@ -13,8 +13,8 @@ import types
 import httpx
 import pytest
 
-from cluster.launcher import ClusterSpec
-from cluster.serve import ServingCluster, free_port
+from cluster.run.launcher import ClusterSpec
+from cluster.run.serve import ServingCluster, free_port
 from common import wait_for, wait_pools_clean
 from router.app import ClientStream
 from router.config import RouterConfig

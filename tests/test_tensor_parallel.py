@@ -116,9 +116,9 @@ def cluster_reference():
 ])
 def test_pools_of_different_tp_serve_the_offline_output(ray_session, cluster_reference, transport, prefill_tp,
                                                         decode_tp):
-    from cluster import promtext
-    from cluster.launcher import ClusterSpec
-    from cluster.serve import ServingCluster, free_port
+    from cluster.loadtest import promtext
+    from cluster.run.launcher import ClusterSpec
+    from cluster.run.serve import ServingCluster, free_port
     spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, kv_transport=transport,
                        prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
                        num_cpus_per_worker=0.5, engine={"cache": {"num_blocks": 256}})
@@ -147,8 +147,8 @@ async def _send_all(base_url: str, prompts: list[list[int]], max_tokens: int) ->
 def test_a_dead_rank_restarts_its_worker_and_its_requests_complete(ray_session, cluster_reference):
     import ray
 
-    from cluster.launcher import ClusterSpec
-    from cluster.serve import ServingCluster, free_port
+    from cluster.run.launcher import ClusterSpec
+    from cluster.run.serve import ServingCluster, free_port
     spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, kv_transport="shm",
                        prefill_tensor_parallel_size=2, num_cpus_per_worker=0.5, engine={"cache": {"num_blocks": 256}})
     with ServingCluster(spec, port=free_port(), admission="queue") as c:

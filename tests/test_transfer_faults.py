@@ -413,7 +413,7 @@ def reference():
 
 def _launch(kv_transport: str):
     """One prefill and one decode worker actor, launched as `pdcluster serve` does."""
-    from cluster.launcher import ClusterSpec, launch, shutdown
+    from cluster.run.launcher import ClusterSpec, launch, shutdown
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, engine={"cache": {"num_blocks": 64}},
                        num_cpus_per_worker=0.5, lease_s=60, transfer_timeout_s=5, kv_transport=kv_transport)
     workers, _ = launch(spec)

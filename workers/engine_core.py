@@ -2,7 +2,7 @@
 `_execute` that computes the scheduled tokens.
 
 `LLMEngine` (workers/engine.py) executes with the model runner; the simulator
-(cluster/simulate.py) executes with the cost model on a virtual clock. Both run this code, the
+(cluster/capacity/simulate.py) executes with the cost model on a virtual clock. Both run this code, the
 real scheduler and the real KV cache manager, so a simulated worker chunks, caches prefixes,
 holds back at the watermark and preempts as a served one does. Plain Python: no torch, no Ray.
 

@@ -76,7 +76,7 @@ class LeadStore:
     changes with them).
 
     This one keeps it in memory (tests; a book whose process never restarts). On a Ray cluster
-    the book keeps it in Ray's internal KV (cluster/launcher.py `KVLeadStore`), which outlives
+    the book keeps it in Ray's internal KV (cluster/run/launcher.py `KVLeadStore`), which outlives
     the book's process."""
 
     def __init__(self):
@@ -110,7 +110,7 @@ class LeaderLease:
       router that led keeps its drains); anyone else takes it once that lapses, at term + 1;
     - a holder that had released it (lease 0) holds it no longer: the next claim takes it.
 
-    Plain Python with an injectable clock; a cluster's registry actor (cluster/book.py) keeps one."""
+    Plain Python with an injectable clock; a cluster's registry actor (cluster/run/book.py) keeps one."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, store: LeadStore | None = None):
         self.clock = clock

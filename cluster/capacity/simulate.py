@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cluster.loadgen import RequestResult
-from cluster.spec import check_pools
+from cluster.loadtest.loadgen import RequestResult
+from cluster.run.spec import check_pools
 from router.admission import DecodeGate
 from router.picker import Picker, decode_load, prefill_load
 from router.prefix_index import PrefixIndex

@@ -1,5 +1,5 @@
 """The pool-ratio controller in the serving process: every `interval_s` it reads what the router
-measured, asks `cluster.controller.decide` (the same function `pdcluster simulate --controller`
+measured, asks `cluster.run.controller.decide` (the same function `pdcluster simulate --controller`
 runs), logs and counts the decision, and carries it out through the pool registry:
 
     move  a worker between pools: the least loaded of the donor pool drains (takes no new work;
@@ -10,7 +10,7 @@ runs), logs and counts the decision, and carries it out through the pool registr
 
 The signals: arrivals, their prompt lengths and the output they ask for over `window_s`, SLO
 attainment of the requests sent since the last change (the router's request log, read by
-`cluster.controller.observe` as the simulator reads its own), queued prefill tokens from the
+`cluster.run.controller.observe` as the simulator reads its own), queued prefill tokens from the
 workers' load reports, and each pool's capacity from the cost model (workers/cost_model.py)
 fitted on a worker's timed step grid before serving and on the workers' own steps while
 serving. Plain Python and asyncio: no Ray, no torch (the launcher's hooks are passed in).
@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
+from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
                                 CODES, ControllerConfig, Decision, Signals, decide, observe)
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member

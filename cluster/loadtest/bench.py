@@ -28,10 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from cluster import loadgen, promtext
+from cluster.loadtest import loadgen, promtext
 from cluster.flags import add_engine_args, engine_config_from_args
 from router.slo import ATTAINMENT
-from cluster.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
+from cluster.loadtest.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
                                 TraceRow, alternate, load_custom, load_trace, phase_rows, sample_prefix_repetition,
                                 sample_random, sample_sharegpt, sample_trace, save_trace)
 from workers.names import DISAGGREGATED, MODES
@@ -768,7 +768,7 @@ def sweep_report(result: dict, a) -> str:
 def save_plots(result: dict, path: Path) -> list[Path]:
     """PNG plots beside the result file and named after it: NAME.json -> NAME-latency.png (one
     run) or NAME-sweep.png (a sweep; none when no rate finished)."""
-    from cluster.bench_plots import plot_distributions, plot_sweep
+    from cluster.loadtest.bench_plots import plot_distributions, plot_sweep
     if "sweep" in result:
         return [plot_sweep(result, path.with_name(f"{path.stem}-sweep.png"))] if result["sweep"] else []
     return [plot_distributions(result, path.with_name(f"{path.stem}-latency.png"))]
@@ -852,8 +852,8 @@ def _maybe_launch(a: argparse.Namespace):
         return
     if a.base_url:
         raise ValueError("--launch starts its own server; drop --base-url")
-    from cluster.serve import ServingCluster, free_port
-    from cluster.spec import ClusterSpec
+    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.spec import ClusterSpec
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
                        num_decode=a.launch_decode, num_colocated=a.launch_workers,
                        engine=engine_config_from_args(a, skip=LAUNCH_SKIPS))

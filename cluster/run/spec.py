@@ -5,7 +5,7 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
-from cluster.controller import COOLDOWN_S
+from cluster.run.controller import COOLDOWN_S
 from workers.config import EngineConfig
 from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS, check_name
 
@@ -33,7 +33,7 @@ class ClusterSpec:
     transfer_timeout_s: float = 30.0
     router_lease_s: float = 10.0              # a router silent this long loses its requests on a worker
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
-    # The pool-ratio controller (cluster/pool_control.py): off by default.
+    # The pool-ratio controller (cluster/run/pool_control.py): off by default.
     controller: bool = False
     controller_interval_s: float = 10.0
     controller_window_s: float = 30.0

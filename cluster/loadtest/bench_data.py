@@ -160,7 +160,7 @@ def load_custom(path: str, tokenizer: Tokenizer | None, num: int, output_len: in
 
 
 # -- timed traces: when each request arrives, how long its prompt and output are ----------------
-TRACES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
+TRACES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 TRACES = {"azure-conv": "azure_conv_2023.csv", "azure-code": "azure_code_2023.csv"}
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
 # JSONL traces: one object per line; of each tuple, the first field present is used. vLLM's

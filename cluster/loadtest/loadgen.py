@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from cluster.bench_data import BenchRequest
+from cluster.loadtest.bench_data import BenchRequest
 from router.slo import SLOTargets, judge, tpot_s
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -1,5 +1,5 @@
 """The capacity commands around the simulator: `pdcluster profile` and `pdcluster simulate`
-(`pdcluster plan` is cluster/plan.py).
+(`pdcluster plan` is cluster/capacity/plan.py).
 
 `simulate` takes `pdcluster bench`'s workload flags and `pdcluster serve`'s cluster-shape flags,
 and writes bench's report and JSON, so a simulated run and a measured one compare line by line.
@@ -15,12 +15,12 @@ import math
 import random
 import time
 
-from cluster import loadgen
-from cluster.bench_data import random_lens
+from cluster.loadtest import loadgen
+from cluster.loadtest.bench_data import random_lens
 from cluster.flags import (CLUSTER_FLAGS, ENGINE_FLAGS, MODE_ONLY, ROUTER_FLAGS, SLO_FLAGS, add_engine_args, add_flags,
                            engine_config_from_args, given, nested)
-from cluster.simulate import SimCluster, SimRequest, Simulator, utilization
-from cluster.spec import ClusterSpec
+from cluster.capacity.simulate import SimCluster, SimRequest, Simulator, utilization
+from cluster.run.spec import ClusterSpec
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.cost_model import HARDWARE, LINKS, MODELS, CostModel, roofline
@@ -84,8 +84,8 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
 def control_from_args(a: argparse.Namespace, cluster: SimCluster):
     """The controller's settings, or None without --controller: read and checked as `serve`
     reads them (a ClusterSpec of the simulated pools' shape, SLOTargets)."""
-    from cluster.controller import ControllerConfig
-    from cluster.sim_control import SimControl
+    from cluster.run.controller import ControllerConfig
+    from cluster.capacity.sim_control import SimControl
     cluster_flags, slo_flags = _controller_flags()
     fields = given(a, cluster_flags)
     if not fields.get("controller"):
@@ -98,7 +98,7 @@ def control_from_args(a: argparse.Namespace, cluster: SimCluster):
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    from cluster.bench import add_dataset_args, add_output_args, add_rate_args
+    from cluster.loadtest.bench import add_dataset_args, add_output_args, add_rate_args
     add_cost_args(p)
     add_shape_args(p)
     add_controller_args(p)
@@ -137,7 +137,7 @@ def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode
     if min(tp, ptp, dtp) < 1:
         raise ValueError("tensor-parallel sizes must be at least 1")
     if a.profile:
-        from cluster.profile import load_profile
+        from cluster.capacity.profile import load_profile
         if a.gpu:
             raise ValueError("give --profile or --gpu, not both")
         if max(tp, ptp, dtp) > 1:
@@ -177,7 +177,7 @@ def sim_workload(a: argparse.Namespace, tokenizer=None) -> tuple[list[SimRequest
     Send times are bench's own (`workload`'s rule); random, prefix-repetition and trace lengths
     are drawn as bench draws them, with synthetic ids (bench sizes text to those lengths, give or
     take the tokenizer's seams); sharegpt and custom prompts go through the tokenizer."""
-    from cluster.bench import TIMED, build_requests, check_workload, trace_rows
+    from cluster.loadtest.bench import TIMED, build_requests, check_workload, trace_rows
     check_workload(a)
     if a.dataset_name in TIMED:
         rows = trace_rows(a)
@@ -217,7 +217,7 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
     """bench's summary of one simulated run, plus the simulator's own facts under `simulator`
     (and, with a controller, its decisions)."""
     if control is not None:
-        from cluster.sim_control import ControlledSimulator
+        from cluster.capacity.sim_control import ControlledSimulator
         sim = ControlledSimulator(cluster, control, max_model_len=max_model_len, record_itl="itl" in metrics)
     else:
         sim = Simulator(cluster, max_model_len=max_model_len, record_itl="itl" in metrics)
@@ -271,7 +271,7 @@ def _tokenizer(a: argparse.Namespace):
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from cluster.bench import parse_options, save_plots, report, save
+    from cluster.loadtest.bench import parse_options, save_plots, report, save
     opts = parse_options(a)
     if a.max_concurrency is not None:
         raise ValueError("--max-concurrency is not simulated yet: drop it")
@@ -294,7 +294,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     results = run.pop("results", None)
     rate = a.request_rate
     if a.dataset_name in ("trace", "phases"):
-        from cluster.bench import offered_rate
+        from cluster.loadtest.bench import offered_rate
         rate = offered_rate([r.arrival_s for r in requests])
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "pdcluster-simulate",
               "model_id": a.model or costs.source, "dataset_name": a.dataset_name,
@@ -326,7 +326,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from cluster.profile import run_profile
+    from cluster.capacity.profile import run_profile
     if a.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     doc = run_profile(engine_config_from_args(a), a.output, a.repeats, serve=not a.no_served)

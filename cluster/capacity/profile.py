@@ -107,10 +107,10 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
 
     import aiohttp
 
-    from cluster import loadgen, promtext
-    from cluster.bench_data import BenchRequest, RandomText
-    from cluster.serve import ServingCluster, free_port
-    from cluster.spec import ClusterSpec
+    from cluster.loadtest import loadgen, promtext
+    from cluster.loadtest.bench_data import BenchRequest, RandomText
+    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.spec import ClusterSpec
     from workers.checkpoint import load_tokenizer
     tokenizer = load_tokenizer(engine_cfg.model)
     if tokenizer is None:
@@ -253,7 +253,7 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, p
 
 def load_profile(path: str) -> tuple[CostModel, dict]:
     """A profile JSON (or any CostModel JSON): the cost model and the profile's facts ({} if none)."""
-    from cluster.bench_data import read_json
+    from cluster.loadtest.bench_data import read_json
     doc = read_json(path, "--profile", "no such file (make one with `pdcluster profile`)")
     try:
         return CostModel.from_json(doc), doc.get("profile", {})

@@ -16,11 +16,11 @@ import time
 import ray
 import uvicorn
 
-from cluster.launcher import (ClusterSpec, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
-from cluster.ports import check_port_free, free_port
+from cluster.run.launcher import (ClusterSpec, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
+from cluster.run.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
-from cluster.lead import LeadKeeper
+from cluster.run.lead import LeadKeeper
 from router.dispatch import Dispatcher, DispatchSettings
 from router.leadership import Leadership
 from router.supervisor import SupervisionSettings, Supervisor
@@ -129,7 +129,7 @@ class ServingCluster:
     """Workers + router + HTTP server. `with ServingCluster(spec, port=...) as c: c.base_url ...`
     (keyword arguments are RouterConfig's fields, or pass `router=RouterConfig(...)`).
 
-    Without `attach`, it launches the pools and their book (cluster/book.py), and owns them:
+    Without `attach`, it launches the pools and their book (cluster/run/book.py), and owns them:
     closing it stops them. With `attach` (launcher.find_cluster's members and ready() answers)
     and that cluster's `book`, a router over pools another process launched (`pdcluster
     router`): closing it stops only itself.
@@ -152,7 +152,7 @@ class ServingCluster:
         self.model_name = self.cfg.served_model_name or spec.model
         self.ray_num_cpus = ray_num_cpus
         self.pools: PoolRegistry | None = None
-        self.controller = None                        # cluster/pool_control.py's, with spec.controller
+        self.controller = None                        # cluster/run/pool_control.py's, with spec.controller
         self.infos: list[WorkerInfo] = []             # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._thread: threading.Thread | None = None
@@ -215,7 +215,7 @@ class ServingCluster:
             raise
 
     def _build_router(self, members: list[Member], infos: list[WorkerInfo], tokenizer, announce) -> DrainingServer:
-        # Any router may come to lead (cluster/book.py): each keeps what leading needs ready.
+        # Any router may come to lead (cluster/run/book.py): each keeps what leading needs ready.
         self.pools = PoolRegistry.of(members, budget=self.spec.budget)
         self.infos = infos
         cfg = self.cfg
@@ -281,8 +281,8 @@ class ServingCluster:
         return fit
 
     def _controller(self, dispatcher: Dispatcher, infos: list[WorkerInfo], fit):
-        from cluster.controller import ControllerConfig
-        from cluster.pool_control import LiveControl, PoolController
+        from cluster.run.controller import ControllerConfig
+        from cluster.run.pool_control import LiveControl, PoolController
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
         cores = os.cpu_count() or 1
         if infos[0].device == "cpu" and cores < spec.budget:

@@ -1,4 +1,4 @@
-"""A router's part in its cluster's lead (cluster/book.py holds it; router/leadership.py records
+"""A router's part in its cluster's lead (cluster/run/book.py holds it; router/leadership.py records
 whether this router has it).
 
 Every quarter lease the router claims the lead (the holder's claim renews it) and leads or
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import ray
 
-from cluster.launcher import NAMESPACE, find_book, named_workers
+from cluster.run.launcher import NAMESPACE, find_book, named_workers
 from router.dispatch import awaitable
 from router.leadership import Leadership
 from router.pools import STARTING, STOPPED, PoolRegistry
@@ -44,7 +44,7 @@ class LeadKeeper:
         once it lapses); a book gone for good means that the cluster was removed (`pdcluster
         down`, or its launcher stopped it): this router stops. Its own drains go on only when
         it leads again at the term it last led in (the book's terms outlive the book's
-        restarts, cluster/book.py): nobody led in between."""
+        restarts, cluster/run/book.py): nobody led in between."""
         lead, lease_s = self.leadership, self.lease_s
         sent = time.monotonic()                          # the lease runs from the claim, not its answer
         try:

@@ -1,9 +1,9 @@
 """The pool-ratio controller inside the simulator: every `interval_s` it gathers the signals the
-serving loop does, read the same way (`cluster.controller.observe` on a request log kept on the
+serving loop does, read the same way (`cluster.run.controller.observe` on a request log kept on the
 simulated clock: arrivals with their prompt lengths and the output they ask for, SLO
 attainment of the requests sent since the last change took effect; queued prefill work and
 handoffs waiting for decode room; the pools' capacities from the cost model; a trace's
-requests ask for the output they get), asks `cluster.controller.decide`, and carries
+requests ask for the output they get), asks `cluster.run.controller.decide`, and carries
 the change out the way a live cluster does: the `count` least loaded workers of the donor pool
 leave it at once (no new work), drain (a decode worker finishes its sequences, a prefill worker
 its prompts and the handoffs of its held KV), flip their role without reloading anything, and
@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
+from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
                                 ControllerConfig, Decision, Signals, decide, observe)
-from cluster.simulate import SimCluster, SimEngine, Simulator, SimWorker
+from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from router.slo import RequestLog
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 

@@ -10,7 +10,7 @@ import sys
 
 from cluster.flags import (CLUSTER_FLAGS, ROUTER_FLAGS, SLO_FLAGS, add_engine_args, add_flags, add_router_flags,
                            cluster_spec_from_args, engine_config_from_args, router_config_from_args)
-from cluster.spec import ClusterSpec
+from cluster.run.spec import ClusterSpec
 from router.slo import SLOTargets
 from workers.names import check_name
 
@@ -41,12 +41,12 @@ def cmd_export_model(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from cluster.demo import run_offline_demo
+    from cluster.cli.demo import run_offline_demo
     return run_offline_demo(engine_config_from_args(a), a.num_prompts)
 
 
 def cmd_serve(a) -> int:
-    from cluster.ports import check_port_free
+    from cluster.run.ports import check_port_free
     spec = cluster_spec_from_args(a, engine_config_from_args(a))
     router = router_config_from_args(a)
     if a.routers < 1:
@@ -57,10 +57,10 @@ def cmd_serve(a) -> int:
     if spec.engine.device.startswith("cuda") and not (spec.address or os.environ.get("RAY_ADDRESS")):
         from workers.device import resolve_device      # a local Ray's workers run on this machine
         resolve_device(spec.engine.device)
-    from cluster.launcher import check_fits, connect
+    from cluster.run.launcher import check_fits, connect
     if connect(spec):
         check_fits(spec)
-    from cluster.serve import ServingCluster, serve_forever
+    from cluster.run.serve import ServingCluster, serve_forever
     return serve_forever(ServingCluster(spec, router), a.routers - 1, router_args(a))
 
 
@@ -84,22 +84,22 @@ def _join(a, what: str) -> str:
                          "prints it)")
     if a.cluster_id is not None:
         check_name(a.cluster_id, "--cluster-id")
-    from cluster.launcher import connect
+    from cluster.run.launcher import connect
     connect(ClusterSpec(address=address))
     return address
 
 
 def cmd_router(a) -> int:
-    from cluster.ports import check_port_free
+    from cluster.run.ports import check_port_free
     router = router_config_from_args(a)
     check_port_free(router.host, router.port)
     address = _join(a, "a router attaches to running pools")
-    from cluster.launcher import find_cluster
+    from cluster.run.launcher import find_cluster
     spec, members, infos, book = find_cluster(a.cluster_id, a.ready_timeout_s)
     # The launcher's settings, on this process's Ray address: workers it adds, should it lead, are
     # detached as the launcher's are.
     spec = dataclasses.replace(spec, address=address)
-    from cluster.serve import ServingCluster, serve_forever
+    from cluster.run.serve import ServingCluster, serve_forever
     return serve_forever(ServingCluster(spec, router, attach=(members, infos), book=book))
 
 
@@ -107,14 +107,14 @@ def cmd_down(a) -> int:
     if a.grace_s < 0:
         raise ValueError(f"--grace-s must be >= 0, got {a.grace_s:g}")
     _join(a, "down removes running pools")
-    from cluster.launcher import remove_cluster
+    from cluster.run.launcher import remove_cluster
     cluster_id, n = remove_cluster(a.cluster_id, a.grace_s)
     print(f"{PROG}: removed cluster {cluster_id} ({n} worker{'s' if n != 1 else ''})")
     return 0
 
 
 def cmd_bench(a) -> int:
-    from cluster.bench import cmd_bench as run
+    from cluster.loadtest.bench import cmd_bench as run
     return run(a)
 
 
@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     dn.add_argument("--grace-s", type=float, default=5.0, help="seconds each worker gets to stop before it is killed")
     dn.set_defaults(func=cmd_down)
 
-    from cluster.bench import add_bench_args
-    from cluster.capacity import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate
-    from cluster.plan import add_plan_args, cmd_plan
+    from cluster.loadtest.bench import add_bench_args
+    from cluster.capacity.commands import add_profile_args, add_simulate_args, cmd_profile, cmd_simulate
+    from cluster.capacity.plan import add_plan_args, cmd_plan
     for name, add_args, func, help, description in (
             ("bench", add_bench_args, cmd_bench, "load-test an OpenAI-compatible server: latency, throughput, goodput",
              "Load-test an OpenAI-compatible server (pdcluster, vLLM, SGLang) with streaming requests; flags "

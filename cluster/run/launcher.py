@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from cluster.spec import ClusterSpec
+from cluster.run.spec import ClusterSpec
 from router.pools import ACTIVE, STARTING, Member
 from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.names import ROLES
@@ -211,12 +211,12 @@ def _lifetime(spec: ClusterSpec) -> dict:
 class KVLeadStore:
     """A cluster's lead record (workers/leases.py `LeadStore`: the holder and term of the last change
     of holder, and its lease) in Ray's internal KV, in the GCS: it outlives the book's process,
-    so a book that Ray restarts goes on from its term (cluster/book.py). Made by the launcher,
+    so a book that Ray restarts goes on from its term (cluster/run/book.py). Made by the launcher,
     used in the book's actor (the same object each time Ray restarts it). Only a Ray cluster
     whose GCS itself fails loses it, and then the whole cluster with it."""
 
     def __init__(self, cluster_id: str):
-        from cluster.book import book_name
+        from cluster.run.book import book_name
         self.key = f"{book_name(cluster_id)}/lead"
 
     def load(self) -> tuple[str | None, int, float] | None:
@@ -234,9 +234,9 @@ class KVLeadStore:
 
 
 def open_book(spec: ClusterSpec):
-    """Create the cluster's book (cluster/book.py) with the launch settings; the handle. Its lead
+    """Create the cluster's book (cluster/run/book.py) with the launch settings; the handle. Its lead
     record starts afresh (that of a removed cluster of the same id is dropped)."""
-    from cluster.book import ClusterBook, book_name
+    from cluster.run.book import ClusterBook, book_name
     settings = dataclasses.asdict(spec)
     store = KVLeadStore(spec.cluster_id)
     store.clear()
@@ -247,7 +247,7 @@ def open_book(spec: ClusterSpec):
 
 def find_book(cluster_id: str):
     """A running cluster's book, or None (its cluster was removed, or never had one)."""
-    from cluster.book import book_name
+    from cluster.run.book import book_name
     try:
         return ray.get_actor(book_name(cluster_id), namespace=NAMESPACE)
     except ValueError:

@@ -12,7 +12,7 @@ its workers, that every router of the cluster reads and writes.
   them into its own log, so the controller judges every router's requests, not only its own.
   Times travel as ages (seconds before the call), since each process has its own clock.
 
-Plain Python (a Ray actor in a running cluster: cluster/launcher.py `open_book`), so that tests
+Plain Python (a Ray actor in a running cluster: cluster/run/launcher.py `open_book`), so that tests
 drive it on a fake clock. On a Ray cluster it is detached with the workers, and Ray restarts it
 with the same settings should its node die. The lead's record (its holder and term:
 workers/leases.py `LeaderLease`) lives outside the actor, in `lead_store` (Ray's internal KV:

@@ -18,9 +18,9 @@ import json
 import math
 from pathlib import Path
 
-from cluster.capacity import (Costs, add_cost_args, cluster_from_args, costs_from_args, engine_from_args, simulate,
+from cluster.capacity.commands import (Costs, add_cost_args, cluster_from_args, costs_from_args, engine_from_args, simulate,
                               sim_workload)
-from cluster.simulate import SimRequest
+from cluster.capacity.simulate import SimRequest
 from router.slo import ATTAINMENT
 from workers.cost_model import DISTSERVE_OPT13B_A100_TP, VLLM2023_OPT13B_A100_TP1, CostModel, Link, model_shape
 from workers.names import COLOCATED, DISAGGREGATED
@@ -71,8 +71,8 @@ def placements(num_gpus: int, degrees=TP_DEGREES) -> list[Placement]:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    from cluster.bench import add_dataset_args
-    from cluster.capacity import add_shape_args
+    from cluster.loadtest.bench import add_dataset_args
+    from cluster.capacity.commands import add_shape_args
     add_cost_args(p)
     p.add_argument("--num-gpus", type=int, required=True, help="GPUs to place the workers on")
     p.add_argument("--step-costs", default="roofline", choices=("roofline", "distserve"),

@@ -1,0 +1,1 @@
+"""Capacity: `pdcluster profile`, `simulate` and `plan`, and the simulator they run."""

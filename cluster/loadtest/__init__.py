@@ -1,0 +1,1 @@
+"""Load tests: `pdcluster bench`, its datasets, load generator and plots."""

@@ -1,0 +1,1 @@
+"""Running a cluster: launch, serve, lead, the book, the pool controller."""
