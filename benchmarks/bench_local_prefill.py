@@ -85,7 +85,7 @@ def main() -> None:
         warm, _ = make_load(a, tok, 1000)
         asyncio.run(loadgen.run_load(target, warm[:16]))                 # the cost model gets fitted
         for i, setting in enumerate(settings):
-            d.local_prefill_max_tokens = setting
+            d.placement.local_prefill_max_tokens = setting
             requests, is_long = make_load(a, tok, 10 * (i + 1))
             if a.wait_idle:
                 meter.wait_idle(a.wait_idle)

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 
 from router.admission import DecodeGate
 from router.metrics import Metrics
-from router.picker import Picker, check_local_prefill, decode_load
+from router.picker import check_local_prefill, decode_load
+from router.placement import Placement
 from router.pools import DEAD, STOPPED, Member, PoolRegistry
-from router.prefix_index import PrefixIndex
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.cost_model import StepFit, local_prefill_limit
-from workers.names import (AUTO, COLOCATED, DECODE, DISAGGREGATED, MODES, OWNER_SEP, P2C, PREFILL, PREFIX, first_role,
-                           owner_tag)
+from workers.cost_model import StepFit
+from workers.names import (COLOCATED, DECODE, DISAGGREGATED, MODES, OWNER_SEP, P2C, PREFILL, owner_tag)
 from workers.sequence import SamplingParams
 
 log = logging.getLogger("pdcluster.router")
@@ -102,15 +101,10 @@ class Dispatcher:
         self.mode, self.metrics, self.max_retries = mode, metrics, s.max_retries
         self.hang_timeout_s, self.restart_timeout_s = s.hang_timeout_s, s.restart_timeout_s
         self.request_silence_s = s.hang_timeout_s   # a request silent this long: is it still on its worker?
-        self.prefill_picker = Picker(s.policy, s.seed)
-        self.decode_picker = Picker(s.policy, None if s.seed is None else s.seed + 1)
-        self.local_prefill_max_tokens = s.local_prefill_max_tokens if mode != COLOCATED else 0
-        self._local_cost: tuple[StepFit, int] | None = None      # auto: the fit, the largest chunk
-        self.handoff_s: float | None = None      # a handoff as the router sees it (held -> first decode token), smoothed
-        # The workers' prefix caches as the router sees them, kept when picking uses them:
-        # prefix-aware picking, or local prefills counting cached tokens.
-        self.prefix_index = (PrefixIndex(s.block_size) if s.policy == PREFIX or self.local_prefill_max_tokens
-                             else None)
+        # Where requests start and decode (router/placement.py: the simulator's code too).
+        self.placement = Placement(mode, s.policy, s.seed, s.block_size, s.local_prefill_max_tokens)
+        self.prefix_index = self.placement.prefix_index   # the workers' prefix caches as this router sees them
+        self.view = _RegistryView(self.pools, s.block_size)
         # Disaggregated: new requests wait in its line, before their prefill, while the decode
         # pool is full (router/admission.py DecodeGate).
         self.gate = DecodeGate(s.decode_seats) if mode == DISAGGREGATED and s.decode_gate else None
@@ -183,74 +177,43 @@ class Dispatcher:
             q.put_nowait(ev)
 
     # -- one request ---------------------------------------------------------------------------
-    def _pick(self, role: str, start: _Start | None = None) -> Member:
-        pool = self.pools.active(role)
-        if not pool:
-            raise RequestFailed(f"no live {role} worker")
-        ws = {w.worker_id: w for w in pool}
-        ids = list(ws)
-        if role == DECODE:
-            return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report, len(ws[i].unreported)))]
-        load = lambda i: ws[i].queued_prefill_tokens()      # noqa: E731
-        if start is not None and self.prefill_picker.policy == PREFIX:
-            return ws[self.prefill_picker.choose_prefix(ids, load, start.matched, start.num_tokens,
-                                                        self.prefix_index.block_size)]
-        return ws[self.prefill_picker.choose(ids, load)]
-
-    async def _pick_live(self, role: str, start: _Start | None = None) -> Member:
-        """Pick from the pool; when none of its workers is active now but one will be (a one-worker
-        pool whose worker is restarting, or one on its way in), wait for it rather than fail."""
+    async def _wait_for(self, role: str) -> None:
+        """When none of a pool's workers is active now but one will be (a one-worker pool whose
+        worker is restarting, or one on its way in), wait for it (up to the restart timeout)
+        rather than fail."""
         deadline = time.monotonic() + self.restart_timeout_s
         while not self.pools.active(role) and self.pools.coming(role) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        return self._pick(role, start)
+
+    async def _pick_decode(self) -> Member:
+        await self._wait_for(DECODE)
+        try:
+            return self.pools[self.placement.decode(self.view)]
+        except LookupError as e:
+            raise RequestFailed(str(e)) from None
 
     def price_local_prefill(self, fit: StepFit, max_chunk: int) -> None:
         """With --local-prefill-max-tokens auto: decide with the step cost model `fit` (prompt
         chunks of at most `max_chunk` tokens, the scheduler's budget)."""
-        self._local_cost = (fit, max_chunk)
-
-    def _prefill_locally(self, d: Member, uncached: int) -> bool:
-        """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:
-        up to it. Auto (workers/cost_model.py `local_prefill_limit`): while the prefill pool has
-        a queue (a burst: a closed loop's clients all come back when a batch ends together), when
-        what it delays the sequences `d` decodes costs less than that queue plus the handoff as
-        measured would cost the request; never beyond one chunk, and not before the model is
-        fitted. With no queue the prefill pool computes it at once, and the decode batch's steps
-        stay undisturbed: disaggregated."""
-        limit = self.local_prefill_max_tokens
-        if limit != AUTO:
-            return uncached <= limit
-        cost = self._local_cost[0].current() if self._local_cost is not None else None
-        if cost is None or uncached > self._local_cost[1]:
-            return False
-        r, prefill = d.report, self.pools.active(PREFILL)
-        num_decode = (r.running if r else 0) + len(d.unreported)
-        context = r.kv_blocks_used * self.prefix_index.block_size if r else 0
-        queued = min((m.queued_prefill_tokens() for m in prefill), default=0)
-        if not queued:
-            return False
-        remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
-        return local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
+        self.placement.price_local_prefill(fit.current, max_chunk)
 
     async def _pick_start(self, rid: str, token_ids: list[int]) -> tuple[Member, type]:
         """Where a request (or a resumed one: prompt + delivered tokens) computes its prompt, and
-        the op that starts it there: a GenerateOp on a decode worker when it has few enough
-        tokens to compute there (local prefill), else the first role's op. The worker counts the
-        tokens it will compute until its next report, and holds their blocks in the index."""
-        start = _Start(self.prefix_index, token_ids)
-        role = first_role(self.mode)
-        w, op = None, msg.GenerateOp if role == COLOCATED else msg.PrefillOp
-        if self.local_prefill_max_tokens and role == PREFILL:
-            d = await self._pick_live(DECODE, start)
-            if self._prefill_locally(d, start.uncached_on(d)):
-                w, op = d, msg.GenerateOp
-                self.metrics.local_prefills.inc()
-        if w is None:
-            w = await self._pick_live(role, start)
-        w.sent(rid, start.uncached_on(w))
-        if self.prefix_index is not None:
-            self.prefix_index.add(w.worker_id, start.hashes)
+        the op that starts it there (router/placement.py): a GenerateOp on a decode worker when it
+        has few enough tokens to compute there (local prefill), else the first role's op. The
+        worker counts the tokens it will compute until its next report."""
+        start = self.placement.start(token_ids)
+        for role in self.placement.roles_needed():
+            await self._wait_for(role)
+        try:
+            worker_id, local = self.placement.first(start, self.view)
+        except LookupError as e:
+            raise RequestFailed(str(e)) from None
+        w = self.pools[worker_id]
+        if local:
+            self.metrics.local_prefills.inc()
+        op = msg.GenerateOp if local or self.mode == COLOCATED else msg.PrefillOp
+        w.sent(rid, start.uncached_on(worker_id))
         return w, op
 
     def new_base(self) -> str:
@@ -370,7 +333,7 @@ class Dispatcher:
             if d is not None:
                 fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, held_kv, outputs))))
             else:
-                d = await self._pick_live(DECODE)
+                d = await self._pick_decode()
                 involve(d)
                 d.sent(rid, 1)
                 fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
@@ -385,7 +348,7 @@ class Dispatcher:
                 # longer concerns this request.
                 if held_at is not None:
                     took, held_at = time.monotonic() - held_at, None
-                    self.handoff_s = took if self.handoff_s is None else self.handoff_s + 0.1 * (took - self.handoff_s)
+                    self.placement.observe_handoff(took)
                     self._leave_gate(rid, reached_decode=True)
                 w.assigned.discard(rid)
                 yield TokenDelta(ev.tokens, ev.finished, ev.reason, ev.logprobs, ev.prompt_logprobs)
@@ -403,7 +366,7 @@ class Dispatcher:
         if d is not None:
             fire(d.handle.submit.remote(msg.encode(msg.KVMoreOp(rid, kv))))
             return d
-        d = await self._pick_live(DECODE)
+        d = await self._pick_decode()
         involved.append(d)
         d.sent(rid, 1)
         self.metrics.kv_streamed.inc()
@@ -469,22 +432,6 @@ class _Silence:
 
     def stop(self) -> None:
         self.timer.cancel()
-
-
-class _Start:
-    """A prompt about to start: its length and block hashes, and which workers hold how many of
-    its leading blocks (none known without a prefix index)."""
-    __slots__ = ("num_tokens", "hashes", "matched", "block_size")
-
-    def __init__(self, index: PrefixIndex | None, token_ids: list[int]):
-        self.num_tokens = len(token_ids)
-        self.hashes = index.hashes(token_ids) if index is not None else []
-        self.matched = index.matches(self.hashes) if index is not None else {}
-        self.block_size = index.block_size if index is not None else 0
-
-    def uncached_on(self, w: Member) -> int:
-        """Tokens `w` would compute: all but its cached leading blocks (and always the last)."""
-        return self.num_tokens - min(self.matched.get(w.worker_id, 0) * self.block_size, self.num_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -587,6 +534,29 @@ class _SharedStart:
                     m.assigned.discard(f.rid)
                     if m.alive:
                         fire(m.handle.submit.remote(msg.encode(msg.AbortOp(f.rid))))
+
+
+class _RegistryView:
+    """The pool registry as placement sees it (router/placement.py `PoolView`): each worker's
+    last report plus what this router sent it since."""
+
+    def __init__(self, pools: PoolRegistry, block_size: int):
+        self.pools, self.block_size = pools, block_size
+
+    def active(self, role: str) -> list[str]:
+        return [m.worker_id for m in self.pools.active(role)]
+
+    def prefill_load(self, worker_id: str) -> float:
+        return self.pools[worker_id].queued_prefill_tokens()
+
+    def decode_load(self, worker_id: str) -> float:
+        m = self.pools[worker_id]
+        return decode_load(m.report, len(m.unreported))
+
+    def decoding(self, worker_id: str) -> tuple[int, int]:
+        m = self.pools[worker_id]
+        r = m.report
+        return (r.running if r else 0) + len(m.unreported), r.kv_blocks_used * self.block_size if r else 0
 
 
 def _computed_so_far(ev: msg.Event) -> bool:

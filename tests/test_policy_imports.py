@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.block_pool", "workers.handoff",
-                  "workers.faults", "workers.engine_core", "cluster.capacity.simulate", "workers.cost_model", "cluster.run.controller",
-                  "workers.messages", "workers.config", "workers.names", "router.picker", "router.slo",
-                  "router.config", "cluster.run.spec", "router.pools", "cluster.run.pool_control", "router.admission",
-                  "cluster.capacity.sim_control", "workers.leases", "cluster.run.book")
+                  "workers.faults", "workers.engine_core", "cluster.capacity.simulate", "workers.cost_model",
+                  "cluster.run.controller", "workers.messages", "workers.config", "workers.names", "router.picker",
+                  "router.placement", "router.leadership", "router.slo", "router.config", "cluster.run.spec",
+                  "router.pools", "cluster.run.pool_control", "router.admission", "cluster.capacity.sim_control",
+                  "workers.leases", "cluster.run.book")
 
 
 def test_policy_modules_load_neither_torch_nor_ray():

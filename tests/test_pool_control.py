@@ -76,16 +76,16 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False),
                       DispatchSettings(local_prefill_max_tokens=AUTO))
     disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048)
-    assert not disp._prefill_locally(d, 128)
+    assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
     p.report = report(p.worker_id, PREFILL, queued=4096)
-    assert disp._prefill_locally(d, 128)
+    assert disp.placement.prefill_locally(d.worker_id, 128, disp.view)
     busy = 128
     d.report = report(d.worker_id, DECODE, running=busy)
     decode = BatchShape(num_decode=busy, decode_context=0)
     delay = busy * (TRUE.step_s(decode + BatchShape(1, 128, 128 * 128, 0)) - TRUE.step_s(decode))
     queue_s = 4096 / (2048 / TRUE.step_s(BatchShape(16, 2048, 16 * 128 * 128)))
     assert delay > 4 * queue_s
-    assert not disp._prefill_locally(d, 128)
+    assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
 
 
 def controller(clock, num_prefill=1, num_decode=2, **cfg):

@@ -64,7 +64,7 @@ def complete(client, prompt: list[int]) -> list[int]:
 def test_repeated_prefixes_go_where_they_are_cached(cluster, client):
     """Two 320-token prefixes (20 blocks), 3 prompts each, interleaved, sent one at a time, local
     prefill off: every repeat finds its prefix on the worker that computed it."""
-    cluster.server.dispatcher.local_prefill_max_tokens = 0
+    cluster.server.dispatcher.placement.local_prefill_max_tokens = 0
     try:
         rng = random.Random(3)
         prefixes = [[rng.randrange(1, 250) for _ in range(320)] for _ in range(2)]
@@ -73,7 +73,7 @@ def test_repeated_prefixes_go_where_they_are_cached(cluster, client):
         got = [complete(client, p) for p in prompts]
         after = counts(cluster)
     finally:
-        cluster.server.dispatcher.local_prefill_max_tokens = LOCAL_MAX
+        cluster.server.dispatcher.placement.local_prefill_max_tokens = LOCAL_MAX
     assert got == offline(prompts)
     assert after["prefill_queries"] - before["prefill_queries"] == 6 * 340
     assert after["prefill_hits"] - before["prefill_hits"] == 4 * 320      # what one cache would serve
@@ -133,7 +133,7 @@ def test_a_killed_prefill_worker_is_forgotten_and_its_prefix_served_unchanged(cl
     import signal
     from router.pools import ACTIVE
     d = cluster.server.dispatcher
-    d.local_prefill_max_tokens = 0
+    d.placement.local_prefill_max_tokens = 0
     try:
         rng = random.Random(6)
         prefix = [rng.randrange(1, 250) for _ in range(160)]
@@ -151,5 +151,5 @@ def test_a_killed_prefill_worker_is_forgotten_and_its_prefix_served_unchanged(cl
         wait_for(lambda: cluster.pools[holder].state, lambda s: s == ACTIVE, deadline_s=120,
                  describe=lambda: "the killed worker restarted and back in its pool")
     finally:
-        d.local_prefill_max_tokens = LOCAL_MAX
+        d.placement.local_prefill_max_tokens = LOCAL_MAX
     nothing_left_running(cluster)

@@ -113,6 +113,34 @@ def test_steady_decode_runs_change_nothing(monkeypatch, mode, kw):
     assert_pools_clean(slow[0])
 
 
+def test_local_prefill_of_every_prompt_serves_as_a_colocated_worker_would():
+    """Disaggregated with every prompt prefilled on its decode worker (router/placement.py, the
+    router's own choice code) is one colocated worker with the same costs: every request's token
+    times equal the colocated run's, no handoff happens, and the prefill worker never steps."""
+    requests = workload(n=200)
+    local = run(requests, num_prefill=1, num_decode=1, local_prefill_max_tokens=10**6, decode_gate=False,
+                capacity=40_000)
+    colocated = run(requests, "colocated", num_colocated=1, capacity=40_000)
+    for x, y in zip(local[1], colocated[1]):
+        assert (x.success, x.output_len) == (y.success, y.output_len)
+        assert x.ttft == pytest.approx(y.ttft, abs=1e-9) and x.latency == pytest.approx(y.latency, abs=1e-9)
+    assert local[0].workers["prefill-0"].steps == 0 and local[0].placement.handoff_s is None
+    assert_pools_clean(local[0])
+
+
+@pytest.mark.parametrize("limit", [0, 200])
+def test_local_prefill_takes_exactly_the_prompts_within_its_limit(limit):
+    """With a token limit, the prompts with at most that many tokens to compute (no prefix
+    cache: all of them) are prefilled on their decode worker and the rest are handed off: the
+    handoffs equal the longer prompts (but for one-token outputs, which end where they are
+    prefilled), and all requests complete with every block back."""
+    requests = workload(n=200)
+    sim, results, _ = run(requests, num_prefill=1, num_decode=2, local_prefill_max_tokens=limit, capacity=40_000)
+    assert all(r.success for r in results)
+    assert sim.num_handoffs == sum(r.prompt_len > limit and r.output_len > 1 for r in requests) > 0
+    assert_pools_clean(sim)
+
+
 def test_every_request_completes_and_every_block_returns_under_memory_pressure():
     """A decode pool that holds a handful of sequences: handoffs wait for room, decode steps
     preempt; still every request gets exactly its tokens and the pools end clean."""

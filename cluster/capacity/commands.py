@@ -15,12 +15,13 @@ import math
 import random
 import time
 
-from cluster.loadtest import loadgen
-from cluster.loadtest.bench_data import random_lens
+from cluster.capacity.simulate import SimCluster, SimRequest, Simulator, utilization
 from cluster.flags import (CLUSTER_FLAGS, ENGINE_FLAGS, MODE_ONLY, ROUTER_FLAGS, SLO_FLAGS, add_engine_args, add_flags,
                            engine_config_from_args, given, nested)
-from cluster.capacity.simulate import SimCluster, SimRequest, Simulator, utilization
+from cluster.loadtest import loadgen
+from cluster.loadtest.bench_data import random_lens
 from cluster.run.spec import ClusterSpec
+from router.config import RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.cost_model import HARDWARE, LINKS, MODELS, CostModel, roofline
@@ -30,6 +31,8 @@ from workers.names import COLOCATED, DISAGGREGATED
 SIM_ENGINE_FLAGS = ("--block-size", "--num-kv-blocks", "--no-prefix-caching", "--max-num-batched-tokens",
                     "--max-num-seqs", "--watermark", "--scheduling-policy", "--no-priority-inheritance",
                     "--prefill-us-per-token", "--max-model-len", "--no-chunked-prefill")
+# The router's: how it picks, how much it queues, its decode gate, local prefill (serve's defaults).
+SIM_ROUTER_FLAGS = ("--policy", "--max-pending", "--no-decode-gate", "--local-prefill-max-tokens")
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -54,11 +57,10 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
-    from router.config import RouterConfig
     add_flags(p.add_argument_group("cluster"), tuple(f for f in CLUSTER_FLAGS if f.flag in
                                                       ("--mode", "--prefill", "--decode", "--workers")), ClusterSpec)
-    add_flags(p.add_argument_group("router"), tuple(f for f in ROUTER_FLAGS if f.flag in
-                                                     ("--policy", "--max-pending", "--no-decode-gate")), RouterConfig)
+    add_flags(p.add_argument_group("router"), tuple(f for f in ROUTER_FLAGS if f.flag in SIM_ROUTER_FLAGS),
+              RouterConfig)
     add_flags(p.add_argument_group("engine"), tuple(f for f in ENGINE_FLAGS if f.flag in SIM_ENGINE_FLAGS),
               EngineConfig)
 
@@ -244,7 +246,8 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
     for name, (needs, flag) in MODE_ONLY.items():
         if name in shape and mode != needs:
             raise ValueError(f"{flag} applies to --mode {needs}; this cluster is {mode}")
-    router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in ("--policy", "--max-pending", "--no-decode-gate")))
+    router = given(a, tuple(f for f in ROUTER_FLAGS if f.flag in SIM_ROUTER_FLAGS))
+    router.setdefault("local_prefill_max_tokens", RouterConfig().local_prefill_max_tokens)   # serve's default
     slo = SLOTargets(**given(a, _controller_flags()[1]))      # the requests' default targets, as serve's
     overhead, per_token = costs.request_overhead_s, costs.request_overhead_per_token_s
     if a.request_overhead_ms is not None:

@@ -32,14 +32,14 @@ from typing import NamedTuple
 from cluster.loadtest.loadgen import RequestResult
 from cluster.run.spec import check_pools
 from router.admission import DecodeGate
-from router.picker import Picker, decode_load, prefill_load
-from router.prefix_index import PrefixIndex
+from router.picker import decode_load, prefill_load
+from router.placement import Placement
 from router.slo import SLOTargets
 from workers import messages as msg
 from workers.config import EngineConfig
 from workers.cost_model import BatchShape, CostModel
 from workers.engine_core import EngineCore, KVCacheLayout
-from workers.names import COLOCATED, DECODE, DISAGGREGATED, P2C, PREFILL, PREFIX
+from workers.names import AUTO, COLOCATED, DECODE, DISAGGREGATED, P2C, PREFILL
 from workers.scheduler import SchedulerOutput
 from workers.sequence import SamplingParams, Sequence
 
@@ -105,6 +105,9 @@ class SimCluster:
     shared_cores: float | None = None
     router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
     decode_gate: bool = True                    # disaggregated: the router's decode gate (router/admission.py)
+    # Disaggregated: prefill on the decode worker up to this many tokens; "auto": as the decode
+    # pool's cost model says (router/placement.py, as serve's router decides); 0: never.
+    local_prefill_max_tokens: int | str = 0
     slo: SLOTargets = field(default_factory=SLOTargets)   # the requests' default TTFT and TPOT targets
 
     def __post_init__(self):
@@ -284,6 +287,7 @@ class Simulator:
         self._order = itertools.count()
         self.num_events = 0
         self.num_runs = 0                   # steady decode runs taken whole
+        self.num_handoffs = 0               # prompts' KV received by a decode worker
         clock = lambda: self.now                                     # noqa: E731
         if cluster.mode == COLOCATED:
             roles = [(f"{COLOCATED}-{i}", COLOCATED, cluster.prefill_cost) for i in range(cluster.num_colocated)]
@@ -295,16 +299,23 @@ class Simulator:
         self.pools = {role: [w for w in self.workers.values() if w.role == role] for role in (PREFILL, DECODE,
                                                                                                 COLOCATED)}
         self.pool_ids = {role: [w.worker_id for w in pool] for role, pool in self.pools.items()}
-        self.prefill_picker = Picker(cluster.policy, cluster.seed)
-        self.decode_picker = Picker(cluster.policy, cluster.seed + 1)
-        # Prefix-aware picking: the router's index of the prefill workers' caches, kept as the
-        # router keeps it (its own choices, the workers' cache events after each step).
-        self.prefix_index = PrefixIndex(cluster.engine.cache.block_size) if cluster.policy == PREFIX else None
+        # Where requests start and decode: the router's own code (router/placement.py), on the
+        # simulated workers' reports. Its index of the workers' caches (prefix-aware picking,
+        # local prefill) is kept as the router keeps it: its own choices, the workers' cache
+        # events after each step.
+        bs = cluster.engine.cache.block_size
+        self.placement = Placement(cluster.mode, cluster.policy, cluster.seed, bs, cluster.local_prefill_max_tokens)
+        if self.placement.local_prefill_max_tokens == AUTO:
+            self.placement.price_local_prefill(lambda: cluster.decode_cost,
+                                               cluster.engine.scheduler.max_num_batched_tokens)
+        self.view = _SimView(self.workers, self.pool_ids, bs)
+        self.prefix_index = self.placement.prefix_index
         if self.prefix_index is not None:
             for w in self.workers.values():
-                if w.role != DECODE:
-                    w.engine.kv.pool.record_events()
-                    self.prefix_index.set_capacity(w.worker_id, w.engine.kv.pool.num_blocks)
+                w.engine.kv.pool.record_events()
+                self.prefix_index.set_capacity(w.worker_id, w.engine.kv.pool.num_blocks)
+        self._local: set[str] = set()        # prefilled on their decode worker, before their first token
+        self._held_at: dict[str, float] = {}    # held, not yet received by their decode worker
         self._tracked: dict[str, _Tracked] = {}
         self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
@@ -391,40 +402,23 @@ class Simulator:
         if params is None:                  # one per length: the engine never changes them
             params = self._params[r.output_len] = SamplingParams(max_tokens=r.output_len, temperature=0.0,
                                                                  ignore_eos=True)
-        colocated = self.c.mode == COLOCATED
         ids = r.ids()
-        w, uncached = self._pick_first(COLOCATED if colocated else PREFILL, ids)
-
+        start = self.placement.start(ids)
+        worker_id, local = self.placement.first(start, self.view)
+        w, uncached = self.workers[worker_id], start.uncached_on(worker_id)
+        whole = local or self.c.mode == COLOCATED        # prefilled where it decodes: no handoff
+        if local:
+            self._local.add(rid)
         slo = self.c.slo
 
         def submit(engine=w.engine):
             try:
                 engine.add_request(prompt_token_ids=ids, params=params, request_id=rid,
-                                   arrival_time=self._tracked[rid].sent_s, prefill_only=not colocated,
+                                   arrival_time=self._tracked[rid].sent_s, prefill_only=not whole,
                                    ttft_left_s=r.ttft_slo_s or slo.ttft_s, tpot_s=r.tpot_slo_s or slo.tpot_s)
             except ValueError as e:                  # too long for this model: a 400 in the real server
                 self._fail(rid, f"HTTP 400: {e}")
         self._submit(w, submit, uncached)
-
-    def _pick_first(self, role: str, ids: list[int]) -> tuple[SimWorker, int]:
-        """The worker a prompt starts on, and the tokens it will compute there (router/dispatch.py
-        `_pick_start`, without local prefill)."""
-        index = self.prefix_index
-        if index is None:
-            return self._pick(role), len(ids)
-        ws, bs = self.workers, index.block_size
-        hashes = index.hashes(ids)
-        matched = index.matches(hashes)
-        wid = self.prefill_picker.choose_prefix(self.pool_ids[role], lambda i: prefill_load(
-            ws[i].report(), ws[i].inbox_tokens), matched, len(ids), bs)
-        index.add(wid, hashes)
-        return ws[wid], len(ids) - min(matched.get(wid, 0) * bs, len(ids) - 1)
-
-    def _pick(self, role: str) -> SimWorker:
-        ids, ws = self.pool_ids[role], self.workers
-        if role == DECODE:     # reports are fresh here: what was sent is in them (pending, receiving)
-            return ws[self.decode_picker.choose(ids, lambda i: decode_load(ws[i].report(), 0))]
-        return ws[self.prefill_picker.choose(ids, lambda i: prefill_load(ws[i].report(), ws[i].inbox_tokens))]
 
     def _submit(self, w: SimWorker, fn, num_tokens: int = 0) -> None:
         w.inbox.append(fn)
@@ -455,6 +449,9 @@ class Simulator:
         tr = self._tracked[rid]
         if not tr.count:
             tr.first_s = times[0]
+            if rid in self._local:                # prefilled on its decode worker: it has its seat
+                self._local.discard(rid)
+                self._leave_gate(rid, reached_decode=True)
         tr.count += len(times)
         tr.last_s = times[-1]
         if tr.times is not None:
@@ -470,7 +467,7 @@ class Simulator:
 
     # -- workers ---------------------------------------------------------------------------------
     def _start_step(self, w: SimWorker) -> None:
-        if self.prefix_index is not None and w.role != DECODE:
+        if self.prefix_index is not None:
             stored, evicted = w.engine.kv.pool.take_events()
             self.prefix_index.remove(w.worker_id, evicted)
             self.prefix_index.add(w.worker_id, stored)
@@ -568,7 +565,8 @@ class Simulator:
 
     # -- the KV handoff --------------------------------------------------------------------------
     def _hand_off(self, rid: str, prefill: SimWorker) -> None:
-        d = self._pick(DECODE)
+        d = self.workers[self.placement.decode(self.view)]
+        self._held_at[rid] = self.now
         seq = prefill.engine._seqs[rid]
         d.waiting_room.append((rid, seq, prefill))
         if not d.busy:
@@ -596,6 +594,8 @@ class Simulator:
             self._at(d.link_free_at, self._received, rid, prefill, d)
 
     def _received(self, rid: str, prefill: SimWorker, d: SimWorker) -> None:
+        self.placement.observe_handoff(self.now - self._held_at.pop(rid))
+        self.num_handoffs += 1
         d.receiving -= 1
         prefill.engine.release(rid)
         if prefill.engine.scheduler.waiting:
@@ -604,6 +604,29 @@ class Simulator:
             self._idle(prefill)
         self._submit(d, lambda: d.engine.commit_received(rid))
         self._leave_gate(rid, reached_decode=True)
+
+
+class _SimView:
+    """The simulated pools as placement sees them (router/placement.py `PoolView`): reports are
+    fresh here (what was sent is in them: pending, receiving), but for the prompts still in a
+    worker's inbox."""
+
+    def __init__(self, workers: dict, pool_ids: dict[str, list[str]], block_size: int):
+        self.workers, self.pool_ids, self.block_size = workers, pool_ids, block_size
+
+    def active(self, role: str) -> list[str]:
+        return self.pool_ids[role]
+
+    def prefill_load(self, worker_id: str) -> float:
+        w = self.workers[worker_id]
+        return prefill_load(w.report(), w.inbox_tokens)
+
+    def decode_load(self, worker_id: str) -> float:
+        return decode_load(self.workers[worker_id].report(), 0)
+
+    def decoding(self, worker_id: str) -> tuple[int, int]:
+        r = self.workers[worker_id].report()
+        return r.running, r.kv_blocks_used * self.block_size
 
 
 def utilization(sim: Simulator) -> dict[str, float]:

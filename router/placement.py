@@ -1,0 +1,139 @@
+"""Where a request computes its prompt and where it decodes: one piece of code for the router's
+dispatcher (router/dispatch.py) and the simulator (cluster/capacity/simulate.py), each on its own
+view of the pools (`PoolView`), so that what the simulator predicts is what the router does.
+
+    start:   a prompt's blocks, and which workers hold how many of them (the prefix index)
+    first:   the worker that computes it: a prefill (or colocated) worker by the picking policy,
+             or, disaggregated, the decode worker picked for it when it computes few enough
+             tokens there (local prefill: no handoff)
+    decode:  the decode worker a prefilled request goes to
+
+Plain Python (no torch, no Ray): tests/test_policy_imports.py guards it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from router.picker import Picker
+from router.prefix_index import PrefixIndex
+from workers.cost_model import CostModel, local_prefill_limit
+from workers.names import AUTO, COLOCATED, DECODE, PREFILL, PREFIX, first_role
+
+
+class PoolView(Protocol):
+    """The pools as a caller sees them, by worker id."""
+
+    def active(self, role: str) -> list[str]:
+        """The workers a request of this role may go to now."""
+
+    def prefill_load(self, worker_id: str) -> float:
+        """Prompt tokens it has queued (reported, and sent since its report)."""
+
+    def decode_load(self, worker_id: str) -> float:
+        """router/picker.py `decode_load` of its report and what was sent since."""
+
+    def decoding(self, worker_id: str) -> tuple[int, int]:
+        """(sequences it decodes, their context tokens): what a local prefill there delays."""
+
+
+class Start:
+    """A prompt about to start: its length and block hashes, and which workers hold how many of
+    its leading blocks (none known without a prefix index)."""
+    __slots__ = ("num_tokens", "hashes", "matched", "block_size")
+
+    def __init__(self, index: PrefixIndex | None, token_ids: list[int]):
+        self.num_tokens = len(token_ids)
+        self.hashes = index.hashes(token_ids) if index is not None else []
+        self.matched = index.matches(self.hashes) if index is not None else {}
+        self.block_size = index.block_size if index is not None else 0
+
+    def uncached_on(self, worker_id: str) -> int:
+        """Tokens the worker would compute: all but its cached leading blocks (and always the last)."""
+        return self.num_tokens - min(self.matched.get(worker_id, 0) * self.block_size, self.num_tokens - 1)
+
+
+class Placement:
+    def __init__(self, mode: str, policy: str, seed: int | None, block_size: int,
+                 local_prefill_max_tokens: int | str = 0):
+        """`local_prefill_max_tokens` (disaggregated): a request with at most this many prompt
+        tokens to compute on its decode worker is prefilled there; AUTO: as the cost model says
+        (`price_local_prefill`), request by request; 0: never."""
+        self.mode = mode
+        self.prefill_picker = Picker(policy, seed)
+        self.decode_picker = Picker(policy, None if seed is None else seed + 1)
+        self.local_prefill_max_tokens = local_prefill_max_tokens if mode != COLOCATED else 0
+        self._local_cost: tuple[Callable[[], CostModel | None], int] | None = None   # auto: the model, a chunk
+        self.handoff_s: float | None = None      # a handoff as seen (held -> first decode token), smoothed
+        # The workers' prefix caches as the caller sees them, kept when picking uses them:
+        # prefix-aware picking, or local prefills counting cached tokens.
+        self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
+                             else None)
+
+    def price_local_prefill(self, cost: Callable[[], CostModel | None], max_chunk: int) -> None:
+        """With local prefill AUTO: decide with the step cost model `cost()` (None while there is
+        none) for prompt chunks of at most `max_chunk` tokens (the scheduler's budget)."""
+        self._local_cost = (cost, max_chunk)
+
+    def observe_handoff(self, seconds: float) -> None:
+        self.handoff_s = seconds if self.handoff_s is None else self.handoff_s + 0.1 * (seconds - self.handoff_s)
+
+    def start(self, token_ids: list[int]) -> Start:
+        return Start(self.prefix_index, token_ids)
+
+    def roles_needed(self) -> tuple[str, ...]:
+        """The pools `first` picks from (a caller may wait for one of them to have a worker)."""
+        role = first_role(self.mode)
+        return (DECODE, role) if self.local_prefill_max_tokens and role == PREFILL else (role,)
+
+    def first(self, start: Start, view: PoolView) -> tuple[str, bool]:
+        """(the worker that computes the prompt, whether it is a decode worker computing it
+        itself). The prefix index then holds the prompt's blocks there. Raises LookupError when
+        a pool it needs has no active worker."""
+        role = first_role(self.mode)
+        chosen, local = None, False
+        if self.local_prefill_max_tokens and role == PREFILL:
+            d = self.decode(view)
+            if self.prefill_locally(d, start.uncached_on(d), view):
+                chosen, local = d, True
+        if chosen is None:
+            chosen = self._prefill(role, start, view)
+        if self.prefix_index is not None:
+            self.prefix_index.add(chosen, start.hashes)
+        return chosen, local
+
+    def decode(self, view: PoolView) -> str:
+        ids = view.active(DECODE)
+        if not ids:
+            raise LookupError(f"no live {DECODE} worker")
+        return self.decode_picker.choose(ids, view.decode_load)
+
+    def _prefill(self, role: str, start: Start, view: PoolView) -> str:
+        ids = view.active(role)
+        if not ids:
+            raise LookupError(f"no live {role} worker")
+        if self.prefill_picker.policy == PREFIX:
+            return self.prefill_picker.choose_prefix(ids, view.prefill_load, start.matched, start.num_tokens,
+                                                     self.prefix_index.block_size)
+        return self.prefill_picker.choose(ids, view.prefill_load)
+
+    def prefill_locally(self, d: str, uncached: int, view: PoolView) -> bool:
+        """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:
+        up to it. AUTO (workers/cost_model.py `local_prefill_limit`): while the prefill pool has
+        a queue (a burst: a closed loop's clients all come back when a batch ends together), when
+        what it delays the sequences `d` decodes costs less than that queue plus the handoff as
+        measured would cost the request; never beyond one chunk, and not before there is a cost
+        model. With no queue the prefill pool computes it at once, and the decode batch's steps
+        stay undisturbed: disaggregated."""
+        limit = self.local_prefill_max_tokens
+        if limit != AUTO:
+            return uncached <= limit
+        cost = self._local_cost[0]() if self._local_cost is not None else None
+        if cost is None or uncached > self._local_cost[1]:
+            return False
+        queued = min((view.prefill_load(p) for p in view.active(PREFILL)), default=0)
+        if not queued:
+            return False
+        num_decode, context = view.decoding(d)
+        remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
+        return local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
