@@ -113,7 +113,10 @@ def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_sessi
     assert all(r[1] is not None and int(r[1]) >= 1 for r in refused)
     served_ttft = sorted(r[2] for r in overload if r[0] == 200)
     assert sorted(r[2] for r in refused)[len(refused) // 2] < served_ttft[len(served_ttft) // 2]   # refused at once
-    assert shed >= len(refused) - sum(r[0] == 429 for r in at_capacity) > 0, (
+    # Every refusal is counted (the capacity loop's too, whose results are not kept). Not judged:
+    # how the refusals split between the phases, which follows the box's load (a CI run refused
+    # 18 at capacity and 9 at 3x when the capacity loop had left the box busier than it measured).
+    assert shed >= len(refused) + sum(r[0] == 429 for r in at_capacity), (
         shed, len(refused), sum(r[0] == 429 for r in at_capacity), {r[5][:120] for r in refused})
     served = [r for r in at_capacity + overload if r[0] == 200]
     assert all(r[4] == OUTPUT for r in served)                      # nothing admitted was cut short
