@@ -354,18 +354,24 @@ def test_bodies_built_to_be_slow_are_refused_as_fast_as_a_benign_body_and_health
     about as fast as a benign body of the same size is served, and /health answers meanwhile.
     The bounds are 1 s and 250 ms, or three times the benign body's, whichever is larger: the
     issue's 100 ms for /health holds on a quiet machine (BENCHMARKS.md), but here the client's
-    threads share the router's process and GIL, and a busy CI box stretches every C call."""
+    threads share the router's process and GIL, and a busy CI box stretches every C call. A
+    shape past a bound is tried once more and judged on that try: a slow shape is slow every
+    time, while a pause of the whole process (a collection of the test process's heap: a CI run
+    saw one /health take 0.6 s once) comes once."""
     url = f"{cluster.base_url}/completions"
     root = cluster.base_url.removesuffix("/v1")
     size = cluster.cfg.max_body_bytes - 1024
     (status, benign_s), benign_health = health_while(root, lambda: timed_post(url, benign_body(size)))
     assert status == 200
-    slowest_health = max(0.25, 3 * max(benign_health))
+    slowest_answer, slowest_health = max(1.0, 3 * benign_s), max(0.25, 3 * max(benign_health))
     for name, (raw, want) in slow_shapes(size).items():
         assert len(raw) <= cluster.cfg.max_body_bytes, name
-        (status, took), health = health_while(root, lambda: timed_post(url, raw))
-        assert status == want, name
-        assert took <= max(1.0, 3 * benign_s), (name, took, benign_s)
+        for _ in range(2):
+            (status, took), health = health_while(root, lambda: timed_post(url, raw))
+            assert status == want, name
+            if took <= slowest_answer and max(health) <= slowest_health:
+                break
+        assert took <= slowest_answer, (name, took, benign_s)
         assert max(health) <= slowest_health, (name, max(health), benign_health)
 
 
