@@ -190,6 +190,8 @@ class SLOAdmission:
         if t.stage == DECODING and t.tokens > 2:
             now = self.clock()
             self.paces.append((now, (now - t.second_at) / (t.tokens - 2)))
+            while self.paces[0][0] < now - self.window_s:     # (read only while handoffs wait: kept short here)
+                self.paces.popleft()
         self._leave(t)
         t.stage = ENDED
 
