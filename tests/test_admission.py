@@ -164,6 +164,20 @@ def served_tpot(gap_s: float, pace_s: float, tokens: int) -> float:
     return (end - first) / (tokens - 1)
 
 
+def serve_lately(a: SLOAdmission, clock: Clock, gap_s: float, pace_s: float, tokens: int, n: int = 6) -> None:
+    """`n` requests through the admission's counts, one after another: a first token, its second
+    `gap_s` later, then one every `pace_s` up to `tokens`."""
+    for _ in range(n):
+        t = a.started(256)
+        a.progress(t, 1)
+        clock.t += gap_s
+        a.progress(t, 2)
+        for k in range(3, tokens + 1):
+            clock.t += pace_s
+            a.progress(t, k)
+        a.ended(t)
+
+
 @pytest.mark.parametrize("pace_s", [0.002, 0.006])
 def test_a_slow_handoff_refuses_exactly_the_lengths_whose_tpot_would_miss(pace_s):
     """Handoffs take 0.2 s lately and decode runs `pace_s` a token (well inside the 20 ms
@@ -171,15 +185,7 @@ def test_a_slow_handoff_refuses_exactly_the_lengths_whose_tpot_would_miss(pace_s
     miss; a short output carries the gap over few tokens, a long one amortises it."""
     clock = Clock()
     a = cluster(clock=clock)
-    for _ in range(6):
-        t = a.started(256)
-        a.progress(t, 1)
-        clock.t += 0.2
-        a.progress(t, 2)
-        for k in range(3, 31):
-            clock.t += pace_s
-            a.progress(t, k)
-        a.ended(t)
+    serve_lately(a, clock, 0.2, pace_s, 30)
     verdicts = {n: a.check(256, n).admit for n in range(2, 80)}
     assert verdicts == {n: served_tpot(0.2, pace_s, n) <= SLO.tpot_s for n in range(2, 80)}
     assert not all(verdicts.values()) and any(verdicts.values())
@@ -191,14 +197,7 @@ def test_a_decode_pool_slower_than_the_target_does_not_make_the_handoff_rule_ref
     before any pace is measured, so a short gap refuses nothing."""
     clock = Clock()
     a = cluster(clock=clock)
-    for _ in range(6):
-        t = a.started(256)
-        a.progress(t, 1)
-        clock.t += 0.015
-        a.progress(t, 2)
-        clock.t += 0.05 * 20
-        a.progress(t, 22)
-        a.ended(t)
+    serve_lately(a, clock, 0.015, 0.05, 22)
     assert a.decode_pace() == pytest.approx(0.05)
     assert all(a.check(256, n).admit for n in range(2, 80))
 
