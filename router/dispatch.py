@@ -492,18 +492,19 @@ class _SharedStart:
         """The carrier's attempt, as any request's (one token, then held or forked): it ends
         "forked" where its samples run, or the start failed."""
         carrier = dataclasses.replace(self.req, params=self.CARRIER)
+        attempt = self.d.attempt(carrier, self.rid, self.queue, self.involved, [], self.forks, self._involve)
         try:
-            async for delta in self.d.attempt(carrier, self.rid, self.queue, self.involved, [], self.forks,
-                                              self._involve):
-                if isinstance(delta, _Resume):
-                    return self._fail(msg.ErrorEvent("", delta.error, True, delta.cause))
-                if delta.finished and delta.finish_reason == "forked":
-                    self.forked = True
-                    for m in self.involved:
-                        m.assigned.discard(self.rid)
-                    return
-                if delta.finished:    # it ended at its first token (the app shares no start where it could)
-                    break
+            async with contextlib.aclosing(attempt):     # its silence timer stops when the start ends
+                async for delta in attempt:
+                    if isinstance(delta, _Resume):
+                        return self._fail(msg.ErrorEvent("", delta.error, True, delta.cause))
+                    if delta.finished and delta.finish_reason == "forked":
+                        self.forked = True
+                        for m in self.involved:
+                            m.assigned.discard(self.rid)
+                        return
+                    if delta.finished:    # it ended at its first token (the app shares no start where it could)
+                        break
             self._fail(RequestFailed(f"the shared start of {len(self.first)} samples ended early"))
         except APIError as e:                            # refused by the worker: so is every sample
             self._fail(msg.ErrorEvent("", e.message, False, "handoff_failed"))
