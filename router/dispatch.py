@@ -259,13 +259,16 @@ class Dispatcher:
             finished = False
             resume: _Resume | None = None
             try:
-                async for ev in run(req, rid, q, involved, delivered):
-                    if isinstance(ev, _Resume):
-                        resume = ev
-                        break
-                    delivered += ev.token_ids
-                    finished = ev.finished
-                    yield ev
+                # aclosing: the attempt ends (its silence timer stops) when it resumes or the
+                # client leaves, not when the garbage collector gets to it.
+                async with contextlib.aclosing(run(req, rid, q, involved, delivered)) as events:
+                    async for ev in events:
+                        if isinstance(ev, _Resume):
+                            resume = ev
+                            break
+                        delivered += ev.token_ids
+                        finished = ev.finished
+                        yield ev
                 if resume is None:
                     return
             finally:

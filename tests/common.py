@@ -93,6 +93,50 @@ def wait_for(probe, ok, deadline_s: float = 20.0, describe=None, poll_s: float =
         time.sleep(poll_s)
 
 
+# -- ports for the servers a test starts ---------------------------------------------------------
+def _port_range() -> range:
+    """This test process's own ports. `make test` runs two pytest processes (xdist) beside Ray's
+    clusters, and a port the kernel hands out (bind to 0) is free only until the server binds
+    it: meanwhile any outgoing connection or Ray component of the other process may get it. So
+    each test process picks from its own slice of the ports between Ray's worker ports (10002 to
+    19999) and the kernel's ephemeral range, which nobody else takes."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low < 20_000 + 1_000:
+        return range(0)                        # no such gap: the kernel's ports
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = (low - 20_000) // count
+    return range(20_000 + index * size, 20_000 + (index + 1) * size)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free now, from this test process's slice (bound all at once to check)."""
+    import socket
+
+    from cluster.run.ports import free_ports as kernel_ports
+    span = _port_range()
+    if len(span) < 10 * n:
+        return kernel_ports(n)
+    for _ in range(100):
+        ports = random.sample(span, n)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in ports:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return ports
+    raise RuntimeError(f"no {n} free ports in {span}")
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
 # -- processes a test started (Ray daemons, actors), read from /proc ------------------------------
 def _proc_stat(pid: int) -> tuple[int, str, str] | None:
     """(parent pid, start time, state) of a process, None once it is gone."""
@@ -296,7 +340,7 @@ def api_cluster(mode: str = "disaggregated"):
     small cache and batch). Its admission is the queue bound: SLO admission may refuse a long
     batch on a busy box, which is its own tests' subject (test_admission*.py), not these."""
     from cluster.run.launcher import ClusterSpec
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
     spec = ClusterSpec(model="tiny", mode=mode, num_prefill=1, num_decode=1, num_colocated=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
     with ServingCluster(spec, port=free_port(), admission="queue") as c:

@@ -9,11 +9,20 @@ marked `ray`; one that starts processes of ours or Ray's (a server, a CLI, a Ray
 transport's peer) asks for the `spawns` fixture and is marked `spawns`. `make test-fast` runs the
 rest. Nobody has to remember: a test without either marker that starts such a process fails,
 naming the fixture it lacks.
+
+`make test` runs two pytest processes (xdist). A test that measures this machine (a load the
+cluster must meet, a profile of its speed) asks for `alone`: the other process waits while it
+runs, as it would on a machine of its own (a lock around each test: `_turn`).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,11 +39,61 @@ torch.set_num_threads(1)
 LIVE = {"ray_session": "ray", "spawns": "spawns"}     # fixture -> the marker it gives its tests
 
 
+ALONE = "alone"                 # fixture and marker: the other test process waits while it runs
+LOCKS = "PDCLUSTER_TEST_LOCKS"  # the folder of the lock files both test processes share
+
+
+@pytest.hookimpl(tryfirst=True)         # before xdist reads the groups
 def pytest_collection_modifyitems(items):
+    """Markers from fixtures; and under `-n 2 --dist loadgroup` (the Makefile's), a file's live
+    tests stay together in one process, so that its module-scoped cluster starts once; the pure
+    tests go one by one to whichever process is free."""
     for item in items:
-        for fixture, marker in LIVE.items():
-            if fixture in item.fixturenames:
-                item.add_marker(marker)
+        live = [marker for fixture, marker in LIVE.items() if fixture in item.fixturenames]
+        for marker in live:
+            item.add_marker(marker)
+        if live:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        if ALONE in item.fixturenames:
+            item.add_marker(ALONE)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="pdcluster-tests-")    # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(LOCKS):
+        shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _turn(alone: bool):
+    """A test's turn on the machine: shared with the other test process, or the whole of it.
+    Every test holds `box` (shared, or exclusive when alone) from its setup to its teardown
+    (module fixtures included); `gate` is held only while taking `box`, so that a test waiting
+    for the whole box keeps new shared turns from starting meanwhile."""
+    folder = os.environ.get(LOCKS)
+    if folder is None or not Path(folder).is_dir():           # one process: nobody to wait for
+        yield
+        return
+    with open(Path(folder) / "gate", "a") as gate, open(Path(folder) / "box", "a") as box:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(box, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(box, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _turn(item.get_closest_marker(ALONE) is not None):
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -70,6 +129,11 @@ subprocess.Popen.__init__ = _guarded_popen_init
 @pytest.fixture(scope="session")
 def spawns():
     """The test starts processes of ours or Ray's: marked `spawns` (pytest -m 'not spawns')."""
+
+
+@pytest.fixture(scope="session")
+def alone():
+    """The test measures this machine: the other test process waits while it runs (marked `alone`)."""
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +187,7 @@ def ray_session():
     from cluster.run.launcher import NAMESPACE
     if ray.is_initialized():      # one a Worker made in this process started implicitly (test_contract's)
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     yield
     ray.shutdown()
 

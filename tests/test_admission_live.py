@@ -19,7 +19,8 @@ import time
 import aiohttp
 
 from cluster.run.launcher import ClusterSpec
-from cluster.run.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster
+from common import free_port
 from router.slo import SLOTargets
 
 PROMPT, OUTPUT = 512, 8
@@ -84,7 +85,7 @@ def goodput(results: list[tuple], seconds: float) -> float:
     return sum(s == 200 and ttft <= SLO.ttft_s and tpot <= SLO.tpot_s for s, _, ttft, tpot, *_ in results) / seconds
 
 
-def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_session):
+def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_session, alone):
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5)
     with ServingCluster(spec, port=free_port(), slo=SLO) as c:
         assert c.server.admission is not None                       # the default

@@ -23,7 +23,7 @@ from cluster.loadtest.bench import search_rate
 from cluster.loadtest.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, Phase, TraceRow, alternate, load_trace, phase_rows,
                                 sample_random, sample_trace)
 from cluster.cli import main
-from cluster.run.serve import free_port
+from common import free_port
 from workers.checkpoint import load_tokenizer
 
 # The injected server: "fast" prompts get their first token after FAST_MS, "slow" ones after
@@ -103,8 +103,9 @@ def injected_url():
         assert thread.is_alive() and time.monotonic() < deadline, "the injected server did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
+    server.should_exit = server.force_exit = True    # requests a test gave up on are not waited for
     thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def write_custom(path, prompts: list[str]) -> str:

@@ -123,7 +123,7 @@ def test_plan_against_distserves_baseline(tmp_path, capsys):
     assert "goes with --step-costs distserve" in capsys.readouterr().err
 
 
-def test_profile_of_this_machine_feeds_simulate(tmp_path, spawns):
+def test_profile_of_this_machine_feeds_simulate(tmp_path, spawns, alone):
     """The real profile (engine steps, handoff, and the served path on a local cluster), then a
     simulation from it."""
     out = tmp_path / "profile.json"

@@ -17,8 +17,8 @@ import ray
 from cluster.loadtest import promtext
 from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from common import wait_for, wait_pools_clean
-from cluster.run.serve import ServingCluster, free_port
+from common import free_port, wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
 from workers.checkpoint import builtin_config
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

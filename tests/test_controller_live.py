@@ -15,7 +15,8 @@ import time
 import openai
 
 from cluster.run.launcher import ClusterSpec
-from cluster.run.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster
+from common import free_port
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -77,7 +78,7 @@ def why_not(c: ServingCluster) -> str:
     return f"decisions {c.controller.decisions}, last reason {last!r}, counted {samples}"
 
 
-def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_session):
+def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_session, alone):
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2,
                        engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
                        controller=True, controller_interval_s=1.0, controller_window_s=6.0, controller_cooldown_s=6.0)

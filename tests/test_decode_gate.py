@@ -16,8 +16,8 @@ import pytest
 
 from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.run.serve import ServingCluster, free_port
-from common import Clock, random_prompts, wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
+from common import Clock, free_port, random_prompts, wait_for, wait_pools_clean
 from router.admission import DecodeGate
 from router.config import RouterConfig
 from workers.messages import LoadReport

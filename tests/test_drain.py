@@ -20,8 +20,8 @@ import ray
 
 from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.run.serve import ServingCluster, free_port
-from common import SMALL_KV, ServeProcess, wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
+from common import SMALL_KV, ServeProcess, free_port, wait_for, wait_pools_clean
 
 PROMPT = list(range(40, 90))
 LONG = 2000                                  # far more than a drain's timeout lets the tiny model make

@@ -17,8 +17,8 @@ import pytest
 from cluster.loadtest import promtext
 from cluster.run.launcher import ClusterSpec
 from cluster.offline import generate
-from cluster.run.serve import ServingCluster, free_port
-from common import wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
+from common import free_port, wait_for, wait_pools_clean
 from router.config import RouterConfig
 from router.pools import ACTIVE
 from workers.sequence import sample_seed

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common import SMALL_KV, ServeProcess, descendants, random_prompts
-from cluster.run.serve import free_port
+from common import SMALL_KV, ServeProcess, descendants, free_port, random_prompts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(26, [5, 40, 90, 17, 130, 3])

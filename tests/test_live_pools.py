@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from cluster.run.launcher import ClusterSpec
-from cluster.run.serve import ServingCluster, free_port
-from common import wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
+from common import free_port, wait_for, wait_pools_clean
 from router.pools import ACTIVE, DRAINING, STOPPED
 from test_cluster import API_KEY, MAX_TOKENS, engine_cfg, mixed_prompts, send_all
 from workers.config import EngineConfig

@@ -32,10 +32,8 @@ import httpx
 import pytest
 
 from cluster.loadtest import promtext
-from cluster.run.ports import free_ports
-from cluster.run.serve import free_port
+from common import descendants, free_port, free_ports, kill_all, still_running, wait_for
 from workers.cpu_kernels import cache_dir
-from common import descendants, kill_all, still_running, wait_for
 
 BIN = Path(sys.executable).parent            # the venv's: ray, pdcluster
 PROMPT = "Prefill on one node, decode on the other:"

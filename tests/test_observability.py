@@ -23,8 +23,8 @@ import yaml
 
 from cluster.loadtest import promtext
 from cluster.run.launcher import ClusterSpec
-from common import wait_for
-from cluster.run.serve import ServingCluster, free_port
+from common import free_port, wait_for
+from cluster.run.serve import ServingCluster
 from router.metrics import Metrics
 from workers.checkpoint import builtin_config
 from workers.kv_transfer import KVLayout

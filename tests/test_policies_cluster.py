@@ -24,7 +24,8 @@ PREFIX = random_prompts(5, [64])[0]                    # 4 full blocks every pro
 @contextlib.contextmanager
 def serving(policy: str):
     from cluster.run.launcher import ClusterSpec
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
+    from common import free_port
     spec = ClusterSpec(model=MODEL, num_prefill=1, num_decode=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 256},
                                "scheduler": {"max_num_batched_tokens": 64, "policy": policy}})

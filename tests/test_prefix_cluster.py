@@ -26,7 +26,8 @@ LOCAL_MAX = 128
 @pytest.fixture(scope="module")
 def cluster(ray_session):
     from cluster.run.launcher import ClusterSpec
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
+    from common import free_port
     spec = ClusterSpec(model=MODEL, num_prefill=2, num_decode=1, num_cpus_per_worker=0.5,
                        engine={"cache": {"num_blocks": 512}, "scheduler": {"max_num_batched_tokens": 512}})
     with ServingCluster(spec, port=free_port(), admission="queue", policy=PREFIX,

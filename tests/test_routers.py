@@ -18,7 +18,8 @@ import ray
 
 from cluster.loadtest import promtext
 from cluster.run.launcher import ClusterSpec
-from cluster.run.serve import ServingCluster, free_port
+from cluster.run.serve import ServingCluster
+from common import free_port
 from common import (MAX_NEW_TOKENS, PROMPTS, ROOT, descendants, kill_all, pdcluster_cmd, still_running,
                     wait_for, wait_pools_clean)
 

@@ -22,8 +22,7 @@ import openai
 import pytest
 
 from cluster.offline import generate
-from cluster.run.serve import free_port
-from common import ROOT, SMALL_KV, ServeProcess, pdcluster_cmd, still_running, subprocess_env, wait_for
+from common import ROOT, SMALL_KV, ServeProcess, free_port, pdcluster_cmd, still_running, subprocess_env, wait_for
 
 PROMPT, MAX_TOKENS = "The quick brown fox", 12
 

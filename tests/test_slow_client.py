@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from cluster.run.launcher import ClusterSpec
-from cluster.run.serve import ServingCluster, free_port
-from common import wait_for, wait_pools_clean
+from cluster.run.serve import ServingCluster
+from common import free_port, wait_for, wait_pools_clean
 from router.app import ClientStream
 from router.config import RouterConfig
 from router.metrics import Metrics

@@ -118,7 +118,8 @@ def test_pools_of_different_tp_serve_the_offline_output(ray_session, cluster_ref
                                                         decode_tp):
     from cluster.loadtest import promtext
     from cluster.run.launcher import ClusterSpec
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
+    from common import free_port
     spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, kv_transport=transport,
                        prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
                        num_cpus_per_worker=0.5, engine={"cache": {"num_blocks": 256}})
@@ -148,7 +149,8 @@ def test_a_dead_rank_restarts_its_worker_and_its_requests_complete(ray_session, 
     import ray
 
     from cluster.run.launcher import ClusterSpec
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
+    from common import free_port
     spec = ClusterSpec(model="tiny", mode="disaggregated", num_prefill=1, num_decode=1, kv_transport="shm",
                        prefill_tensor_parallel_size=2, num_cpus_per_worker=0.5, engine={"cache": {"num_blocks": 256}})
     with ServingCluster(spec, port=free_port(), admission="queue") as c:
