@@ -28,7 +28,9 @@ one. So the predictions lean on what the router observes, and are checked agains
   of measured over predicted multiplied the bias's fixed overhead, and refused requests of a
   64-client closed loop whose measured TTFTs were all within the target), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
-  of the requests that had it lately, against half the request's TPOT budget.
+  of the requests that had it lately, against what the request's TPOT budget leaves it after
+  its decode at the pace measured lately; only while other requests are on their way to a
+  handoff or in one (a request alone meets no queue there).
 
 Refusals are checked: some of the requests the predictions would refuse are let in instead,
 probes, at most `explore_share` of the requests let in, and the router records whether each met
@@ -339,7 +341,9 @@ class SLOAdmission:
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
                 TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit))
-        wait = self.handoff_wait()
+        # The gap lately counts only while work is on its way to the handoff or in it (as for the
+        # TTFT): a request alone meets no queue there, and refusing it helps nobody.
+        wait = self.handoff_wait() if ahead > 0 or self.in_handoff > 0 else 0.0
         budget = self.handoff_budget(max_tokens) if max_tokens > 1 and wait > 0 else math.inf
         if wait > budget:
             return self._refuse(Verdict(

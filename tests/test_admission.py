@@ -148,12 +148,37 @@ def test_slow_handoffs_refuse_what_would_miss_its_tpot():
         a.progress(t, 2)
         a.ended(t)
     assert a.handoff_wait() == pytest.approx(0.5)
+    assert a.check(256, 16).admit                  # nothing on its way to a handoff: no queue to meet
+    in_handoff(a)
     v = a.check(256, 16)    # no decode pace seen: half the target assumed, 0.3 - 14 x 0.01 s left for its handoff
     assert not v.admit and v.code == "tpot" and v.retry_after_s == pytest.approx(0.5 - 0.16)
     assert a.check(256, 1).admit                   # one token: no TPOT to miss
     assert a.check(256, 60).admit                  # 0.6 s of budget: the wait fits
     clock.t += 6.0                                 # the window passes without handoffs: nothing to tell
     assert a.handoff_wait() == 0.0 and a.check(256, 16).admit
+
+
+def in_handoff(a: SLOAdmission):
+    """A request between its first and second token (in its handoff): the ticket."""
+    t = a.started(256)
+    a.progress(t, 1)
+    assert a.in_handoff == 1
+    return t
+
+
+def test_slow_handoffs_lately_refuse_nothing_when_a_request_would_be_alone():
+    """Handoffs took 0.5 s lately, under a load that has gone: with no request on its way to a
+    handoff or in one, a new one would meet no queue there, so it is let in (coming back later
+    would not help it, as with a prompt too long for the TTFT target). Then one request with a
+    first token is enough for the rule to apply again; once it has its second, the rule rests."""
+    clock = Clock()
+    a = cluster(clock=clock)
+    serve_lately(a, clock, 0.5, 0.002, 16)
+    assert all(a.check(256, n).code == "" for n in range(2, 80))      # let in, none as a probe
+    t = in_handoff(a)
+    assert a.check(256, 16).code == "tpot"                             # refused (or a probe)
+    a.progress(t, 2)
+    assert a.check(256, 16).code == ""
 
 
 def served_tpot(gap_s: float, pace_s: float, tokens: int) -> float:
@@ -186,6 +211,7 @@ def test_a_slow_handoff_refuses_exactly_the_lengths_whose_tpot_would_miss(pace_s
     clock = Clock()
     a = cluster(clock=clock)
     serve_lately(a, clock, 0.2, pace_s, 30)
+    in_handoff(a)
     verdicts = {n: a.check(256, n).admit for n in range(2, 80)}
     assert verdicts == {n: served_tpot(0.2, pace_s, n) <= SLO.tpot_s for n in range(2, 80)}
     assert not all(verdicts.values()) and any(verdicts.values())
@@ -199,6 +225,7 @@ def test_a_decode_pool_slower_than_the_target_does_not_make_the_handoff_rule_ref
     a = cluster(clock=clock)
     serve_lately(a, clock, 0.015, 0.05, 22)
     assert a.decode_pace() == pytest.approx(0.05)
+    in_handoff(a)
     assert all(a.check(256, n).admit for n in range(2, 80))
 
 
