@@ -35,19 +35,18 @@ PROMETHEUS := .tools/bin/prometheus
 $(PROMETHEUS): deploy/get-prometheus.sh
 	deploy/get-prometheus.sh
 
-# Two pytest processes (xdist), one per core: a file's live tests stay in one process (their
-# module's cluster starts once), pure tests go to whichever is free (tests/conftest.py).
-XDIST := -n 2 --dist loadgroup
-
+# Two pytest processes (xdist), one per core. `make test` hands out whole files, so a module's
+# cluster starts once; the pure tier test by test. A test that measures the machine has it to
+# itself (the `alone` fixture, tests/conftest.py).
 test: $(STAMP) $(PROMETHEUS)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(XDIST) --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # The tier to iterate with: every test that neither uses Ray nor starts a process of ours or
 # Ray's (the markers come from fixtures: tests/conftest.py).
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(XDIST) --durations=10 -m "not ray and not spawns" tests
+	$(PY) -m pytest -q -n 2 --durations=10 -m "not ray and not spawns" tests
 
 # vLLM's CPU build, the peer of `make bench`, in its own venv (it must not share .venv's
 # packages). torch first, on its own line: the CPU wheel (anything else pulls GBs of CUDA

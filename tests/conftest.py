@@ -43,19 +43,11 @@ ALONE = "alone"                 # fixture and marker: the other test process wai
 LOCKS = "PDCLUSTER_TEST_LOCKS"  # the folder of the lock files both test processes share
 
 
-@pytest.hookimpl(tryfirst=True)         # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Markers from fixtures; and under `-n 2 --dist loadgroup` (the Makefile's), a file's live
-    tests stay together in one process, so that its module-scoped cluster starts once; the pure
-    tests go one by one to whichever process is free."""
     for item in items:
-        live = [marker for fixture, marker in LIVE.items() if fixture in item.fixturenames]
-        for marker in live:
-            item.add_marker(marker)
-        if live:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        if ALONE in item.fixturenames:
-            item.add_marker(ALONE)
+        for fixture, marker in {**LIVE, ALONE: ALONE}.items():
+            if fixture in item.fixturenames:
+                item.add_marker(marker)
 
 
 def pytest_configure(config):
