@@ -12,7 +12,8 @@ one. So the predictions lean on what the router observes, and are checked agains
 
 - TTFT: the larger of two estimates of the wait for the work ahead, plus the request's own
   prefill. The line's drain: the requests admitted and still without a first token, at the rate
-  first tokens came out per second the line was not empty (`DrainRate`), and while the line is
+  first tokens came out per second the line was not empty (`DrainRate`), with the prefill of the
+  prompts it was measured on swapped for the line's at the cost model's price, and while the line is
   saturated no faster than requests end (Little's law; whatever holds first tokens back, a
   prefill queue, the decode gate, full decode seats, a slow step, is in that rate), for as much
   of the line as was there when that rate was measured (batched prefills drain a longer line
@@ -78,10 +79,11 @@ SATURATED = 0.9         # a line not empty this share of the time: requests end 
 class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
-    __slots__ = ("prompt_tokens", "predicted_ttft_s", "stage", "first_at", "second_at", "tokens")
+    __slots__ = ("prompt_tokens", "predicted_ttft_s", "bias", "stage", "first_at", "second_at", "tokens")
 
-    def __init__(self, prompt_tokens: int, predicted_ttft_s: float):
+    def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
+        self.bias = bias                  # the bias in its prediction (it has moved by its first token)
         self.first_at = self.second_at = math.nan
         self.tokens = 0
 
@@ -109,7 +111,9 @@ class DrainRate:
         self.busy_s = 0.0                 # seconds the line was not empty, since the start
         self.area = 0.0                   # the line's length integrated over time, since the start
         self.since = 0.0                  # when the line's length last changed
-        self.marks: deque[tuple[float, float, float]] = deque()   # (when, busy_s, area then) at each first token
+        self.tokens = 0                   # prompt tokens of the first tokens, since the start
+        self.prompt = 0.0                 # the mean prompt of the first tokens behind `last`
+        self.marks: deque[tuple[float, float, float, int]] = deque()   # (when, busy_s, area, tokens) at each first token
 
     def line(self, now: float, waiting: int) -> None:
         """The line is about to change length; it held `waiting` until now."""
@@ -118,8 +122,9 @@ class DrainRate:
             self.area += waiting * max(0.0, now - self.since)
         self.since = now
 
-    def first(self, now: float) -> None:
-        self.marks.append((now, self.busy_s, self.area))
+    def first(self, now: float, prompt_tokens: int = 0) -> None:
+        self.tokens += prompt_tokens
+        self.marks.append((now, self.busy_s, self.area, self.tokens))
 
     def per_s(self, now: float, waiting: int) -> float | None:
         while self.marks and self.marks[0][0] < now - self.window_s:
@@ -132,6 +137,7 @@ class DrainRate:
         area = self.area + waiting * open_s - self.marks[0][2]
         self.busy_share = busy / max(now - self.marks[0][0], 1e-3)
         self.last = (n - 1) / max(busy, 1e-3)
+        self.prompt = (self.tokens - self.marks[0][3]) / (n - 1)
         self.length = max(1.0, area / busy) if busy > 0 else 1.0
         return self.last
 
@@ -166,7 +172,7 @@ class SLOAdmission:
         self.drain.line(self.clock(), self.waiting)
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
-        return Ticket(prompt_tokens, predicted_ttft_s)
+        return Ticket(prompt_tokens, predicted_ttft_s, self.bias)
 
     def progress(self, t: Ticket, tokens_out: int, ttft_s: float = math.nan) -> None:
         """The request has `tokens_out` tokens out (call after each token event)."""
@@ -176,8 +182,8 @@ class SLOAdmission:
             t.stage = HANDOFF
             t.first_at = self.clock()
             self.in_handoff += 1
-            self.drain.first(t.first_at)
-            self._learn(t.predicted_ttft_s, ttft_s)
+            self.drain.first(t.first_at, t.prompt_tokens)
+            self._learn(t.predicted_ttft_s, t.bias, ttft_s)
         if t.stage == HANDOFF and tokens_out >= 2:
             self._leave(t)
             t.stage = DECODING
@@ -205,13 +211,18 @@ class SLOAdmission:
         elif t.stage == HANDOFF:
             self.in_handoff -= 1
 
-    def _learn(self, predicted_ttft_s: float, ttft_s: float) -> None:
+    def _learn(self, predicted_ttft_s: float, bias: float, ttft_s: float) -> None:
+        """A first token came: `ttft_s` measured against `predicted_ttft_s`, which had `bias` in
+        it. The error is the prediction's before that bias, not before today's: with the bias as
+        it stands when the token comes (a queue's wait later), a bias that had grown meanwhile
+        made its own errors look larger and grew on them, and a 45-client closed loop at 0.54 s
+        swung it between -0.37 and +0.53 s every two seconds, refusing hundreds each swing."""
         if not predicted_ttft_s >= 0 or not ttft_s >= 0:
             return
         if predicted_ttft_s >= NEAR * self.slo.ttft_s:
             self.errors.append((self.clock(), ttft_s - predicted_ttft_s))
             self._margin = None
-        raw = predicted_ttft_s - self.bias               # the prediction before the bias
+        raw = predicted_ttft_s - bias                    # the prediction before its bias
         error = min(max(ttft_s - raw, -self.slo.ttft_s), self.slo.ttft_s)   # one outlier moves it little
         self.bias += self.weight * (error - self.bias)
 
@@ -246,7 +257,7 @@ class SLOAdmission:
         larger of the line's drain and the prefill work queued, then its own prefill and the
         bias; (nan, nan) while neither estimate is known."""
         ahead = math.nan
-        rate = self.drain_rate()
+        rate = self.drain_rate(self.waiting_tokens / self.waiting if self.waiting else prompt_tokens)
         prefill = self._prefill_rate()
         if rate is not None:
             # The drain covers a line as long as the one it was measured on; the rest of a longer
@@ -266,11 +277,13 @@ class SLOAdmission:
             return math.nan, math.nan
         return max(own, ahead + own + self.bias), ahead
 
-    def drain_rate(self) -> float | None:
-        """The line's drain rate, and no more than the rate requests end while the line has been
-        full nearly all the time: saturated, first tokens can outrun the ends only while seats
-        are free, and a line let in at that pace waits for the seats (a burst of first tokens
-        after a lull would otherwise let in a burst that the full decode batch then holds)."""
+    def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
+        """The line's drain rate, no more than the rate requests end while the line has been full
+        nearly all the time (saturated, first tokens can outrun the ends only while seats are
+        free, and a line let in at that pace waits for the seats: a burst of first tokens after a
+        lull would otherwise let in a burst that the full decode batch then holds); for a line of
+        `prompt_tokens` prompts when given (`_reprice`: a line saturated by long prompts' prefills
+        ends them at that pace too, and the short prompts after it do not)."""
         now = self.clock()
         rate = self.drain.per_s(now, self.waiting)
         while self.completions and self.completions[0] < now - self.drain.window_s:
@@ -278,7 +291,25 @@ class SLOAdmission:
         n = len(self.completions)
         if rate is not None and n >= self.drain.min_events and self.drain.busy_share >= SATURATED:
             rate = min(rate, (n - 1) / max(now - self.completions[0], 1e-3))
+        if rate is not None and prompt_tokens is not None and self.drain.prompt > 0:
+            rate = self._reprice(rate, prompt_tokens)
         return rate
+
+    def _reprice(self, rate: float, prompt_tokens: float) -> float:
+        """`rate` was measured on requests of `drain.prompt` tokens each: each one's time in the
+        drain holds its prompt's prefill, priced by the cost model over the prefill pool; that
+        prefill is swapped for a `prompt_tokens` one's and the rest (whatever else holds first
+        tokens back) kept. Without it a line measured on 2,048-token prompts priced the 128-token
+        ones after it at the long ones' pace (0.85 s predicted, 0.31 s served)."""
+        prefill = self._prefill_rate()
+        workers = len(self.pools.active(self.prefill_role))
+        if prefill is None or not workers:
+            return rate
+
+        def share(n: float) -> float:
+            return n / (workers * prefill(n))
+        per = 1 / rate - share(self.drain.prompt) + share(prompt_tokens)
+        return 1 / max(per, share(prompt_tokens))
 
     def _prefill_rate(self):
         """Prompt tokens per second of a prefill worker at a prompt length (a function), from the
