@@ -36,11 +36,11 @@ $(PROMETHEUS): deploy/get-prometheus.sh
 	deploy/get-prometheus.sh
 
 # Two pytest processes (xdist), one per core. `make test` hands out whole files, so a module's
-# cluster starts once; the pure tier test by test. A test that measures the machine has it to
-# itself (the `alone` fixture, tests/conftest.py).
+# cluster starts once, longest first (in the order tests/conftest.py collects them); the pure
+# tier test by test. A test that measures the machine has it to itself (the `alone` fixture).
 test: $(STAMP) $(PROMETHEUS)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # The tier to iterate with: every test that neither uses Ray nor starts a process of ours or
 # Ray's (the markers come from fixtures: tests/conftest.py).

@@ -4,7 +4,8 @@ a subprocess.
 `serve` starts its own local Ray (RAY_ADDRESS is cleared, so it cannot join the test session's
 Ray), answers the official `openai` client with the offline engine's greedy output (the
 single-engine path, itself checked against transformers in test_hf_parity), and on Ctrl-C
-(SIGINT) or SIGTERM (what Kubernetes and systemd send) drains, stops its workers and Ray, and
+(SIGINT) or SIGTERM (what Kubernetes and systemd send) drains (what is in flight finishes within
+--drain-timeout-s, the rest ends with an error event), stops its workers and Ray, and
 exits with 128 + the signal, the shell's convention (uvicorn re-raises the signal after its
 graceful shutdown; cluster/run/serve.py turns it into an exit that runs the cleanup).
 """
@@ -16,6 +17,9 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -23,6 +27,7 @@ import pytest
 
 from cluster.offline import generate
 from common import ROOT, SMALL_KV, ServeProcess, free_port, pdcluster_cmd, still_running, subprocess_env, wait_for
+from test_drain import LONG, offline, parse, read_stream
 
 PROMPT, MAX_TOKENS = "The quick brown fox", 12
 
@@ -48,11 +53,12 @@ def replay_curl(argv: list[str]) -> httpx.Response:
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, sig, code, spawns):
+def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_without_a_traceback(
+        tmp_path, sig, code, spawns):
     port = free_port()
     key = "k-" + os.urandom(8).hex()
-    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", *SMALL_KV,
-                      port=port, env={"PDCLUSTER_API_KEY": key}) as serve:
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--drain-timeout-s", "3",
+                      *SMALL_KV, port=port, env={"PDCLUSTER_API_KEY": key}) as serve:
         # The key comes from the environment and is never printed; the banner's example request
         # works as printed, in a shell that has the key in its environment.
         assert key not in serve.output
@@ -75,10 +81,32 @@ def test_serve_answers_like_the_offline_engine_and_stops_on_a_signal(tmp_path, s
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX_TOKENS
         client.close()
 
-        # Nothing it started outlives it: Ray's daemons and the worker actors are gone.
-        rc = serve.stop(sig)
-        assert rc == code, serve.output[-3000:]
-        assert "Traceback" not in serve.output, serve.output[-3000:]
+        # The signal (an orchestrator's SIGTERM, Ctrl-C in the terminal) with two streams in
+        # flight: the short one finishes within the 3 s drain, the long one ends with an error
+        # event (a prefix of the offline output, never a cut stream); then serve exits with 128 +
+        # the signal, and nothing it started outlives it (Ray's daemons, the worker actors).
+        url, auth, short = f"http://127.0.0.1:{port}/v1/completions", {"Authorization": f"Bearer {key}"}, 64
+        with ThreadPoolExecutor(2) as pool:
+            long_first, short_first = threading.Event(), threading.Event()
+            long_stream = pool.submit(read_stream, url, LONG, long_first, auth)
+            assert long_first.wait(60)
+            short_stream = pool.submit(read_stream, url, short, short_first, auth)
+            assert short_first.wait(60)
+            serve.signal(sig)
+            t0 = time.monotonic()
+            short_ids, short_reason, short_error = parse(short_stream.result(60))
+            long_ids, long_reason, long_error = parse(long_stream.result(60))
+        serve.proc.wait(timeout=90)
+        took = time.monotonic() - t0
+        rc = serve.wait_exit()
+        output = serve.output
+        assert rc == code, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        assert "draining 2 request(s)" in output, output[-3000:]     # both were in flight at the signal
+        assert short_error is None and short_reason == "length" and short_ids == offline(short)
+        assert long_error is not None and long_error["code"] == "server_shutdown", long_error
+        assert 0 < len(long_ids) < LONG and long_ids == offline(len(long_ids))
+        assert took < 3 + 30, took                    # the drain's 3 s, then the workers' shutdown
 
 
 def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_path, spawns):
