@@ -44,10 +44,10 @@ LOCKS = "PDCLUSTER_TEST_LOCKS"  # the folder of the lock files both test process
 
 
 # Seconds a file's tests take here, one process, for the files that take more than ten (the
-# rest count a tenth of a second a test). `make test` hands files out longest first, so that the last
-# file to end is a short one: handed out by test count (xdist's default), the one-test files of a
-# minute came last while the other process had nothing left to run. A stale figure costs time,
-# never a result.
+# rest count a tenth of a second a test). `make test` hands files out longest first, so that
+# the last file to end is a short one: handed out by test count (xdist's default), the one-test
+# files of a minute came last while the other process had nothing left to run. A stale figure
+# costs time, never a result.
 FILE_COST_S = {
     "test_multinode.py": 120, "test_controller.py": 115, "test_tensor_parallel.py": 105, "test_faults.py": 80,
     "test_serve_cli.py": 100, "test_admission_live.py": 60, "test_cluster.py": 55, "test_routers.py": 50,
