@@ -69,30 +69,36 @@ PROMPT_CHARS_SLACK = 2                 # a prompt text's characters over max_mod
 class Detokenizer:
     """Incremental text in O(new tokens) per push: decodes a short window of recent tokens,
     emits only complete characters, and holds back a tail that could still grow into a stop
-    string (the text a client sees never contains one)."""
+    string (the text a client sees never contains one, unless `include_stop`: then it ends with
+    it). Before `min_tokens` tokens no stop string counts (the engine checks none), and one that
+    ended before them counts no more."""
     MAX_PENDING = 8                        # invalid bytes stay invalid: emit after this many
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], min_tokens: int = 0, include_stop: bool = False):
         self.tok, self.stop = tokenizer, stop
+        self.min_tokens, self.include_stop = min_tokens, include_stop
         self.ids: list[int] = []
         self.prefix = self.read = 0        # window start; end of what is already in `text`
         self.text = ""
         self.sent = 0                      # characters already emitted
+        self.armed = 0 if min_tokens <= 1 else None   # where a stop string may end after (None: not yet)
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids += ids
+        if self.armed is None and len(self.ids) >= self.min_tokens:   # (once: the text before the last one)
+            self.armed = len(self.tok.decode(self.ids[:self.min_tokens - 1])) + 1
         if not self.stopped:
             before = self.tok.decode(self.ids[self.prefix:self.read])
             after = self.tok.decode(self.ids[self.prefix:])
             if final or not after.endswith("\ufffd") or len(self.ids) - self.read > self.MAX_PENDING:
                 self.text += after[len(before):]
                 self.prefix, self.read = self.read, len(self.ids)
-            for s in self.stop:            # the engine stopped on it: the text ends before it
-                at = self.text.find(s, max(0, self.sent - len(s)))
+            for s in self.stop if self.armed is not None else ():   # the engine stopped on it
+                at = self.text.find(s, max(0, self.sent - len(s), self.armed - len(s)))
                 if at >= 0:
-                    self.text, self.stopped = self.text[:at], True
+                    self.text, self.stopped = self.text[:at + (len(s) if self.include_stop else 0)], True
         final = final or self.stopped
         end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
         out, self.sent = self.text[self.sent:end], end
@@ -378,7 +384,7 @@ class Server:
         if self.ending:
             self.metrics.errors.labels("shutdown").inc()
             raise self._shutdown_error(0)
-        detok = Detokenizer(self.tokenizer, req.params.stop)
+        detok = Detokenizer(self.tokenizer, req.params.stop, req.params.min_tokens, req.params.include_stop_str_in_output)
         t0 = last = time.monotonic()
         ttft = 0.0
         n_out = 0

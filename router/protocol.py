@@ -8,9 +8,9 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
     that could backtrack, no recursion), so json.loads never runs long;
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
-  - list lengths (stop strings, stop_token_ids) and token ids within the vocabulary;
-  - fields asking for behaviour this server does not implement (logit_bias, penalties,
-    tools, ...) are refused rather than silently ignored; their neutral values pass;
+  - list lengths (stop strings, stop_token_ids, logit_bias) and token ids within the vocabulary;
+  - fields asking for behaviour this server does not implement (tools, guided decoding, ...)
+    are refused by name rather than silently ignored; their neutral values pass;
   - samples: `n` and `best_of` within MAX_SAMPLES, and at most MAX_TOTAL_SAMPLES per request.
 Unknown fields are ignored (OpenAI's clients send new ones); the body limit bounds their size.
 """
@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from workers.sequence import MAX_INT32, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams, show
+from workers.sequence import MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams, show
 
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
@@ -222,14 +222,7 @@ def _number(x) -> float | None:
 # what to say). Absent or null always passes.
 UNSUPPORTED = (
     ("suffix", ("",), "suffix (insertion) is not supported"),
-    ("logit_bias", ({},), "logit_bias is not supported; send {} or leave it out"),
-    ("presence_penalty", (0,), "presence_penalty is not supported; send 0 or leave it out"),
-    ("frequency_penalty", (0,), "frequency_penalty is not supported; send 0 or leave it out"),
-    ("repetition_penalty", (1,), "repetition_penalty is not supported; send 1 or leave it out"),
-    ("min_p", (0,), "min_p is not supported; send 0 or leave it out"),
-    ("min_tokens", (0,), "min_tokens is not supported; send 0 or leave it out"),
     ("use_beam_search", (False,), "beam search is not supported"),
-    ("include_stop_str_in_output", (False,), "include_stop_str_in_output is not supported"),
     ("prompt_logprobs", (), "prompt_logprobs is not supported"),
     ("response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
     ("tools", ([],), "tools (function calling) are not supported"),
@@ -301,6 +294,7 @@ def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None 
                           "stop_token_ids")
     if vocab_size is not None:
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids([int(t) for t in params.logit_bias], vocab_size, "logit_bias")
     return params
 
 
@@ -447,6 +441,20 @@ _SHARED = {
                         "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]},
     "stop_token_ids": {**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS},
     "ignore_eos": {"type": "boolean"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2,
+                         "description": "subtracted from a token's logit once it is in the output"},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2,
+                          "description": "subtracted from a token's logit per time it is in the output"},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100,
+                           "description": "a token seen in the prompt or output: its logit divided by this "
+                                          "if positive, multiplied if negative (1: none)"},
+    "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id -> a bias added to its logit"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1,
+              "description": "drop tokens less likely than this times the likeliest"},
+    "min_tokens": _int(0, MAX_INT32, "no EOS, stop token or stop string before this many tokens (<= max_tokens)"),
+    "include_stop_str_in_output": {"type": "boolean", "description": "the text ends after the stop string"},
     "n": _int(1, MAX_SAMPLES, "samples answered per prompt"),
     "best_of": _int(1, MAX_SAMPLES, "samples generated per prompt (>= n); the n likeliest are answered; "
                                    "above n it cannot stream"),

@@ -103,7 +103,8 @@ hostile = st.one_of(
 
 SHARED = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
           "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "best_of", "echo", "suffix",
-          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stream",
+          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p",
+          "include_stop_str_in_output", "stream",
           "stream_options", "priority", "user", "metadata", "response_format", "tools", "tool_choice"]
 FIELDS = {"completions": ["prompt"] + SHARED, "chat/completions": ["messages"] + SHARED}
 
@@ -192,21 +193,30 @@ REFUSED = [   # (fields, the param the error names)
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"stream": 1}, "stream"), ({"stream_options": []}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options"), ({"model": 5}, "model"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": True}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 10**6}, "min_tokens"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"1": "5"}}, "logit_bias"),
     # asks for behaviour this server does not implement
-    ({"echo": 1}, "echo"), ({"logit_bias": {"1": 5}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+    ({"echo": 1}, "echo"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
     ({"suffix": "x"}, "suffix"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"min_tokens": 2}, "min_tokens"), ({"logit_bias": [1] * 1000}, "logit_bias"),
+    ({"logit_bias": [1] * 1000}, "logit_bias"),
 ]
 ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": False}, {"logit_bias": {}},
             {"logit_bias": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"best_of": 1}, {"n": 1}, {"n": 2}, {"n": 2, "best_of": 3},
             {"suffix": ""}, {"user": "someone"}, {"metadata": {"k": "v"}}, {"response_format": {"type": "text"}},
             {"tools": []}, {"tool_choice": "none"}, {"some_new_field": {"a": [1, 2, 3]}}, {"stop": ["x"] * MAX_STOP},
-            {"stop_token_ids": [VOCAB - 1]}, {"temperature": 10**30, "seed": 1}]
+            {"stop_token_ids": [VOCAB - 1]}, {"temperature": 10**30, "seed": 1},
+            {"logit_bias": {"1": 5, str(VOCAB - 1): -100}}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
+            {"repetition_penalty": 1.2}, {"min_p": 0.1, "temperature": 1.0}, {"min_tokens": 2, "max_tokens": 4},
+            {"include_stop_str_in_output": True, "stop": ["e"]}]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])

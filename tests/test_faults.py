@@ -110,11 +110,15 @@ def recovered(c: ServingCluster) -> None:
 def test_killed_workers_change_no_stream(chaos, seeded):
     """40 streams at once on 2 prefill + 2 decode workers; a random decode worker process is
     killed (SIGKILL) when a tenth of the tokens have arrived (by then every prompt may be
-    prefilled, so a prefill worker may hold nothing), and a random worker of either pool at half."""
+    prefilled, so a prefill worker may hold nothing), and a random worker of either pool at half.
+    A third of the streams ask for penalties and a logit bias: their state (the output's token
+    counts) crosses the handoff and every resume, rebuilt from the tokens delivered."""
     rng = random.Random(int(seeded))
     prompts = word_prompts(NUM_STREAMS, seed=int(seeded))
     params = [{"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
               for i in range(NUM_STREAMS)]
+    for i in range(1, NUM_STREAMS, 3):
+        params[i] |= {"presence_penalty": 0.8, "frequency_penalty": 0.6, "logit_bias": {"101": 2.0, "32": -3.0}}
     want = offline(prompts, params)
     resumed0 = metric(chaos, "pdcluster:requests_resumed_total")
     died0 = metric(chaos, "pdcluster:workers_lost_total", cause="died")

@@ -72,6 +72,7 @@ class LLMEngine(EngineCore):
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, num_host, self.device, self.dtype,
                                   cfg.attention_backend, cc.shared_memory)
         self.runner.tp = self.ranks.join() if self.ranks else None
+        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))   # what min_tokens holds back
         if self.runner.shared_kv is not None:       # same-node peers check blocks by allocation count
             self.kv.pool.on_allocate = self.runner.shared_kv.bump
         log.info("model %s: %.1fM params, %s on %s, attention backend %s", cfg.model,

@@ -406,6 +406,8 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:        # (the sampler held EOS and stop ids back)
+            return None
         if not p.ignore_eos and token_id in self.eos_token_ids:
             seq.stop_reason = token_id
             return "stop"
@@ -417,12 +419,17 @@ class EngineCore:
             # string of n characters spans at most 4n byte-level tokens), not the whole output
             # every step; the full text is decoded once, on a match.
             longest = max(len(s) for s in p.stop)
-            tail = self.tokenizer.decode(seq.output_token_ids[-(4 * longest + 4):])
+            window = seq.output_token_ids[-(4 * longest + 4):]
+            tail = self.tokenizer.decode(window)
             hit = next((s for s in p.stop if s in tail), None)
+            if hit is not None and p.min_tokens:         # one that ended before min_tokens counts no more:
+                before = len(self.tokenizer.decode(window[:-1]))   # only one that ends in this token's text
+                hit = next((s for s in p.stop if tail.find(s, max(0, before - len(s) + 1)) >= 0), None)
             if hit is not None:
                 text = self.tokenizer.decode(seq.output_token_ids)
                 seq.stop_reason = hit
-                seq.text = text[:text.find(hit)]
+                at = text.rfind(hit) if p.min_tokens else text.find(hit)
+                seq.text = text[:at + (len(hit) if p.include_stop_str_in_output else 0)]
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

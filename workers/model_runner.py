@@ -91,6 +91,7 @@ class ModelRunner:
                  shared_memory: bool = False):
         cfg, attn = model.config, model.model.layers[0].self_attn
         self.model, self.device, self.dtype = model, device, dtype
+        self.eos_token_ids: tuple[int, ...] = ()     # the model's (the engine sets them): min_tokens holds them back
         self.block_size = block_size
         self.tp = None          # rank 0 of a tensor-parallel worker: its TPGroup (the others run `run`)
         # This rank's heads (all of them without tensor parallelism).
@@ -156,7 +157,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        sampled = sample(logits, sample_seqs) if sample_seqs else SampledTokens([])
+        sampled = sample(logits, sample_seqs, self.eos_token_ids) if sample_seqs else SampledTokens([])
         t3 = time.perf_counter()
         self.last_times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
         return sample_seqs, sampled

@@ -1,4 +1,11 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs;
+before them the logits are shaped (`shape_logits`): min_tokens, logit_bias, then the repetition,
+frequency and presence penalties, in vLLM's order and with OpenAI's and vLLM's meanings.
+Logprobs are of the model's own logits (vLLM's default, raw logprobs).
+
+Everything a penalty needs is in the sequence's tokens (prompt and output), so it holds on any
+worker: the prefill worker's first token, the decode worker's next ones after a handoff, and a
+request resumed elsewhere with the tokens already delivered (they are its output tokens there)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -15,12 +22,14 @@ class SampledTokens(NamedTuple):
     #                                              (None for a row that did not ask); None if none did
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-    """logits: [len(seqs), vocab] float32, one row per sequence that needs a token."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> SampledTokens:
+    """logits: [len(seqs), vocab] float32, one row per sequence that needs a token;
+    `eos_token_ids`: the model's, which min_tokens holds back."""
+    shaped = shape_logits(logits, seqs, eos_token_ids) if any(s.params.shapes_logits for s in seqs) else logits
     if all(s.params.greedy for s in seqs):
-        token_ids = logits.argmax(dim=-1)
+        token_ids = shaped.argmax(dim=-1)
     else:
-        token_ids = _sample_random(logits, seqs)
+        token_ids = _sample_random(shaped, seqs)
     ids = token_ids.tolist()
     if all(s.params.logprobs is None for s in seqs):
         return SampledTokens(ids)
@@ -38,10 +47,72 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     return SampledTokens(ids, out)
 
 
+def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
+    """A new tensor of the logits as the requests' parameters shape them, batched: each kind is
+    one set of tensor operations over the rows (the token lists are flattened once, not looped
+    over per row), applied only when a row asks for it."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    params = [s.params for s in seqs]
+    out = logits.clone()
+    # min_tokens: no EOS (unless ignored) and no stop token id until that many output tokens.
+    early = [(r, s) for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    if early:
+        r_idx = [r for r, s in early for t in _ends(s, eos_token_ids) if t < vocab]
+        t_idx = [t for _, s in early for t in _ends(s, eos_token_ids) if t < vocab]
+        if r_idx:
+            out[r_idx, t_idx] = float("-inf")
+    if any(p.logit_bias for p in params):
+        r_idx = [r for r, p in enumerate(params) for t in p.logit_bias if int(t) < vocab]
+        t_idx = [int(t) for p in params for t in p.logit_bias if int(t) < vocab]
+        bias = [b for p in params for t, b in p.logit_bias.items() if int(t) < vocab]
+        out.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                       torch.tensor(bias, device=dev, dtype=out.dtype), accumulate=True)
+    repeat = any(p.repetition_penalty != 1.0 for p in params)
+    counted = any(p.presence_penalty or p.frequency_penalty for p in params)
+    if not (repeat or counted):
+        return out
+    counts = _counts([s.output_token_ids for s in seqs], rows, vocab, dev, out.dtype)
+    if repeat:
+        # CTRL's penalty as HF and vLLM apply it: every token seen, in the prompt or the output.
+        seen = (_counts([s.prompt_token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)],
+                        rows, vocab, dev, out.dtype) + counts) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+    if counted:
+        # OpenAI's: mu[j] - c[j] * frequency - (c[j] > 0) * presence, over the output only.
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
+        out = out - counts * frequency - (counts > 0).to(out.dtype) * presence
+    return out
+
+
+def _ends(seq: Sequence, eos_token_ids) -> list[int]:
+    """The tokens that would end `seq` (what min_tokens holds back)."""
+    p = seq.params
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+
+
+def _counts(token_lists: list[list[int]], rows: int, vocab: int, dev, dtype) -> torch.Tensor:
+    """[rows, vocab]: how often each token is in each row's list (ids past the vocabulary
+    ignored)."""
+    counts = torch.zeros(rows, vocab, device=dev, dtype=dtype)
+    lengths = torch.tensor([len(ids) for ids in token_lists], device=dev)
+    flat = torch.tensor([t for ids in token_lists for t in ids], device=dev, dtype=torch.long)
+    if flat.numel():
+        r_idx = torch.repeat_interleave(torch.arange(rows, device=dev), lengths)
+        keep = flat < vocab
+        counts.index_put_((r_idx[keep], flat[keep]), torch.ones(int(keep.sum()), device=dev, dtype=dtype),
+                          accumulate=True)
+    return counts
+
+
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
     scaled = logits / temps[:, None]
+    if any(s.params.min_p > 0 for s in seqs):
+        scaled = _apply_min_p(scaled, torch.tensor([s.params.min_p for s in seqs], device=logits.device))
     if any(s.params.top_k > 0 for s in seqs):
         scaled = _apply_top_k(scaled, [s.params.top_k for s in seqs])
     if any(s.params.top_p < 1.0 for s in seqs):
@@ -60,6 +131,13 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drop a token less likely than min_p x the likeliest one's probability (after temperature)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

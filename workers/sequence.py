@@ -19,6 +19,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None         # also return this many top logprobs per token
     prompt_logprobs: int | None = None  # also return each prompt token's logprob, and this many top ones
+    # What shapes the logits before sampling (OpenAI's and vLLM's meanings; workers/sampler.py):
+    presence_penalty: float = 0.0       # [-2, 2]: subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0      # [-2, 2]: subtracted per time a token is in the output
+    repetition_penalty: float = 1.0     # > 0: a seen token's (prompt or output) logit divided by it if > 0, else times it
+    logit_bias: dict[str, float] = field(default_factory=dict)   # token id (JSON's string key) -> [-100, 100], added
+    min_p: float = 0.0                  # [0, 1]: tokens less likely than min_p x the likeliest are dropped
+    min_tokens: int = 0                 # no EOS, stop token or stop string before this many output tokens
+    include_stop_str_in_output: bool = False   # the text ends after the stop string, not before it
 
     def __post_init__(self):
         # Bounds keep every value within what the wire (msgpack: 64-bit ints, UTF-8 strings)
@@ -52,10 +60,30 @@ class SamplingParams:
                f"logprobs must be an integer between 0 and 20, got {show(self.logprobs)}")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be an integer between 0 and 20, got {show(self.prompt_logprobs)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_finite(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {show(value)}")
+            setattr(self, name, float(value))
+        _check(_is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+               f"repetition_penalty must be a number in (0, 100] (1: none), got {show(self.repetition_penalty)}")
+        self.repetition_penalty = float(self.repetition_penalty)
+        _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be a number in [0, 1], got {show(self.min_p)}")
+        self.min_p = float(self.min_p)
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {show(self.min_tokens)}")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be true or false, got {show(self.include_stop_str_in_output)}")
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the sampler changes its logits before temperature (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
@@ -82,6 +110,24 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 MAX_INT32 = 2**31 - 1               # max_tokens, top_k, token ids: far past any real value
 MAX_STOP = 32                       # stop strings per request
 MAX_STOP_LEN = 512                  # characters per stop string
+MAX_LOGIT_BIAS = 1024               # entries of logit_bias (OpenAI's own limit is lower)
+
+
+def _logit_bias(bias) -> dict[str, float]:
+    """OpenAI's logit_bias: {token id: bias in [-100, 100]}, the id a JSON object's string key
+    (an integer key is taken too), kept with canonical string keys (what the wire carries)."""
+    _check(isinstance(bias, dict), f"logit_bias must be an object of token id -> bias, got {show(bias)}")
+    _check(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for key, value in bias.items():
+        token = key if _is_int(key) else (int(key) if isinstance(key, str) and key.isascii() and key.isdigit()
+                                           and len(key) <= 10 else None)
+        _check(token is not None and 0 <= token <= MAX_INT32,
+               f"logit_bias keys must be token ids (integers >= 0), got {show(key)}")
+        _check(_is_finite(value) and -100 <= value <= 100,
+               f"logit_bias values must be numbers in [-100, 100], got {show(value)} for token {token}")
+        out[str(token)] = float(value)
+    return out
 
 
 def show(x, limit: int = 60) -> str:
