@@ -55,7 +55,7 @@ FILE_COST_S = {
     "test_cancel_storm.py": 40, "test_transfer_faults.py": 30, "test_controller_live.py": 30, "test_samples.py": 25,
     "test_admission.py": 25, "test_live_pools.py": 20, "test_hf_parity.py": 20, "test_drain.py": 20,
     "test_observability.py": 20, "test_lm_eval.py": 20, "test_sampling.py": 15, "test_policies_cluster.py": 15,
-    "test_prefix_cluster.py": 15, "test_decode_gate.py": 12, "test_kv_transfer.py": 12, "test_kv_shm.py": 11,
+    "test_prefix_cluster.py": 15, "test_penalties.py": 15, "test_decode_gate.py": 12, "test_kv_transfer.py": 12, "test_kv_shm.py": 11,
     "test_handoff.py": 10, "test_kv_streaming.py": 10,
 }
 

@@ -25,7 +25,9 @@ class SampledTokens(NamedTuple):
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> SampledTokens:
     """logits: [len(seqs), vocab] float32, one row per sequence that needs a token;
     `eos_token_ids`: the model's, which min_tokens holds back."""
-    shaped = shape_logits(logits, seqs, eos_token_ids) if any(s.params.shapes_logits for s in seqs) else logits
+    shaped = logits
+    if any(s.params.shapes_logits for s in seqs):     # (in place, unless logprobs need the model's own)
+        shaped = shape_logits(logits, seqs, eos_token_ids, inplace=all(s.params.logprobs is None for s in seqs))
     if all(s.params.greedy for s in seqs):
         token_ids = shaped.argmax(dim=-1)
     else:
@@ -47,43 +49,45 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> Samp
     return SampledTokens(ids, out)
 
 
-def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
-    """A new tensor of the logits as the requests' parameters shape them, batched: each kind is
-    one set of tensor operations over the rows (the token lists are flattened once, not looped
-    over per row), applied only when a row asks for it."""
+def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), inplace: bool = False) -> torch.Tensor:
+    """The logits as the requests' parameters shape them (a new tensor unless `inplace`),
+    batched and sparse: each kind is one set of tensor operations on the (row, token) pairs it
+    touches (the token lists flattened once, not looped over per row), never on the whole
+    [rows, vocab] tensor, and applied only when a row asks for it."""
     rows, vocab = logits.shape
     dev = logits.device
     params = [s.params for s in seqs]
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
+    flat = out.view(-1)
     # min_tokens: no EOS (unless ignored) and no stop token id until that many output tokens.
     early = [(r, s) for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
     if early:
-        r_idx = [r for r, s in early for t in _ends(s, eos_token_ids) if t < vocab]
-        t_idx = [t for _, s in early for t in _ends(s, eos_token_ids) if t < vocab]
-        if r_idx:
-            out[r_idx, t_idx] = float("-inf")
+        keys = [r * vocab + t for r, s in early for t in _ends(s, eos_token_ids) if t < vocab]
+        if keys:
+            flat[torch.tensor(keys, device=dev)] = float("-inf")
     if any(p.logit_bias for p in params):
-        r_idx = [r for r, p in enumerate(params) for t in p.logit_bias if int(t) < vocab]
-        t_idx = [int(t) for p in params for t in p.logit_bias if int(t) < vocab]
+        keys = [r * vocab + int(t) for r, p in enumerate(params) for t in p.logit_bias if int(t) < vocab]
         bias = [b for p in params for t, b in p.logit_bias.items() if int(t) < vocab]
-        out.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                       torch.tensor(bias, device=dev, dtype=out.dtype), accumulate=True)
+        flat.index_add_(0, torch.tensor(keys, device=dev), torch.tensor(bias, device=dev, dtype=out.dtype))
     repeat = any(p.repetition_penalty != 1.0 for p in params)
     counted = any(p.presence_penalty or p.frequency_penalty for p in params)
     if not (repeat or counted):
         return out
-    counts = _counts([s.output_token_ids for s in seqs], rows, vocab, dev, out.dtype)
+    outputs, counts = _pairs([s.output_token_ids for s in seqs], vocab, dev)
     if repeat:
         # CTRL's penalty as HF and vLLM apply it: every token seen, in the prompt or the output.
-        seen = (_counts([s.prompt_token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)],
-                        rows, vocab, dev, out.dtype) + counts) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
-        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+        prompts, _ = _pairs([s.prompt_token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)],
+                            vocab, dev)
+        seen = torch.unique(torch.cat([prompts, outputs]))
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=out.dtype)[seen // vocab]
+        x = flat[seen]
+        flat[seen] = torch.where(x > 0, x / penalty, x * penalty)
     if counted:
         # OpenAI's: mu[j] - c[j] * frequency - (c[j] > 0) * presence, over the output only.
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
-        out = out - counts * frequency - (counts > 0).to(out.dtype) * presence
+        row = outputs // vocab
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=out.dtype)[row]
+        presence = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=out.dtype)[row]
+        flat[outputs] -= counts.to(out.dtype) * frequency + presence
     return out
 
 
@@ -93,18 +97,13 @@ def _ends(seq: Sequence, eos_token_ids) -> list[int]:
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
 
 
-def _counts(token_lists: list[list[int]], rows: int, vocab: int, dev, dtype) -> torch.Tensor:
-    """[rows, vocab]: how often each token is in each row's list (ids past the vocabulary
-    ignored)."""
-    counts = torch.zeros(rows, vocab, device=dev, dtype=dtype)
+def _pairs(token_lists: list[list[int]], vocab: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of the rows' lists, as row x vocab + token, and how often
+    each occurs (ids past the vocabulary ignored)."""
     lengths = torch.tensor([len(ids) for ids in token_lists], device=dev)
-    flat = torch.tensor([t for ids in token_lists for t in ids], device=dev, dtype=torch.long)
-    if flat.numel():
-        r_idx = torch.repeat_interleave(torch.arange(rows, device=dev), lengths)
-        keep = flat < vocab
-        counts.index_put_((r_idx[keep], flat[keep]), torch.ones(int(keep.sum()), device=dev, dtype=dtype),
-                          accumulate=True)
-    return counts
+    tokens = torch.tensor([t for ids in token_lists for t in ids], device=dev, dtype=torch.long)
+    keys = torch.repeat_interleave(torch.arange(len(token_lists), device=dev) * vocab, lengths) + tokens
+    return torch.unique(keys[tokens < vocab], return_counts=True)
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

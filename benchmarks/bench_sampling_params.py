@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""What the sampling parameters of issue 29 cost a step: penalties, logit_bias and min_p
+against plain greedy sampling, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_sampling_params.py [--vocab 32000] [--batch 64] [--reps 20]
+
+1. The sampler alone (workers/sampler.py `sample`) on random logits of a real vocabulary's width
+   (--vocab) for a decode batch of --batch sequences, each with a 512-token prompt and
+   --output-len tokens out: milliseconds per call, plain greedy against greedy with presence,
+   frequency and repetition penalties and a 16-entry logit_bias (the same for every row: the worst
+   case, every row asking), and against seeded sampling with min_p; medians of --reps calls.
+2. The engine (the exported `tiny`, offline, 32 prompts x 128 -> 64 tokens, greedy): output
+   tokens per second without and with the same penalties, alternated twice.
+Prints each and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workers.config import CacheConfig, EngineConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.sampler import sample  # noqa: E402
+from workers.sequence import SamplingParams, Sequence  # noqa: E402
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                 logit_bias={str(t): 1.0 for t in range(100, 116)})
+
+
+def sampler_ms(vocab: int, batch: int, output_len: int, reps: int, **params) -> float:
+    rng = random.Random(0)
+    seqs = []
+    for i in range(batch):
+        s = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(512)], SamplingParams(max_tokens=4096, **params))
+        s.token_ids += [rng.randrange(vocab) for _ in range(output_len)]
+        seqs.append(s)
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sample(logits, seqs, (vocab - 1,))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def engine_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], **params) -> float:
+    t0 = time.perf_counter()
+    results = engine.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, **params))
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    plain = sampler_ms(a.vocab, a.batch, a.output_len, a.reps, temperature=0)
+    shaped = sampler_ms(a.vocab, a.batch, a.output_len, a.reps, temperature=0, **PENALTIES)
+    seeded = sampler_ms(a.vocab, a.batch, a.output_len, a.reps, temperature=1.0, seed=1)
+    min_p = sampler_ms(a.vocab, a.batch, a.output_len, a.reps, temperature=1.0, seed=1, min_p=0.05)
+    print(f"sampler, vocab {a.vocab}, batch {a.batch}, {a.output_len} tokens out each (median of {a.reps}):")
+    print(f"  greedy {plain:.2f} ms; with penalties and logit_bias {shaped:.2f} ms ({shaped / plain:.2f}x)")
+    print(f"  seeded {seeded:.2f} ms; with min_p {min_p:.2f} ms ({min_p / seeded:.2f}x)")
+
+    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20,
+                                                                     swap_space_bytes=0)))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(128)] for _ in range(32)]
+    engine_tokens_per_s(engine, prompts)                       # warm
+    runs = {"plain": [], "penalties": []}
+    for _ in range(2):
+        runs["plain"].append(engine_tokens_per_s(engine, prompts))
+        runs["penalties"].append(engine_tokens_per_s(engine, prompts, **PENALTIES))
+    p, q = statistics.mean(runs["plain"]), statistics.mean(runs["penalties"])
+    print(f"engine (tiny, 32 x 128 -> 64, greedy): {p:.0f} output tokens/s plain, {q:.0f} with penalties "
+          f"({q / p:.2f}x); runs {[round(x) for x in runs['plain']]} / {[round(x) for x in runs['penalties']]}")
+
+
+if __name__ == "__main__":
+    main()
