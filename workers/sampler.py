@@ -57,7 +57,7 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), i
     rows, vocab = logits.shape
     dev = logits.device
     params = [s.params for s in seqs]
-    out = logits if inplace else logits.clone()
+    out = logits if inplace and logits.is_contiguous() else logits.contiguous().clone()
     flat = out.view(-1)
     # min_tokens: no EOS (unless ignored) and no stop token id until that many output tokens.
     early = [(r, s) for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
