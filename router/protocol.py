@@ -223,6 +223,7 @@ def _number(x) -> float | None:
 UNSUPPORTED = (
     ("suffix", ("",), "suffix (insertion) is not supported"),
     ("use_beam_search", (False,), "beam search is not supported"),
+    ("bad_words", ([],), "bad_words is not supported; send [] or leave it out"),
     ("prompt_logprobs", (), "prompt_logprobs is not supported"),
     ("response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
     ("tools", ([],), "tools (function calling) are not supported"),

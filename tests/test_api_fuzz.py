@@ -202,7 +202,7 @@ REFUSED = [   # (fields, the param the error names)
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"1": "5"}}, "logit_bias"),
     # asks for behaviour this server does not implement
-    ({"echo": 1}, "echo"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+    ({"echo": 1}, "echo"), ({"bad_words": ["x"]}, "bad_words"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
     ({"suffix": "x"}, "suffix"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
