@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import deque
@@ -44,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from router.admission import SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.leadership import Leadership
-from router.protocol import (CHAT_BODY, COMPLETION_BODY, APIError, GenerationRequest, bad_request, chat_messages,
+from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIError, GenerationRequest, bad_request, chat_messages,
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
 from router.slo import SLOTargets, judge
@@ -118,6 +119,8 @@ class Server:
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
         self.validation = Line()
+        self._grammars = None                  # workers/grammar.py Grammars, on the first structured request
+        self._grammar_lock = threading.Lock()  # (validation threads share its cache)
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
         self.max_prompt_chars = PROMPT_CHARS_SLACK * max_model_len * tokenizer.max_token_chars
         self.slo = slo                         # the requests' default TTFT and TPOT targets (None: none)
@@ -222,6 +225,15 @@ class Server:
         reqs = self._requests(body, "completion", token_ids)
         return reqs if len(reqs) > 1 else reqs[0]
 
+    def check_grammar(self, spec: dict) -> str | None:
+        """Why a structured output's grammar cannot be served (it does not compile for this
+        model's tokenizer), or None; compiled in the validation thread, cached by its text."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from workers.grammar import Grammars
+                self._grammars = Grammars(self.tokenizer)
+            return self._grammars.check(spec)
+
     def chat_request(self, body: dict) -> GenerationRequest:
         flat = chat_messages(body)
         self._check_chars(sum(len(m["content"]) for m in flat), "messages")
@@ -236,7 +248,7 @@ class Server:
 
     def _requests(self, body: dict, kind: str, prompts: list[list[int]]) -> list[GenerationRequest]:
         """A request per prompt, all with the body's sampling parameters and options."""
-        params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size)
+        params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size, self.check_grammar)
         for i, ids in enumerate(prompts):
             if len(ids) + params.max_tokens > self.max_model_len:
                 which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
@@ -601,7 +613,10 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
 
 
 def _one_prompt(body: dict) -> bool:
-    """A completions body with one prompt, or a chat body with a few messages: cheap to finish."""
+    """A completions body with one prompt, or a chat body with a few messages, that asks for no
+    grammar (compiling one may take long for a small body): cheap to finish."""
+    if any(body.get(name) is not None for name in STRUCTURED_FIELDS):
+        return False
     prompt, messages = body.get("prompt"), body.get("messages")
     if messages is not None:
         return isinstance(messages, list) and len(messages) <= 8

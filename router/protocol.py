@@ -22,7 +22,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from workers.sequence import MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams, show
+from workers.sequence import (MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams,
+                              check_structured, show)
 
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
@@ -225,15 +226,10 @@ UNSUPPORTED = (
     ("use_beam_search", (False,), "beam search is not supported"),
     ("bad_words", ([],), "bad_words is not supported; send [] or leave it out"),
     ("prompt_logprobs", (), "prompt_logprobs is not supported"),
-    ("response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
     ("tools", ([],), "tools (function calling) are not supported"),
     ("tool_choice", ("none", "auto"), "tool_choice other than \"none\" is not supported (no tools)"),
     ("functions", ([],), "functions (function calling) are not supported"),
     ("function_call", ("none", "auto"), "function_call other than \"none\" is not supported"),
-    ("guided_json", (), "guided decoding is not supported"),
-    ("guided_regex", (), "guided decoding is not supported"),
-    ("guided_choice", (), "guided decoding is not supported"),
-    ("guided_grammar", (), "guided decoding is not supported"),
 )
 
 
@@ -264,12 +260,72 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"'{param}' holds the token id {show(bad)}; token ids must be in [0, {vocab_size})", param)
 
 
-def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+# Where a request may ask for structured output (workers/grammar.py), and what each asks: OpenAI's
+# response_format, vLLM's guided_* fields and its newer structured_outputs object.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = ("response_format", *GUIDED, "structured_outputs")
+
+
+def structured_spec(body: dict) -> tuple[str, dict] | None:
+    """(the field that asks, the request's structured output as `SamplingParams.structured`), or
+    None; a 400 naming the field when it is malformed or more than one field asks."""
+    asked = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
+            raise bad_request("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                              f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {show(rf)}", "response_format")
+        if rf["type"] == "json_object":
+            asked.append(("response_format", {"json_object": ""}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not (isinstance(js, dict) and isinstance(js.get("schema"), dict)):
+                raise bad_request("response_format json_schema must be an object with a 'schema' object, got "
+                                  f"{show(js)}", "response_format")
+            asked.append(("response_format", {"json": json.dumps(js["schema"])}))
+    for name, kind in GUIDED.items():
+        value = body.get(name)
+        if value is not None:
+            if kind == "json" and isinstance(value, (dict, bool)):
+                value = json.dumps(value)
+            asked.append((name, {kind: value}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if (so or {}).get(k) not in (None, False)] \
+            if isinstance(so, dict) else []
+        if len(keys) != 1:
+            raise bad_request("structured_outputs must be an object with one of json, regex, choice, grammar, "
+                              f"json_object, got {show(so)}", "structured_outputs")
+        value = so[keys[0]]
+        if keys[0] == "json" and isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        asked.append(("structured_outputs", {keys[0]: "" if keys[0] == "json_object" else value}))
+    if len(asked) > 1:
+        raise bad_request(f"{asked[1][0]} and {asked[0][0]} both ask for structured output; send one", asked[1][0])
+    if not asked:
+        return None
+    name, spec = asked[0]
+    try:
+        check_structured(spec)
+    except ValueError as e:
+        raise bad_request(f"{name}: {e}", name) from None
+    return name, spec
+
+
+def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None,
+                    check_grammar=None) -> SamplingParams:
     """The request's sampling fields (SamplingParams' own names, plus OpenAI's spellings:
-    max_completion_tokens, chat's logprobs=true + top_logprobs); SamplingParams validates them,
-    the vocabulary (which it does not know) is checked here."""
+    max_completion_tokens, chat's logprobs=true + top_logprobs, and the structured-output
+    fields: `structured_spec`); SamplingParams validates them, the vocabulary (which it does not
+    know) is checked here, and the grammar by `check_grammar(spec)` (an error message or None)."""
     check_unsupported(body)
-    kw = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kw = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "structured"}
+    asked = structured_spec(body)
+    if asked is not None:
+        name, kw["structured"] = asked
+        error = check_grammar(kw["structured"]) if check_grammar is not None else None
+        if error:
+            raise bad_request(f"{name}: {error}", name)
     if "max_tokens" not in kw and body.get("max_completion_tokens") is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
     kw.setdefault("max_tokens", default_max_tokens)
@@ -456,6 +512,14 @@ _SHARED = {
               "description": "drop tokens less likely than this times the likeliest"},
     "min_tokens": _int(0, MAX_INT32, "no EOS, stop token or stop string before this many tokens (<= max_tokens)"),
     "include_stop_str_in_output": {"type": "boolean", "description": "the text ends after the stop string"},
+    "response_format": {"type": "object", "description": "{\"type\": \"text\" | \"json_object\" | \"json_schema\"}; "
+                        "json_schema: {\"name\": ..., \"schema\": {...}}: the output follows it"},
+    "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema the output follows"},
+    "guided_regex": {"type": "string", "description": "a regex the output matches"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "description": "the output is one of these"},
+    "guided_grammar": {"type": "string", "description": "a Lark grammar (llguidance's dialect) the output follows"},
+    "structured_outputs": {"type": "object", "description": "vLLM's: one of json, regex, choice, grammar, "
+                           "json_object"},
     "n": _int(1, MAX_SAMPLES, "samples answered per prompt"),
     "best_of": _int(1, MAX_SAMPLES, "samples generated per prompt (>= n); the n likeliest are answered; "
                                    "above n it cannot stream"),

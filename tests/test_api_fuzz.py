@@ -105,7 +105,8 @@ SHARED = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "best_of", "echo", "suffix",
           "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p",
           "include_stop_str_in_output", "stream",
-          "stream_options", "priority", "user", "metadata", "response_format", "tools", "tool_choice"]
+          "stream_options", "priority", "user", "metadata", "response_format", "tools", "tool_choice",
+          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"]
 FIELDS = {"completions": ["prompt"] + SHARED, "chat/completions": ["messages"] + SHARED}
 
 texts = st.text(min_size=1, max_size=24)
@@ -204,7 +205,8 @@ REFUSED = [   # (fields, the param the error names)
     # asks for behaviour this server does not implement
     ({"echo": 1}, "echo"), ({"bad_words": ["x"]}, "bad_words"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
     ({"suffix": "x"}, "suffix"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"), ({"guided_choice": [1]}, "guided_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": [1] * 1000}, "logit_bias"),
@@ -216,7 +218,8 @@ ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": Fa
             {"stop_token_ids": [VOCAB - 1]}, {"temperature": 10**30, "seed": 1},
             {"logit_bias": {"1": 5, str(VOCAB - 1): -100}}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
             {"repetition_penalty": 1.2}, {"min_p": 0.1, "temperature": 1.0}, {"min_tokens": 2, "max_tokens": 4},
-            {"include_stop_str_in_output": True, "stop": ["e"]}]
+            {"include_stop_str_in_output": True, "stop": ["e"]}, {"response_format": {"type": "json_object"}},
+            {"guided_regex": "[a-z]+"}, {"guided_choice": ["x", "y"]}, {"structured_outputs": {"json": {"type": "object"}}}]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])

@@ -67,8 +67,10 @@ async def stream_all(c: ServingCluster, prompts: list[str], params: list[dict], 
     async def one(prompt: str, p: dict) -> list[list[int]]:
         nonlocal received
         ids: list[list[int]] = [[] for _ in range(n)]
+        p = dict(p)
+        extra = {"ignore_eos": True, **p.pop("extra_body", {})}
         stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
-                                                 n=n, extra_body={"ignore_eos": True}, **p)
+                                                 n=n, extra_body=extra, **p)
         async for chunk in stream:
             if chunk.choices:
                 ids[chunk.choices[0].index] += chunk.choices[0].token_ids or []
@@ -96,7 +98,10 @@ def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list, role: st
 
 
 def offline(prompts: list[str], params: list[dict]) -> list[list[int]]:
-    reqs = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, **q} for p, q in zip(prompts, params)]
+    """The offline engine's outputs (vLLM's guided_regex in `extra_body` as the engine's `structured`)."""
+    reqs = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, **{k: v for k, v in q.items() if k != "extra_body"},
+             **({"structured": {"regex": q["extra_body"]["guided_regex"]}} if "extra_body" in q else {})}
+            for p, q in zip(prompts, params)]
     return [r["token_ids"] for r in generate(reqs, model="tiny")]
 
 
@@ -111,14 +116,17 @@ def test_killed_workers_change_no_stream(chaos, seeded):
     """40 streams at once on 2 prefill + 2 decode workers; a random decode worker process is
     killed (SIGKILL) when a tenth of the tokens have arrived (by then every prompt may be
     prefilled, so a prefill worker may hold nothing), and a random worker of either pool at half.
-    A third of the streams ask for penalties and a logit bias: their state (the output's token
-    counts) crosses the handoff and every resume, rebuilt from the tokens delivered."""
+    A third of the streams ask for penalties and a logit bias, another third for a regex
+    (structured output): their state (the output's token counts, the grammar's matcher) crosses
+    the handoff and every resume, rebuilt from the tokens delivered."""
     rng = random.Random(int(seeded))
     prompts = word_prompts(NUM_STREAMS, seed=int(seeded))
     params = [{"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
               for i in range(NUM_STREAMS)]
     for i in range(1, NUM_STREAMS, 3):
         params[i] |= {"presence_penalty": 0.8, "frequency_penalty": 0.6, "logit_bias": {"101": 2.0, "32": -3.0}}
+    for i in range(2, NUM_STREAMS, 3):      # (longer than MAX_TOKENS: every stream runs to it)
+        params[i] |= {"extra_body": {"guided_regex": "([a-z]+ ){40}"}}
     want = offline(prompts, params)
     resumed0 = metric(chaos, "pdcluster:requests_resumed_total")
     died0 = metric(chaos, "pdcluster:workers_lost_total", cause="died")

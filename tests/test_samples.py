@@ -9,6 +9,7 @@ a sample whose shared start failed and resumed alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -79,6 +80,20 @@ def test_seeded_samples_differ_repeat_and_each_equals_its_own_seed_alone(cluster
         assert ids == alone
     assert answer[0] == offline(SamplingParams(**SEEDED))
     nothing_left_running(cluster)
+
+
+def test_structured_samples_follow_the_schema_across_the_handoff_and_equal_the_offline_engine(cluster, client):
+    """A JSON schema (vLLM's guided_json) with n=3 seeded samples: the prefill worker's first
+    token obeys the grammar, each sample's matcher is rebuilt on the decode worker from the
+    tokens before it, and every sample equals sample j run offline with its own seed."""
+    schema = {"type": "object", "required": ["n", "k"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "k": {"enum": ["x", "yz"]}}}
+    body = {**SEEDED, "max_tokens": 40, "ignore_eos": False}
+    answer = completion(client, n=3, guided_json=schema, **body)
+    params = SamplingParams(**body, structured={"json": json.dumps(schema)})
+    for j, choice in enumerate(answer["choices"]):
+        assert choice["finish_reason"] == "stop" and set(json.loads(choice["text"])) == {"n", "k"}, choice
+        assert choice["token_ids"] == offline(dataclasses.replace(params, seed=sample_seed(params.seed, j)))
 
 
 def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):

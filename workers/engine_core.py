@@ -111,6 +111,19 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        self._grammars = None                          # workers/grammar.py Grammars, made on first use
+
+    def grammar(self, params: SamplingParams):
+        """A fresh matcher for a request's structured output (None without one), compiled here,
+        outside the step (then cached by its text). ValueError: no tokenizer, or it does not compile."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            from workers.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars.state(params.structured)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
@@ -144,6 +157,8 @@ class EngineCore:
         ids = [f.rid for f in forks]
         if len(set(ids)) < len(ids) or any(i in self._seqs or i in self._forking for i in ids):
             raise ValueError(f"fork ids must be new and distinct, got {ids}")
+        for f in forks:                    # their grammars compiled now, not in the step that forks them
+            self.grammar(f.params)
 
     def _carry(self, seq: Sequence, forks) -> None:
         if forks:
@@ -163,6 +178,7 @@ class EngineCore:
         for f in carrier.forks:
             del self._forking[f.rid]
             child = Sequence(f.rid, carrier.prompt_token_ids, f.params, carrier.priority, carrier.arrival_time)
+            child.grammar = self.grammar(f.params)     # (compiled when the forks came: a copy now)
             child.prompt_logprobs = None               # its prompt was the carrier's to compute
             child.ttft_deadline, child.tpot_s = carrier.ttft_deadline, carrier.tpot_s
             self._seqs[f.rid] = child
@@ -189,6 +205,7 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params or SamplingParams(), priority,
                        self.clock() if arrival_time is None else arrival_time)
+        seq.grammar = self.grammar(seq.params)
         if output_token_ids:
             self._check_ids(output_token_ids, "output_token_ids")
             seq.token_ids.extend(output_token_ids)
@@ -406,6 +423,9 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and not (seq.grammar.follow(seq.output_token_ids) and not seq.grammar.done()):
+            seq.stop_reason = token_id         # its grammar is complete (the mask then allowed only EOS)
+            return "stop"
         if seq.num_output_tokens < p.min_tokens:        # (the sampler held EOS and stop ids back)
             return None
         if not p.ignore_eos and token_id in self.eos_token_ids:

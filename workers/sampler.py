@@ -59,6 +59,9 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), i
     params = [s.params for s in seqs]
     out = logits if inplace and logits.is_contiguous() else logits.contiguous().clone()
     flat = out.view(-1)
+    guided = [r for r, s in enumerate(seqs) if s.grammar is not None]
+    if guided:
+        _apply_grammars(out, [seqs[r] for r in guided], guided, eos_token_ids)
     # min_tokens: no EOS (unless ignored) and no stop token id until that many output tokens.
     early = [(r, s) for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
     if early:
@@ -89,6 +92,28 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), i
         presence = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=out.dtype)[row]
         flat[outputs] -= counts.to(out.dtype) * frequency + presence
     return out
+
+
+def _apply_grammars(out: torch.Tensor, seqs: list[Sequence], rows: list[int], eos_token_ids) -> None:
+    """Each structured row may sample only what its grammar allows next (llguidance's bitmask,
+    one bit per token, after its matcher has followed the output so far: rebuilt there after a
+    handoff or a resume). A matcher in error (the output no longer fits, which the masks make
+    impossible) allows only EOS, so the request ends rather than wanders."""
+    vocab = out.shape[1]
+    words = (vocab + 31) // 32
+    masks = torch.zeros(len(seqs), words, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        if s.grammar.follow(s.output_token_ids):
+            bits = torch.frombuffer(bytearray(s.grammar.matcher.compute_bitmask()), dtype=torch.int32)
+            masks[i, :min(words, bits.numel())] = bits[:words]
+        else:
+            for t in eos_token_ids:
+                if t < vocab:
+                    masks[i, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).bool().view(len(seqs), -1)[:, :vocab].to(out.device)
+    index = torch.tensor(rows, device=out.device)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
 
 
 def _ends(seq: Sequence, eos_token_ids) -> list[int]:

@@ -27,6 +27,7 @@ class SamplingParams:
     min_p: float = 0.0                  # [0, 1]: tokens less likely than min_p x the likeliest are dropped
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many output tokens
     include_stop_str_in_output: bool = False   # the text ends after the stop string, not before it
+    structured: dict | None = None      # a grammar the output must follow (workers/grammar.py), e.g. {"regex": "..."}
 
     def __post_init__(self):
         # Bounds keep every value within what the wire (msgpack: 64-bit ints, UTF-8 strings)
@@ -74,6 +75,8 @@ class SamplingParams:
         _check(isinstance(self.include_stop_str_in_output, bool),
                f"include_stop_str_in_output must be true or false, got {show(self.include_stop_str_in_output)}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured is not None:
+            check_structured(self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +86,7 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether the sampler changes its logits before temperature (penalties, bias, min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.structured)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
@@ -111,6 +114,26 @@ MAX_INT32 = 2**31 - 1               # max_tokens, top_k, token ids: far past any
 MAX_STOP = 32                       # stop strings per request
 MAX_STOP_LEN = 512                  # characters per stop string
 MAX_LOGIT_BIAS = 1024               # entries of logit_bias (OpenAI's own limit is lower)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 64 * 1024    # a schema, pattern, grammar, or the choices together
+MAX_CHOICES = 256
+
+
+def check_structured(spec) -> None:
+    """The shape of a `structured` value: one of {"json": <schema as JSON text>},
+    {"json_object": ""}, {"regex": <pattern>}, {"choice": [<string>, ...]}, {"grammar": <Lark>}.
+    Whether its grammar compiles is workers/grammar.py's to say."""
+    _check(isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in STRUCTURED_KINDS,
+           f"structured must be an object with one key of {list(STRUCTURED_KINDS)}, got {show(spec)}")
+    (kind, value), = spec.items()
+    if kind == "choice":
+        _check(isinstance(value, list) and 0 < len(value) <= MAX_CHOICES and all(isinstance(c, str) and c for c in value),
+               f"structured choice must be a list of 1 to {MAX_CHOICES} non-empty strings, got {show(value)}")
+        size = sum(map(len, value))
+    else:
+        _check(isinstance(value, str), f"structured {kind} must be a string, got {show(value)}")
+        size = len(value)
+    _check(size <= MAX_STRUCTURED_CHARS, f"structured {kind} holds {size} characters; at most {MAX_STRUCTURED_CHARS}")
 
 
 def _logit_bias(bias) -> dict[str, float]:
@@ -175,7 +198,7 @@ class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival_time",
                  "status", "num_computed_tokens", "finish_reason", "stop_reason", "output_logprobs",
                  "num_cached_tokens", "num_preemptions", "text", "first_token_time", "generator",
-                 "block_hashes", "prefill_only", "forks", "prompt_logprobs", "ttft_deadline", "tpot_s")
+                 "block_hashes", "prefill_only", "forks", "prompt_logprobs", "ttft_deadline", "tpot_s", "grammar")
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None):
@@ -204,6 +227,7 @@ class Sequence:
         #                                        fork from its prompt's KV, then it ends (n > 1)
         self.ttft_deadline: float | None = None   # when its first token is due, on this worker's clock
         self.tpot_s: float | None = None          # its time-per-output-token target
+        self.grammar = None                       # its structured output's matcher (workers/grammar.py GrammarState)
 
     @property
     def num_tokens(self) -> int:

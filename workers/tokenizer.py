@@ -38,6 +38,10 @@ class Tokenizer:
             self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
         return self._max_token_chars
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what the grammar engine reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 

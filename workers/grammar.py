@@ -1,0 +1,105 @@
+"""Structured outputs: a request's grammar, compiled by llguidance, masks what it may sample.
+
+A request asks with `SamplingParams.structured`, one of
+    {"json": <JSON schema, as JSON text>}   {"json_object": ""}   {"regex": <pattern>}
+    {"choice": [<string>, ...]}             {"grammar": <Lark grammar, llguidance's dialect>}
+(router/protocol.py maps OpenAI's response_format and vLLM's guided_* and structured_outputs
+onto it). llguidance (Microsoft's, the engine behind vLLM's `guidance` backend) is the grammar
+engine: a wheel with no dependencies (xgrammar pulls triton and TVM's FFI), an Earley parser
+over a lazy lexer, so a mask costs about as much for a large vocabulary as for a small one, and
+matchers that copy cheaply (forks, a cache of compiled grammars).
+
+A sequence's `GrammarState` follows its output tokens lazily: before each mask it consumes the
+tokens it has not seen (`follow`), so on a decode worker after the handoff, or on any worker a
+request resumes on, the matcher is rebuilt from the prompt's grammar and the tokens already
+delivered, with nothing to carry across (what Dynamo cannot do: it restarts the grammar).
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import llguidance
+
+from workers.sequence import check_structured
+
+CACHE = 256                          # compiled grammars kept, by their text
+# JSON as OpenAI's models write it: no whitespace between tokens but after ":" and "," (a weak
+# model given free whitespace spends its tokens on it).
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(spec: dict) -> str:
+    """llguidance's grammar for a spec `check_structured` took (not yet compiled)."""
+    (kind, value), = spec.items()
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=COMPACT)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":          # Lark string literals take JSON's escapes
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+class GrammarState:
+    """One sequence's matcher and how many of its output tokens it has consumed."""
+    __slots__ = ("matcher", "consumed")
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher, self.consumed = matcher, 0
+
+    def follow(self, output_token_ids: list[int]) -> bool:
+        """Consume the output tokens not seen yet; False once the matcher is in error."""
+        if self.consumed < len(output_token_ids):
+            self.matcher.consume_tokens(output_token_ids[self.consumed:])
+            self.consumed = len(output_token_ids)
+        return not self.matcher.is_error()
+
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more."""
+        return self.matcher.is_stopped()
+
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer (workers/tokenizer.py `Tokenizer`), caching the
+    compiled matchers by grammar text; each sequence gets its own copy."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend_json(), eos_token=tokenizer.eos_token_id)
+        self.vocab_size = self.tokenizer.vocab_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def check(self, spec) -> str | None:
+        """Why this spec cannot be served (its shape, or its grammar does not compile), or None."""
+        try:
+            check_structured(spec)
+            self._compiled(spec)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def state(self, spec: dict) -> GrammarState:
+        return GrammarState(self._compiled(spec).deep_copy())
+
+    def _compiled(self, spec: dict) -> llguidance.LLMatcher:
+        text = grammar_text(spec)
+        m = self._cache.get(text)
+        if m is None:
+            error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+            if error:
+                (kind, _), = spec.items()
+                raise ValueError(f"structured {kind} does not compile: {error.strip().splitlines()[0][:300]}")
+            m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if m.is_error():
+                raise ValueError(f"structured {next(iter(spec))} does not compile: {m.get_error()[:300]}")
+            self._cache[text] = m
+            if len(self._cache) > CACHE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(text)
+        return m
