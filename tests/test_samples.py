@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Literal
 
 import httpx
+import openai
+import pydantic
 import pytest
 
 from common import api_cluster, metric_sum, nothing_left_running, sse_events, wait_for
@@ -94,6 +97,26 @@ def test_structured_samples_follow_the_schema_across_the_handoff_and_equal_the_o
     for j, choice in enumerate(answer["choices"]):
         assert choice["finish_reason"] == "stop" and set(json.loads(choice["text"])) == {"n", "k"}, choice
         assert choice["token_ids"] == offline(dataclasses.replace(params, seed=sample_seed(params.seed, j)))
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    age: int = pydantic.Field(ge=0, le=30)
+    indoor: bool
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model_gets_an_instance_of_it(cluster):
+    """What applications send: `chat.completions.parse(response_format=<pydantic model>)`, which
+    asks for a strict json_schema and parses the answer into the model (it raises on anything
+    else), streamed too."""
+    with openai.OpenAI(base_url=cluster.base_url, api_key="x", max_retries=0, timeout=120) as oa:
+        r = oa.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A pet, please."}],
+                                      response_format=Pet, max_tokens=80, n=2, seed=3, temperature=1.0)
+        assert [type(c.message.parsed) for c in r.choices] == [Pet, Pet], r
+        with oa.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "Another."}],
+                                        response_format=Pet, max_tokens=80, temperature=0) as stream:
+            final = stream.get_final_completion()
+        assert isinstance(final.choices[0].message.parsed, Pet), final
 
 
 def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):

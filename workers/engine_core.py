@@ -13,6 +13,7 @@ itself, at the start and the end of the step's modelled time.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from workers.kv_cache_manager import KVCacheManager
 from workers.messages import LoadReport, TransferTotals
 from workers.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from workers.sequence import SamplingParams, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class RequestOutput(NamedTuple):
@@ -423,9 +426,13 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
-        if seq.grammar is not None and not (seq.grammar.follow(seq.output_token_ids) and not seq.grammar.done()):
-            seq.stop_reason = token_id         # its grammar is complete (the mask then allowed only EOS)
-            return "stop"
+        if seq.grammar is not None:
+            if not seq.grammar.follow(seq.output_token_ids):   # (the masks make it impossible; past a
+                log.warning("request %s: its output left its grammar: %s", seq.seq_id, seq.grammar.error())
+                return "abort"                                 # parser limit it could happen): said, not hidden
+            if seq.grammar.done():             # its grammar is complete (the mask then allowed only EOS)
+                seq.stop_reason = token_id
+                return "stop"
         if seq.num_output_tokens < p.min_tokens:        # (the sampler held EOS and stop ids back)
             return None
         if not p.ignore_eos and token_id in self.eos_token_ids:
