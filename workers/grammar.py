@@ -2,7 +2,7 @@
 
 A request asks with `SamplingParams.structured`, one of
     {"json": <JSON schema, as JSON text>}   {"json_object": ""}   {"regex": <pattern>}
-    {"choice": [<string>, ...]}             {"grammar": <Lark grammar, llguidance's dialect>}
+    {"choice": [<string>, ...]}             {"grammar": <Lark grammar, or GBNF as llama.cpp and vLLM take>}
 (router/protocol.py maps OpenAI's response_format and vLLM's guided_* and structured_outputs
 onto it). llguidance (Microsoft's, the engine behind vLLM's `guidance` backend) is the grammar
 engine: a wheel with no dependencies (xgrammar pulls triton and TVM's FFI), an Earley parser
@@ -20,6 +20,7 @@ import json
 from collections import OrderedDict
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from workers.sequence import check_structured
 
@@ -40,7 +41,11 @@ def grammar_text(spec: dict) -> str:
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":          # Lark string literals take JSON's escapes
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-    return llguidance.LLMatcher.grammar_from_lark(value)
+    try:                          # GBNF / EBNF (llama.cpp's, what vLLM's xgrammar takes) becomes Lark
+        lark = any_to_lark(value)
+    except Exception as e:        # its parser is plain Python: whatever a malformed grammar raises
+        raise ValueError(f"structured grammar is neither Lark nor GBNF: {str(e)[:200]}") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 class GrammarState:
