@@ -12,6 +12,8 @@ against plain greedy sampling, side by side in one run.
 2. The engine (the exported `tiny`, offline, 32 prompts x 128 -> 64 tokens, greedy): output
    tokens per second without and with the same penalties, and with a structured output (a JSON
    schema that never ends within 64 tokens, so every step masks every row), alternated twice.
+3. Grammar compilation for benchmarks/schemas.py's suite of 50 JSON schemas (the exported
+   `tiny`'s byte-level tokenizer): each compiled afresh, then its first mask; median and max ms.
 Prints each and the ratios.
 """
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.schemas import schema_suite  # noqa: E402
 from workers.config import CacheConfig, EngineConfig  # noqa: E402
+from workers.grammar import Grammars  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.sampler import sample  # noqa: E402
 from workers.sequence import SamplingParams, Sequence  # noqa: E402
@@ -87,6 +91,17 @@ def main() -> None:
     for _ in range(2):
         for name, params in kinds.items():
             runs[name].append(engine_tokens_per_s(engine, prompts, **params))
+    compile_ms, mask_ms = [], []
+    for schema in schema_suite():
+        grammars = Grammars(engine.tokenizer)                  # no cache: each compiled afresh
+        t0 = time.perf_counter()
+        state = grammars.state({"json": json.dumps(schema)})
+        t1 = time.perf_counter()
+        state.matcher.compute_bitmask()
+        compile_ms.append(1000 * (t1 - t0))
+        mask_ms.append(1000 * (time.perf_counter() - t1))
+    print(f"grammar compilation, 50 schemas: median {statistics.median(compile_ms):.2f} ms, max "
+          f"{max(compile_ms):.2f} ms; first mask median {statistics.median(mask_ms):.3f} ms, max {max(mask_ms):.3f} ms")
     p = statistics.mean(runs["plain"])
     print("engine (tiny, 32 x 128 -> 64, greedy), output tokens/s: " + "; ".join(
         f"{name} {statistics.mean(r):.0f} ({statistics.mean(r) / p:.2f}x, runs {[round(x) for x in r]})"

@@ -14,6 +14,7 @@ import re
 import jsonschema
 import pytest
 
+from benchmarks.schemas import schema_suite
 from common import assert_all_blocks_free
 from router.protocol import APIError, sampling_params
 from workers.config import CacheConfig, EngineConfig
@@ -48,6 +49,25 @@ def test_json_schema_outputs_validate_against_the_schema(engine, sampling):
     for r in run(engine, {"json": json.dumps(SCHEMA)}, **sampling):
         assert r.finish_reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"])
+def test_a_suite_of_fifty_schemas_every_output_validates(engine, sampling):
+    """benchmarks/schemas.py: nested objects, arrays with bounds, enums, anyOf, integer ranges,
+    string patterns and lengths, optional keys; two prompts each, in one batch. The random
+    model's own output is no JSON at all."""
+    suite = schema_suite()
+    assert len(suite) >= 50
+    prompts = PROMPTS[:2]
+    for r in engine.generate(prompts, SamplingParams(max_tokens=64, **sampling)):
+        with pytest.raises(ValueError):
+            json.loads(r.text)
+    results = engine.generate([{"prompt": p, "params": SamplingParams(max_tokens=512, structured={"json": json.dumps(s)},
+                                                                      **sampling)} for s in suite for p in prompts])
+    assert_all_blocks_free(engine)
+    for i, r in enumerate(results):
+        assert r.finish_reason == "stop", (i, r.text[:200])
+        jsonschema.validate(json.loads(r.text), suite[i // len(prompts)])
 
 
 def test_json_object_outputs_parse_as_objects(engine):

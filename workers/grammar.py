@@ -49,11 +49,12 @@ def grammar_text(spec: dict) -> str:
 
 
 class GrammarState:
-    """One sequence's matcher and how many of its output tokens it has consumed."""
-    __slots__ = ("matcher", "consumed")
+    """One sequence's matcher, its tokenizer's vocabulary size (the mask's width), and how many
+    of its output tokens it has consumed."""
+    __slots__ = ("matcher", "vocab_size", "consumed")
 
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self.matcher, self.consumed = matcher, 0
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher, self.vocab_size, self.consumed = matcher, vocab_size, 0
 
     def follow(self, output_token_ids: list[int]) -> bool:
         """Consume the output tokens not seen yet; False once the matcher is in error."""
@@ -89,7 +90,7 @@ class Grammars:
         return None
 
     def state(self, spec: dict) -> GrammarState:
-        return GrammarState(self._compiled(spec).deep_copy())
+        return GrammarState(self._compiled(spec).deep_copy(), self.vocab_size)
 
     def _compiled(self, spec: dict) -> llguidance.LLMatcher:
         text = grammar_text(spec)

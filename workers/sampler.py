@@ -101,17 +101,17 @@ def _apply_grammars(out: torch.Tensor, seqs: list[Sequence], rows: list[int], eo
     impossible) allows only EOS, so the request ends rather than wanders."""
     vocab = out.shape[1]
     words = (vocab + 31) // 32
-    masks = torch.zeros(len(seqs), words, dtype=torch.int32)
+    grammar_words = (seqs[0].grammar.vocab_size + 31) // 32      # the tokenizer's (a model may pad past it)
+    masks = torch.zeros(len(seqs), max(words, grammar_words), dtype=torch.int32)
     for i, s in enumerate(seqs):
-        if s.grammar.follow(s.output_token_ids):
-            bits = torch.frombuffer(bytearray(s.grammar.matcher.compute_bitmask()), dtype=torch.int32)
-            masks[i, :min(words, bits.numel())] = bits[:words]
+        if s.grammar.follow(s.output_token_ids):      # straight into the row (4 bytes a word)
+            s.grammar.matcher.unsafe_compute_mask_ptr(masks[i].data_ptr(), 4 * grammar_words)
         else:
             for t in eos_token_ids:
                 if t < vocab:
                     masks[i, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
     shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).bool().view(len(seqs), -1)[:, :vocab].to(out.device)
+    allowed = ((masks[:, :words].unsqueeze(-1) >> shifts) & 1).bool().view(len(seqs), -1)[:, :vocab].to(out.device)
     index = torch.tensor(rows, device=out.device)
     out[index] = out[index].masked_fill(~allowed, float("-inf"))
 
