@@ -9,8 +9,10 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids, logit_bias) and token ids within the vocabulary;
-  - fields asking for behaviour this server does not implement (tools, guided decoding, ...)
-    are refused by name rather than silently ignored; their neutral values pass;
+  - fields asking for behaviour this server does not implement (tools, bad_words, ...) are
+    refused by name rather than silently ignored; their neutral values pass;
+  - structured outputs (response_format, guided_*, structured_outputs): one field at most, its
+    grammar compiled for this model's tokenizer (`structured_spec`, workers/grammar.py);
   - samples: `n` and `best_of` within MAX_SAMPLES, and at most MAX_TOTAL_SAMPLES per request.
 Unknown fields are ignored (OpenAI's clients send new ones); the body limit bounds their size.
 """
