@@ -286,11 +286,8 @@ def structured_spec(body: dict) -> tuple[str, dict] | None:
                                   f"{show(js)}", "response_format")
             asked.append(("response_format", {"json": json.dumps(js["schema"])}))
     for name, kind in GUIDED.items():
-        value = body.get(name)
-        if value is not None:
-            if kind == "json" and isinstance(value, (dict, bool)):
-                value = json.dumps(value)
-            asked.append((name, {kind: value}))
+        if body.get(name) is not None:
+            asked.append((name, _spec(kind, body[name])))
     so = body.get("structured_outputs")
     if so is not None:
         keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if (so or {}).get(k) not in (None, False)] \
@@ -298,10 +295,7 @@ def structured_spec(body: dict) -> tuple[str, dict] | None:
         if len(keys) != 1:
             raise bad_request("structured_outputs must be an object with one of json, regex, choice, grammar, "
                               f"json_object, got {show(so)}", "structured_outputs")
-        value = so[keys[0]]
-        if keys[0] == "json" and isinstance(value, (dict, bool)):
-            value = json.dumps(value)
-        asked.append(("structured_outputs", {keys[0]: "" if keys[0] == "json_object" else value}))
+        asked.append(("structured_outputs", _spec(keys[0], so[keys[0]])))
     if len(asked) > 1:
         raise bad_request(f"{asked[1][0]} and {asked[0][0]} both ask for structured output; send one", asked[1][0])
     if not asked:
@@ -312,6 +306,16 @@ def structured_spec(body: dict) -> tuple[str, dict] | None:
     except ValueError as e:
         raise bad_request(f"{name}: {e}", name) from None
     return name, spec
+
+
+def _spec(kind: str, value) -> dict:
+    """One field's ask as `SamplingParams.structured`: a schema given as an object travels as
+    its JSON text; json_object carries nothing."""
+    if kind == "json_object":
+        return {kind: ""}
+    if kind == "json" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    return {kind: value}
 
 
 def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None,

@@ -1,6 +1,7 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs;
-before them the logits are shaped (`shape_logits`): min_tokens, logit_bias, then the repetition,
-frequency and presence penalties, in vLLM's order and with OpenAI's and vLLM's meanings.
+before them the logits are shaped (`shape_logits`): a structured output's grammar mask, min_tokens,
+logit_bias, then the repetition, frequency and presence penalties, in vLLM's order and with
+OpenAI's and vLLM's meanings.
 Logprobs are of the model's own logits (vLLM's default, raw logprobs).
 
 Everything a penalty needs is in the sequence's tokens (prompt and output), so it holds on any
