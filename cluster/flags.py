@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from cluster.run.spec import PLACEMENTS, ClusterSpec
 from router.admission import ADMISSION_POLICIES
-from router.config import API_KEY_ENV, RouterConfig
+from router.config import API_KEY_ENV, TOOL_PARSERS, RouterConfig
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.names import (ATTENTION_BACKENDS, AUTO, COLOCATED, DISAGGREGATED, MODES, PICKING_POLICIES, PREEMPTION_MODES,
@@ -145,6 +145,9 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "with an error (504, or an error event in a stream) and is aborted on the workers", float),
     Flag("--body-timeout-s", "body_timeout_s", "a request body that has not fully arrived within this long is "
          "refused (408)", float),
+    Flag("--tool-call-parser", "tool_call_parser", "how the model's answers call tools (chat requests with "
+         "tools and tool_choice auto): hermes (<tool_call>{...}</tool_call>: Hermes, Qwen, the built-in "
+         "template) or llama3_json (Llama 3.1's JSON calls); auto: by the chat template", str, TOOL_PARSERS),
     Flag("--max-validating", "max_validating", "request bodies being read or validated at once (before "
          "admission); the others wait in line unread, 429 past --max-pending waiting or --body-timeout-s"),
 )

@@ -49,6 +49,7 @@ from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIE
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
 from router.slo import SLOTargets, judge
+from router.tools import ToolCallParser, ToolError, deltas, fold, parser_for_template, tool_use, tool_finish_reason
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
@@ -112,7 +113,8 @@ class Server:
                  cluster_info: dict | None = None, max_body_bytes: int = 8 * 2**20,
                  admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
                  slo: SLOTargets | None = None, request_timeout_s: float | None = 600.0,
-                 body_timeout_s: float = 30.0, max_validating: int = 64, leadership: Leadership | None = None):
+                 body_timeout_s: float = 30.0, max_validating: int = 64, leadership: Leadership | None = None,
+                 tool_parser: str | None = None):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
         self.leadership = leadership or Leadership(leads=True)   # a router of its own leads its pools
         self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
@@ -138,8 +140,10 @@ class Server:
         self.ended = 0                         # requests end_inflight() ended
         self._runs: set[asyncio.Task] = set()  # each running request's dispatcher.generate task
         self._idle: asyncio.Event | None = None   # set by _done when nothing is in flight
-        self.chat_template = sandboxed_template(tokenizer.chat_template or PLAIN_CHAT_TEMPLATE,
-                                                bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+        template = tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
+        self.chat_template = sandboxed_template(template, bos_token=tokenizer.bos_token or "",
+                                                eos_token=tokenizer.eos_token or "")
+        self.tool_parser = tool_parser or parser_for_template(template)   # how its answers call tools
 
     # -- validation ----------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -208,6 +212,10 @@ class Server:
         order, each run as a request of its own with the same sampling parameters (a seed
         included, as vLLM does). One invalid prompt refuses the whole batch, naming its index."""
         prompts, batch = completion_prompts(body)
+        for name, neutral in (("tools", []), ("tool_choice", "none")):
+            if body.get(name) is not None and body[name] != neutral:
+                raise bad_request(f"{name} is a chat completions field (POST /v1/chat/completions); completions "
+                                  "have no tools", name)
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
@@ -235,20 +243,34 @@ class Server:
             return self._grammars.check(spec)
 
     def chat_request(self, body: dict) -> GenerationRequest:
+        """The messages and tools rendered by the model's chat template (as HF transformers'
+        apply_chat_template renders them); tool_choice "required" or named forces the calls."""
         flat = chat_messages(body)
+        try:
+            tools, use, forced = tool_use(body, self.tool_parser)
+        except ToolError as e:
+            raise bad_request(str(e), e.param) from None
         self._check_chars(sum(len(m["content"]) for m in flat), "messages")
         try:
-            text = self.chat_template.render(messages=flat, add_generation_prompt=True)
+            text = self.chat_template.render(messages=flat, tools=tools, add_generation_prompt=True)
         except jinja2.TemplateError as e:     # raise_exception's too; the sandbox's SecurityError
+            raise bad_request(f"the chat template could not render these messages: {show(str(e), 200)}",
+                              "messages") from None
+        except (TypeError, ValueError) as e:  # e.g. tojson on what JSON cannot hold
             raise bad_request(f"the chat template could not render these messages: {show(str(e), 200)}",
                               "messages") from None
         ids = self._encode(text, "messages")
         self._check_len(ids, "messages")
-        return self._requests(body, "chat", [ids])[0]
+        req = self._requests(body, "chat", [ids], None if forced is None else ("tools", forced))[0]
+        req.tools = use
+        return req
 
-    def _requests(self, body: dict, kind: str, prompts: list[list[int]]) -> list[GenerationRequest]:
-        """A request per prompt, all with the body's sampling parameters and options."""
-        params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size, self.check_grammar)
+    def _requests(self, body: dict, kind: str, prompts: list[list[int]],
+                  forced: tuple[str, dict] | None = None) -> list[GenerationRequest]:
+        """A request per prompt, all with the body's sampling parameters and options (`forced`:
+        the structured output a tool_choice forces)."""
+        params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size, self.check_grammar,
+                                 forced)
         for i, ids in enumerate(prompts):
             if len(ids) + params.max_tokens > self.max_model_len:
                 which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
@@ -642,12 +664,22 @@ def _loop_time(deadline: float | None) -> float | None:
 def sandboxed_template(source: str, **constants) -> jinja2.Template:
     """A chat template (the model repository's: untrusted) compiled in Jinja's immutable sandbox,
     which refuses attributes that reach Python's internals and any call that changes its data,
-    with HF's `raise_exception`. Rendered once at start on a few conversations: a template that
-    reaches for what the sandbox refuses fails here, with a message, instead of on a request."""
+    in the environment HF transformers renders templates in (so that a model's template renders
+    here as it does there): blocks trimmed, loop controls, `tojson` as JSON (not HTML-escaped),
+    `raise_exception`, `strftime_now`, and a namespace that takes no underscore names. Rendered
+    once at start on a few conversations: a template that reaches for what the sandbox refuses
+    fails here, with a message, instead of on a request."""
     def raise_exception(message):
         raise jinja2.TemplateError(str(message))
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, trim_blocks=False)
-    env.globals["raise_exception"] = raise_exception
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, namespace=_Namespace,
+                       strftime_now=lambda fmt: time.strftime(fmt))
     try:
         template = env.from_string(source, globals=constants)
     except jinja2.TemplateSyntaxError as e:
@@ -665,6 +697,26 @@ def sandboxed_template(source: str, **constants) -> jinja2.Template:
         except jinja2.TemplateError:
             pass                  # e.g. its raise_exception refusing a system turn: that is its right
     return template
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace (a template's mutable variables), refusing names that start with an
+    underscore, which could reach Python's internals."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a chat template may not set {name!r} on a namespace")
 
 
 async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
@@ -798,11 +850,24 @@ async def _whole(server, request: Request, req: GenerationRequest | list[Generat
                    for i, (text, ids, reason, lps, prompt) in enumerate(answers)]
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage}
-    choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+    choices = [{"index": i, **_chat_message(req, text, reason),
                 "logprobs": _chat_logprobs(server, ids, lps) if want_logprobs else None}
                for i, (text, ids, reason, lps, _) in enumerate(answers)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": choices, "usage": usage}
+
+
+def _chat_message(req: GenerationRequest, text: str, reason: str | None) -> dict:
+    """A whole chat answer's message and finish reason: its tool calls parsed out of the text
+    when the request has tools (the same pieces a stream sends)."""
+    if req.tools is None or not req.tools.parses:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    parser = ToolCallParser(req.tools)
+    content, calls = fold(parser.push(text) + parser.finish())
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return {"message": message, "finish_reason": tool_finish_reason(req.tools, reason, len(calls))}
 
 
 class Line:
@@ -879,6 +944,7 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                             "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
         offsets: dict[int, int] = {}                       # choice -> text offset of its next token
+        parsers = None if req.tools is None or not req.tools.parses else {}   # choice -> its ToolCallParser
         async with contextlib.aclosing(_merged(server, reqs)) as events:
             async for p, j, d in events:
                 delta, tok, fin, lp, plp = d.text, d.token_ids, d.finish_reason, d.logprobs, d.prompt_logprobs
@@ -893,7 +959,12 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                 # A token whose text is held back (a possible stop string, an incomplete UTF-8
                 # sequence) yields no chat chunk: OpenAI's chunks carry text, not token ids, so an
                 # empty delta is sent only with the finish_reason. Completion chunks carry the ids.
-                if fin is None and not delta and (req.kind == "chat" or not tok):
+                calls = None
+                if parsers is not None:                    # tool calls: the parser says what is content
+                    parser = parsers.setdefault(i, ToolCallParser(req.tools))
+                    delta, calls = deltas(parser.push(delta) + (parser.finish() if fin is not None else []))
+                    fin = fin and tool_finish_reason(req.tools, fin, parser.calls)
+                if fin is None and not delta and not calls and (req.kind == "chat" or not tok):
                     continue
                 if req.kind == "completion":
                     choice = {"index": i, "text": delta, "finish_reason": fin, "token_ids": tok}
@@ -901,6 +972,8 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                         choice["logprobs"], offsets[i] = _completion_logprobs(server, tok, lp or [], offsets[i], echo)
                 else:
                     choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
+                    if calls:
+                        choice["delta"]["tool_calls"] = calls
                 yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
         if req.include_usage:
             prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)

@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from router.admission import ADMISSION_POLICIES
 from router.picker import check_local_prefill
 from router.slo import SLOTargets
+from router.tools import PARSERS
 from workers.names import AUTO, P2C, PICKING_POLICIES, check_name
 
+
+TOOL_PARSERS = (AUTO, *PARSERS)
 
 API_KEY_ENV = "PDCLUSTER_API_KEY"         # the API key, when neither --api-key nor --api-key-file gives it
 
@@ -31,6 +34,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0          # a request still running this long after it arrived ends (504)
     body_timeout_s: float = 30.0              # a request body not whole within this long is refused (408)
     max_validating: int = 64                  # request bodies being read or validated at once, past it 429
+    tool_call_parser: str = AUTO              # how answers call tools: one of TOOL_PARSERS (auto: by the chat template)
     slo: SLOTargets = field(default_factory=SLOTargets)
     router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)
 
@@ -54,6 +58,8 @@ class RouterConfig:
         for flag, value in (("--request-timeout-s", self.request_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {TOOL_PARSERS}, got {self.tool_call_parser!r}")
         if self.max_validating < 1:
             raise ValueError(f"--max-validating must be >= 1, got {self.max_validating}")
         if self.api_key is not None and not self.api_key.strip():

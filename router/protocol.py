@@ -9,8 +9,10 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids, logit_bias) and token ids within the vocabulary;
-  - fields asking for behaviour this server does not implement (tools, bad_words, ...) are
+  - fields asking for behaviour this server does not implement (bad_words, functions, ...) are
     refused by name rather than silently ignored; their neutral values pass;
+  - tools and tool_choice (router/tools.py); an earlier tool call's arguments, JSON text inside
+    the body, are held to the body's own limits before they are parsed;
   - structured outputs (response_format, guided_*, structured_outputs): one field at most, its
     grammar compiled for this model's tokenizer (`structured_spec`, workers/grammar.py);
   - samples: `n` and `best_of` within MAX_SAMPLES, and at most MAX_TOTAL_SAMPLES per request.
@@ -24,6 +26,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from router.tools import MAX_TOOLS, ToolUse
 from workers.sequence import (MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams,
                               check_structured, show)
 
@@ -78,6 +81,7 @@ class GenerationRequest:
     tpot_s: float | None = None                # its TPOT target
     deadline: float | None = None              # time.monotonic() past which it ends (--request-timeout-s)
     request_id: str = ""                       # the response's id: in the log lines about it
+    tools: ToolUse | None = None               # chat: what is asked of its tools (router/tools.py)
 
     def ttft_left_s(self, delivered) -> float | None:
         """What an attempt's op carries: seconds until its next token is due (negative when
@@ -190,6 +194,18 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
+def json_value(raw: bytes):
+    """Any JSON value (not only an object), with parse_json's limits."""
+    check_json_shape(raw)
+    try:
+        value = json.loads(raw)
+    except (RecursionError, ValueError) as e:
+        raise bad_request(f"not valid JSON: {str(e)[:200]}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_surrogates({"the value": value})
+    return value
+
+
 def _check_surrogates(body: dict) -> None:
     """An unpaired surrogate decodes to a str that no tokenizer or UTF-8 codec takes."""
     for key, value in body.items():
@@ -228,10 +244,9 @@ UNSUPPORTED = (
     ("use_beam_search", (False,), "beam search is not supported"),
     ("bad_words", ([],), "bad_words is not supported; send [] or leave it out"),
     ("prompt_logprobs", (), "prompt_logprobs is not supported"),
-    ("tools", ([],), "tools (function calling) are not supported"),
-    ("tool_choice", ("none", "auto"), "tool_choice other than \"none\" is not supported (no tools)"),
-    ("functions", ([],), "functions (function calling) are not supported"),
-    ("function_call", ("none", "auto"), "function_call other than \"none\" is not supported"),
+    ("functions", ([],), "functions (the deprecated form of tools) are not supported; send tools"),
+    ("function_call", ("none", "auto"), "function_call (the deprecated form of tool_choice) is not supported; "
+                                        "send tool_choice"),
 )
 
 
@@ -319,14 +334,24 @@ def _spec(kind: str, value) -> dict:
 
 
 def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None,
-                    check_grammar=None) -> SamplingParams:
+                    check_grammar=None, forced: tuple[str, dict] | None = None) -> SamplingParams:
     """The request's sampling fields (SamplingParams' own names, plus OpenAI's spellings:
     max_completion_tokens, chat's logprobs=true + top_logprobs, and the structured-output
     fields: `structured_spec`); SamplingParams validates them, the vocabulary (which it does not
-    know) is checked here, and the grammar by `check_grammar(spec)` (an error message or None)."""
+    know) is checked here, and the grammar by `check_grammar(spec)` (an error message or None).
+    `forced`: (the field that asks, its structured output): a tool_choice that forces calls."""
     check_unsupported(body)
     kw = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "structured"}
     asked = structured_spec(body)
+    if forced is not None:
+        if asked is not None:
+            raise bad_request(f"{asked[0]} and tool_choice both shape the output (tool_choice \"required\" or a "
+                              "named function forces tool calls); send one", asked[0])
+        try:
+            check_structured(forced[1])
+        except ValueError as e:
+            raise bad_request(f"{forced[0]}: {e}", forced[0]) from None
+        asked = forced
     if asked is not None:
         name, kw["structured"] = asked
         error = check_grammar(kw["structured"]) if check_grammar is not None else None
@@ -458,9 +483,15 @@ def completion_prompts(body: dict) -> tuple[list, bool]:
     return prompt, True
 
 
+MAX_MESSAGE_TOOL_CALLS = 128           # tool calls in one assistant message
+
+
 def chat_messages(body: dict) -> list[dict]:
-    """The messages as [{"role", "content"}] with text content (text parts joined); other parts
-    (images, audio) are refused, as this server is text only."""
+    """The messages as the chat template sees them (as HF transformers passes them): "role",
+    "content" as text (text parts joined; images and audio are refused: this server is text
+    only), and where sent a "name", an assistant turn's "tool_calls" (each call's arguments
+    parsed from their JSON text into an object, as templates print them) and a tool turn's
+    "tool_call_id". An assistant turn with tool calls may have no content."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -468,20 +499,61 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise bad_request(f"messages[{i}] must be an object with a 'role' string", "messages")
-        c = m.get("content")
-        if isinstance(c, list):                      # [{"type": "text", "text": ...}, ...]
-            texts = []
-            for j, part in enumerate(c):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad_request(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
-                                      f"<string>}} (this server takes text only), got {show(part)}", "messages")
-                texts.append(part["text"])
-            c = "".join(texts)
-        if not isinstance(c, str):
-            raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got {show(c)}",
-                              "messages")
-        flat.append({"role": m["role"], "content": c})
+        out = {"role": m["role"], "content": _message_text(m.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request(f"messages[{i}].{key} must be a string, got {show(m[key])}", "messages")
+                out[key] = m[key]
+        calls = m.get("tool_calls")
+        if calls is not None and calls != []:
+            if m["role"] != "assistant":
+                raise bad_request(f"messages[{i}]: only an assistant turn has tool_calls", "messages")
+            out["tool_calls"] = _message_tool_calls(calls, i)
+        if out["content"] is None:
+            if "tool_calls" not in out:
+                raise bad_request(f"messages[{i}].content must be a string or a list of text parts "
+                                  "(it may be null only in an assistant turn with tool_calls)", "messages")
+            out["content"] = ""
+        flat.append(out)
     return flat
+
+
+def _message_text(c, i: int) -> str | None:
+    if isinstance(c, list):                      # [{"type": "text", "text": ...}, ...]
+        texts = []
+        for j, part in enumerate(c):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
+                                  f"<string>}} (this server takes text only), got {show(part)}", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    if c is not None and not isinstance(c, str):
+        raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got {show(c)}",
+                          "messages")
+    return c
+
+
+def _message_tool_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's tool calls with their arguments as objects. The arguments' JSON text
+    is a string inside the body, so its shape is checked as the body's was before it is parsed."""
+    if not isinstance(calls, list) or len(calls) > MAX_MESSAGE_TOOL_CALLS:
+        raise bad_request(f"messages[{i}].tool_calls must be a list of at most {MAX_MESSAGE_TOOL_CALLS} calls",
+                          "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and isinstance(call.get("id", ""), str)):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
+                              f"\"function\": {{\"name\": <string>, \"arguments\": <JSON text>}}}}, got {show(call)}",
+                              "messages")
+        try:
+            args = json_value(fn["arguments"].encode())
+        except APIError as e:
+            raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: {e.message}", "messages") from None
+        out.append({"id": call.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 # -- the request bodies as OpenAPI documents them (/openapi.json) ------------------------------
@@ -550,16 +622,39 @@ COMPLETION_BODY = {
         "logprobs": _int(0, 20, "each token's logprob and this many top ones"),
         "echo": {"type": "boolean", "description": "answer the prompt first (with logprobs: its tokens' too)"},
     }}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "the arguments' JSON text"}}}}}
 CHAT_BODY = {
     "type": "object", "required": ["model", "messages"], "description": _REFUSED_NOTE,
     "properties": {
         "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"],
+            "type": "object", "required": ["role"],
             "properties": {"role": {"type": "string"}, "content": {"oneOf": [
-                {"type": "string"},
+                {"type": "string"}, {"type": "null", "description": "only in an assistant turn with tool_calls"},
                 {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                    "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
+                    "type": {"const": "text"}, "text": {"type": "string"}}}}]},
+                "name": {"type": "string"},
+                "tool_calls": {"type": "array", "maxItems": MAX_MESSAGE_TOOL_CALLS, "items": _TOOL_CALL},
+                "tool_call_id": {"type": "string", "description": "a tool turn: the call it answers"}}}},
         **_SHARED,
         "logprobs": {"type": "boolean"},
         "top_logprobs": _int(0, 20, "with logprobs: this many top ones per token"),
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "description": "functions the model may call, "
+                  "rendered by its chat template", "items": {
+                      "type": "object", "required": ["type", "function"], "properties": {
+                          "type": {"const": "function"},
+                          "function": {"type": "object", "required": ["name"], "properties": {
+                              "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                              "description": {"type": "string"},
+                              "parameters": {"type": "object", "description": "a JSON schema"},
+                              "strict": {"type": "boolean"}}}}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                            "properties": {"name": {"type": "string"}}}}}],
+            "description": "auto (the default with tools): calls parsed from the answer; required or a named "
+                           "function: forced by structured output"},
+        "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call"},
     }}

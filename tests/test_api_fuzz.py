@@ -207,8 +207,8 @@ REFUSED = [   # (fields, the param the error names)
     ({"suffix": "x"}, "suffix"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_json": {"type": "nonsense"}}, "guided_json"), ({"guided_choice": [1]}, "guided_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"logit_bias": [1] * 1000}, "logit_bias"),
 ]
 ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": False}, {"logit_bias": {}},

@@ -14,15 +14,21 @@ import json
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
 
 from common import api_cluster, metric_sum, nothing_left_running, sse_events, wait_for
+from router.app import sandboxed_template
+from router.protocol import chat_messages
+from router.tools import tool_use
+from test_tools import SCHEMAS, TOOLS
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.faults import ENV_VAR as FAULTS_ENV
 from workers.sequence import SamplingParams, sample_seed
+from workers.tokenizer import PLAIN_CHAT_TEMPLATE, byte_level_tokenizer
 
 MODEL = "tiny"
 PROMPT = [(7 * i + 3) % 200 + 1 for i in range(37)]     # 2 full blocks and a partial one
@@ -117,6 +123,94 @@ def test_the_openai_clients_parse_with_a_pydantic_model_gets_an_instance_of_it(c
                                         response_format=Pet, max_tokens=80, temperature=0) as stream:
             final = stream.get_final_completion()
         assert isinstance(final.choices[0].message.parsed, Pet), final
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    unit: Literal["c", "f"]
+
+
+def served_prompt(body: dict, tools: list | None) -> list[int]:
+    """The chat prompt as the server renders it (the built-in model's template), for the
+    offline engine."""
+    tok = byte_level_tokenizer()
+    text = sandboxed_template(PLAIN_CHAT_TEMPLATE, bos_token=tok.bos_token, eos_token=tok.eos_token).render(
+        messages=chat_messages(body), tools=tools, add_generation_prompt=True)
+    return tok.encode(text)
+
+
+def test_a_tool_calling_loop_with_the_openai_client_gets_well_formed_calls_whole_and_streamed(cluster):
+    """An agent's loop with the official client: tool_choice "required" forces a call (the
+    random model could not write one), its result goes back as a tool turn, and a named
+    tool_choice forces the next. Each answer streamed assembles to the whole one, and the call
+    equals the offline engine's on the prompt the template renders, across the handoff."""
+    messages = [{"role": "user", "content": "The weather in Oslo, please."}]
+    ask = {"model": MODEL, "tools": TOOLS, "max_tokens": 120, "temperature": 0, "parallel_tool_calls": False}
+    with openai.OpenAI(base_url=cluster.base_url, api_key="x", max_retries=0, timeout=120) as oa:
+        whole = oa.chat.completions.create(messages=messages, tool_choice="required", **ask).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+        (call,) = whole.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        with oa.chat.completions.stream(messages=messages, tool_choice="required", **ask) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        assert streamed.finish_reason == "tool_calls" and len(streamed.message.tool_calls) == 1
+        assert streamed.message.tool_calls[0].function.model_dump(include={"name", "arguments"}) == \
+            call.function.model_dump(include={"name", "arguments"})
+        _, use, forced = tool_use({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, "hermes")
+        text = LLMEngine(EngineConfig(model=MODEL)).generate(
+            [{"prompt_token_ids": served_prompt({"messages": messages}, TOOLS)}],
+            SamplingParams(max_tokens=120, temperature=0, structured=forced))[0].text
+        assert json.loads(text) == [{"name": call.function.name, "parameters": json.loads(call.function.arguments)}]
+
+        messages += [whole.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "-3 C and snow"}]
+        named = {"type": "function", "function": {"name": "search"}}
+        after = oa.chat.completions.create(messages=messages, tool_choice=named, **ask).choices[0]
+        assert after.finish_reason == "stop" and after.message.tool_calls[0].function.name == "search", after
+        jsonschema.validate(json.loads(after.message.tool_calls[0].function.arguments), SCHEMAS["search"])
+    nothing_left_running(cluster)
+
+
+def test_the_openai_clients_parse_with_a_pydantic_tool_gets_its_arguments_as_an_instance(cluster):
+    """`pydantic_function_tool` sends a strict function; parse() turns each call's arguments
+    into the model (it raises on anything else), streamed too."""
+    tool = openai.pydantic_function_tool(Weather)
+    ask = {"model": MODEL, "tools": [tool], "tool_choice": "required", "max_tokens": 80, "parallel_tool_calls": False}
+    with openai.OpenAI(base_url=cluster.base_url, api_key="x", max_retries=0, timeout=120) as oa:
+        r = oa.chat.completions.parse(messages=[{"role": "user", "content": "Weather?"}], n=2, seed=3,
+                                      temperature=1.0, **ask)
+        for choice in r.choices:
+            assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, Weather), choice
+        with oa.chat.completions.stream(messages=[{"role": "user", "content": "And now?"}], temperature=0,
+                                        **ask) as stream:
+            final = stream.get_final_completion()
+        assert all(isinstance(c.function.parsed_arguments, Weather) for c in final.choices[0].message.tool_calls)
+
+
+def test_calls_the_model_writes_in_its_template_format_are_parsed_as_they_stream(cluster, client):
+    """tool_choice auto: the answer is parsed for Hermes-style calls (the built-in template's
+    format). A regex makes the random model write one after some text; the stream's content
+    and call deltas assemble to the whole answer's message."""
+    regex = (r"Checking\.\n<tool_call>\n\{\"name\": \"get_weather\", \"arguments\": "
+             r"\{\"city\": \"(Paris|Rome)\", \"unit\": \"c\"\}\}\n</tool_call>")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+            "guided_regex": regex, "max_tokens": 120, "temperature": 0}
+    whole = client.post("chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking.", whole
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["unit"] == "c"
+    events = sse_events(client.post("chat/completions", json={**body, "stream": True}).text)
+    content, args, finish = "", "", None
+    for e in events[:-1]:
+        delta = e["choices"][0]["delta"]
+        content += delta.get("content", "")
+        for d in delta.get("tool_calls", []):
+            assert d["index"] == 0 and ("id" not in d or d["function"]["name"] == "get_weather")
+            args += d["function"]["arguments"]
+        finish = e["choices"][0]["finish_reason"] or finish
+    assert (content, args, finish) == ("Checking.", call["function"]["arguments"], "tool_calls")
+    plain = client.post("chat/completions", json={**body, "tool_choice": "none"}).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"]["content"].startswith("Checking.\n<tool_call>")
 
 
 def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):

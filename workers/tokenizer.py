@@ -8,9 +8,17 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-# A plain chat template for models without one: role-tagged turns, then the assistant's cue.
+# A plain chat template for models without one: role-tagged turns, then the assistant's cue. With
+# tools, a system turn lists them and asks for Hermes-style calls (router/tools.py parses those);
+# an assistant turn's calls are written back the same way. Rendered as HF transformers renders
+# templates (blocks trimmed: a line break right after a block tag is dropped, hence {{ "\n" }}).
 PLAIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nYou can call these functions. To call one, answer with <tool_call>{\"name\": "
+    "<its name>, \"arguments\": <an object>}</tool_call>, once per call.\n"
+    "{% for t in tools %}{{ t | tojson }}{{ \"\\n\" }}{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}{{ \"\\n\" }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 

@@ -244,6 +244,7 @@ class ServingCluster:
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
                         max_validating=cfg.max_validating, leadership=self.leadership,
+                        tool_parser=None if cfg.tool_call_parser == AUTO else cfg.tool_call_parser,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i.device.startswith("cuda") for i in infos)})
         self.server = server
