@@ -27,6 +27,7 @@ from test_tools import SCHEMAS, TOOLS
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.faults import ENV_VAR as FAULTS_ENV
+from workers.faults import FaultPlan
 from workers.sequence import SamplingParams, sample_seed
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, byte_level_tokenizer
 
@@ -211,6 +212,66 @@ def test_calls_the_model_writes_in_its_template_format_are_parsed_as_they_stream
     assert (content, args, finish) == ("Checking.", call["function"]["arguments"], "tool_calls")
     plain = client.post("chat/completions", json={**body, "tool_choice": "none"}).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"]["content"].startswith("Checking.\n<tool_call>")
+
+
+# Each sampling feature whose state crosses the handoff: penalty counts, the logit bias and
+# min_tokens (EOS masked until then), min_p, a grammar's matcher.
+FEATURES = {
+    "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
+    "logit_bias_min_tokens": {"logit_bias": {"101": 8, "102": -100}, "min_tokens": 10, "ignore_eos": False},
+    "min_p": {"min_p": 0.3},
+    "json_schema": {"guided_json": {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+                                    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                   "b": {"enum": ["x", "yz"]}}}, "ignore_eos": False},
+}
+
+
+def set_decode_faults(cluster, plan: str) -> None:
+    import ray
+    handle = cluster.pools.active("decode")[0].handle
+    ray.get(handle.__ray_call__.remote(lambda w, p: setattr(w, "faults", FaultPlan.parse(p)), plan), timeout=60)
+
+
+def resumed_by_handoff(cluster) -> float:
+    return cluster.server.metrics.registry.get_sample_value(
+        "pdcluster:requests_resumed_total", {"cause": "handoff_failed"}) or 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_each_feature_through_a_failed_handoff_resumes_to_the_offline_engines_tokens(cluster, client, sampling):
+    """Item 2: a request whose KV pull fails halfway resumes from its delivered tokens on a new
+    attempt, which rebuilds its penalty counts, its grammar's matcher and its min_tokens count
+    from them; every feature's answer is the offline engine's, token for token (colocated: the
+    same answers with no handoff). A forced tool call goes through the same."""
+    base = {**(GREEDY if sampling == "greedy" else SEEDED), "max_tokens": 24}
+    failing = cluster.spec.mode == "disaggregated"
+    for name, feature in FEATURES.items():
+        body = {**base, **feature}
+        if failing:
+            set_decode_faults(cluster, "recv:mid_payload:fail*1")
+        before = resumed_by_handoff(cluster)
+        got = token_ids(completion(client, **body))[0]
+        params = {k: v for k, v in body.items() if k != "guided_json"}
+        if "guided_json" in body:
+            params["structured"] = {"json": json.dumps(body["guided_json"])}
+        if "logit_bias" in params:
+            params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
+        assert got == offline(SamplingParams(**params)), name
+        assert resumed_by_handoff(cluster) - before == failing, name
+    messages = [{"role": "user", "content": "Weather?"}]
+    ask = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+           **base, "max_tokens": 120, "ignore_eos": False}
+    if failing:
+        set_decode_faults(cluster, "recv:mid_payload:fail*1")
+    before = resumed_by_handoff(cluster)
+    (call,) = client.post("chat/completions", json=ask).json()["choices"][0]["message"]["tool_calls"]
+    assert resumed_by_handoff(cluster) - before == failing
+    _, _, forced = tool_use(ask, "hermes")
+    text = LLMEngine(EngineConfig(model=MODEL)).generate(
+        [{"prompt_token_ids": served_prompt(ask, TOOLS)}],
+        SamplingParams(**{k: ask[k] for k in base}, structured=forced))[0].text
+    assert json.loads(text) == [{"name": call["function"]["name"], "parameters": json.loads(call["function"]["arguments"])}]
+    nothing_left_running(cluster)
 
 
 def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):
