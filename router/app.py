@@ -233,6 +233,9 @@ class Server:
         reqs = self._requests(body, "completion", token_ids)
         return reqs if len(reqs) > 1 else reqs[0]
 
+    def _word_tokens(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def check_grammar(self, spec: dict) -> str | None:
         """Why a structured output's grammar cannot be served (it does not compile for this
         model's tokenizer), or None; compiled in the validation thread, cached by its text."""
@@ -270,7 +273,7 @@ class Server:
         """A request per prompt, all with the body's sampling parameters and options (`forced`:
         the structured output a tool_choice forces)."""
         params = sampling_params(body, self.default_max_tokens, self.tokenizer.vocab_size, self.check_grammar,
-                                 forced)
+                                 forced, self._word_tokens)
         for i, ids in enumerate(prompts):
             if len(ids) + params.max_tokens > self.max_model_len:
                 which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"

@@ -9,7 +9,7 @@ hostile, reaches code that could fail on it (a 5xx) or hold the server up:
   - strings: no unpaired UTF-16 surrogate (JSON's "\\ud800" escape; no tokenizer takes one);
   - integers within ranges the workers' wire format (msgpack, 64 bits) carries; floats finite;
   - list lengths (stop strings, stop_token_ids, logit_bias) and token ids within the vocabulary;
-  - fields asking for behaviour this server does not implement (bad_words, functions, ...) are
+  - fields asking for behaviour this server does not implement (functions, suffix, ...) are
     refused by name rather than silently ignored; their neutral values pass;
   - tools and tool_choice (router/tools.py); an earlier tool call's arguments, JSON text inside
     the body, are held to the body's own limits before they are parsed;
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 
 from router.tools import MAX_TOOLS, ToolUse
-from workers.sequence import (MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN, SAMPLING_FIELDS, SamplingParams,
-                              check_structured, show)
+from workers.sequence import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN,
+                              SAMPLING_FIELDS, SamplingParams, check_structured, show)
 
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
@@ -242,7 +242,6 @@ def _number(x) -> float | None:
 UNSUPPORTED = (
     ("suffix", ("",), "suffix (insertion) is not supported"),
     ("use_beam_search", (False,), "beam search is not supported"),
-    ("bad_words", ([],), "bad_words is not supported; send [] or leave it out"),
     ("prompt_logprobs", (), "prompt_logprobs is not supported"),
     ("functions", ([],), "functions (the deprecated form of tools) are not supported; send tools"),
     ("function_call", ("none", "auto"), "function_call (the deprecated form of tool_choice) is not supported; "
@@ -334,14 +333,18 @@ def _spec(kind: str, value) -> dict:
 
 
 def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None = None,
-                    check_grammar=None, forced: tuple[str, dict] | None = None) -> SamplingParams:
+                    check_grammar=None, forced: tuple[str, dict] | None = None, tokenize=None) -> SamplingParams:
     """The request's sampling fields (SamplingParams' own names, plus OpenAI's spellings:
     max_completion_tokens, chat's logprobs=true + top_logprobs, and the structured-output
     fields: `structured_spec`); SamplingParams validates them, the vocabulary (which it does not
     know) is checked here, and the grammar by `check_grammar(spec)` (an error message or None).
-    `forced`: (the field that asks, its structured output): a tool_choice that forces calls."""
+    `forced`: (the field that asks, its structured output): a tool_choice that forces calls;
+    `tokenize(text)`: the tokens of a bad word (without special tokens)."""
     check_unsupported(body)
-    kw = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "structured"}
+    kw = {name: body[name] for name in SAMPLING_FIELDS
+          if body.get(name) is not None and name not in ("structured", "bad_words_token_ids")}
+    if body.get("bad_words") is not None:
+        kw["bad_words_token_ids"] = bad_words_tokens(body["bad_words"], tokenize)
     asked = structured_spec(body)
     if forced is not None:
         if asked is not None:
@@ -384,6 +387,25 @@ def sampling_params(body: dict, default_max_tokens: int, vocab_size: int | None 
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids([int(t) for t in params.logit_bias], vocab_size, "logit_bias")
     return params
+
+
+def bad_words_tokens(words, tokenize) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as written and after a space (how it is
+    tokenized mid-sentence by most tokenizers), the two kept when they differ."""
+    if not (isinstance(words, list) and len(words) <= MAX_BAD_WORDS
+            and all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_LEN for w in words)):
+        raise bad_request(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                          f"{MAX_STOP_LEN} characters, got {show(words)}", "bad_words")
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenize(text) if tokenize is not None else []
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise bad_request(f"bad_words: {show(word, 40)} is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS}",
+                                  "bad_words")
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def request_options(body: dict) -> tuple[bool, bool, int]:
@@ -590,6 +612,9 @@ _SHARED = {
               "description": "drop tokens less likely than this times the likeliest"},
     "min_tokens": _int(0, MAX_INT32, "no EOS, stop token or stop string before this many tokens (<= max_tokens)"),
     "include_stop_str_in_output": {"type": "boolean", "description": "the text ends after the stop string"},
+    "bad_words": {"type": "array", "maxItems": MAX_BAD_WORDS, "items": {"type": "string", "maxLength": MAX_STOP_LEN},
+                  "description": "vLLM's: words the output never contains (each word's last token is banned after "
+                                 "the tokens before it)"},
     "response_format": {"type": "object", "description": "{\"type\": \"text\" | \"json_object\" | \"json_schema\"}; "
                         "json_schema: {\"name\": ..., \"schema\": {...}}: the output follows it"},
     "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema the output follows"},

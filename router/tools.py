@@ -74,7 +74,7 @@ def tool_use(body: dict, parser: str) -> tuple[list[dict] | None, ToolUse | None
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError(f"parallel_tool_calls must be true or false, got {show(parallel)}", "parallel_tool_calls")
     if tools is None or tools == []:
-        if choice not in (None, "none"):
+        if choice not in (None, "none", "auto"):           # (auto with no tools: nothing to call)
             raise ToolError(f"tool_choice {show(choice)} needs tools; the request has none", "tool_choice")
         return None, None, None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:

@@ -173,7 +173,9 @@ def test_fuzzed_bodies_get_2xx_or_openai_4xx_on_one_connection(client, endpoint)
     one()
     assert conn.sent >= EXAMPLES, conn.sent
     ok = sum(n for s, n in conn.status.items() if s < 300)
-    assert ok >= EXAMPLES // 20 and conn.status.get(400, 0) >= EXAMPLES // 4, conn.status
+    # Hypothesis draws small choices often (kind 0: garbage; a required field dropped), so about
+    # one body in twenty is served: at least one in forty must be.
+    assert ok >= EXAMPLES // 40 and conn.status.get(400, 0) >= EXAMPLES // 4, conn.status
 
 
 # -- each limit on its own ------------------------------------------------------------------
@@ -203,7 +205,7 @@ REFUSED = [   # (fields, the param the error names)
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"1": "5"}}, "logit_bias"),
     # asks for behaviour this server does not implement
-    ({"echo": 1}, "echo"), ({"bad_words": ["x"]}, "bad_words"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+    ({"echo": 1}, "echo"), ({"bad_words": "x"}, "bad_words"), ({"bad_words": [""]}, "bad_words"), ({"n": 65}, "n"), ({"n": True}, "n"), ({"best_of": 0}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
     ({"suffix": "x"}, "suffix"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_json": {"type": "nonsense"}}, "guided_json"), ({"guided_choice": [1]}, "guided_choice"),
@@ -219,7 +221,7 @@ ACCEPTED = [{"seed": 2**63 - 1}, {"seed": -2**63}, {"priority": -5}, {"echo": Fa
             {"logit_bias": {"1": 5, str(VOCAB - 1): -100}}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
             {"repetition_penalty": 1.2}, {"min_p": 0.1, "temperature": 1.0}, {"min_tokens": 2, "max_tokens": 4},
             {"include_stop_str_in_output": True, "stop": ["e"]}, {"response_format": {"type": "json_object"}},
-            {"guided_regex": "[a-z]+"}, {"guided_choice": ["x", "y"]}, {"structured_outputs": {"json": {"type": "object"}}}]
+            {"guided_regex": "[a-z]+"}, {"guided_choice": ["x", "y"]}, {"bad_words": ["e", "the end"]}, {"structured_outputs": {"json": {"type": "object"}}}]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])

@@ -11,14 +11,17 @@ from collections import Counter
 import pytest
 import torch
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+                                                    NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor)
 
 from common import PROMPTS, VOCAB, assert_all_blocks_free
 from router.app import Detokenizer
+from router.protocol import APIError, bad_words_tokens
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine
 from workers.sampler import _apply_min_p, shape_logits
 from workers.sequence import SamplingParams, Sequence
+from workers.tokenizer import byte_level_tokenizer
 
 EOS = VOCAB - 1                     # the byte-level tokenizer's </s>
 STEPS = 24                          # greedy tokens per engine-against-transformers run
@@ -73,6 +76,37 @@ def test_logit_bias_equals_transformers_sequence_bias_of_single_tokens():
         if b:
             want = SequenceBiasLogitsProcessor([[[int(t)], v] for t, v in b.items()])(torch.tensor([p + o]), want)
         assert torch.allclose(got[i], want[0]), i
+
+
+def test_bad_words_ban_as_transformers_bans_them_after_their_prefix():
+    """A word's last token is banned where the output ends with its other tokens. The prompts
+    hold none of the words' tokens, so transformers (which reads prompt and output) and vLLM's
+    rule (the output only) agree."""
+    rng = random.Random(4)
+    rows = [([rng.randrange(100, 200) for _ in range(rng.randrange(1, 20))],
+             [rng.randrange(3) for _ in range(rng.choice([0, 1, 2, 6, 30]))]) for _ in range(16)]
+    words = [[[rng.randrange(3) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 4))] for _ in rows]
+    logits = logits_for(len(rows), seed=4)
+    got = shape_logits(logits, [seq(p, o, bad_words_token_ids=w) for (p, o), w in zip(rows, words)])
+    prefixed = sum(1 for (_, o), w in zip(rows, words) for word in w
+                   if 1 < len(word) <= len(o) + 1 and o[len(o) - len(word) + 1:] == word[:-1])
+    assert prefixed >= 5                              # words whose prefix the output ends with
+    for i, ((p, o), w) in enumerate(zip(rows, words)):
+        want = logits[i:i + 1].clone()
+        if w:
+            want = NoBadWordsLogitsProcessor(w, eos_token_id=EOS)(torch.tensor([p + o]), want)
+        assert torch.equal(got[i], want[0]), i
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space():
+    tok = byte_level_tokenizer()
+    encode = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
+    assert bad_words_tokens(["hi", " hi", "a b"], encode) == [encode("hi"), encode(" hi"), encode("a b"),
+                                                              encode(" a b")]
+    for bad in ("x", [""], ["  "], [1], ["x"] * 129, ["y" * 513]):
+        with pytest.raises(APIError) as e:
+            bad_words_tokens(bad, encode)
+        assert e.value.param == "bad_words"
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_as_transformers_holds_eos():
@@ -137,6 +171,20 @@ def test_greedy_with_logit_bias_equals_transformers(engine, hf_model):
     assert all(g[0] != p[0] for g, p in zip(got, plain))
     hf_bias = [[[int(t)], b] for t, b in bias.items()]
     assert got == [hf_greedy_with(hf_model, p, sequence_bias=hf_bias, eos_token_id=None) for p in PICKED]
+
+
+def test_greedy_with_bad_words_equals_transformers(engine, hf_model):
+    """Each prompt's first two greedy tokens as a word, and its fourth alone: neither is
+    generated again (a prompt that ends with a word's first token is left out: transformers
+    would read the prompt's end as the word's start)."""
+    plain = engine_greedy(engine, PROMPTS, ignore_eos=True)
+    picked = [(p, ids) for p, ids in zip(PROMPTS, plain) if p[-1] != ids[0]][:4]
+    for prompt, ids in picked:
+        words = [ids[:2], ids[3:4]]
+        (got,) = engine_greedy(engine, [prompt], bad_words_token_ids=words, ignore_eos=True)
+        assert got != ids and ids[3] not in got
+        assert all(got[k:k + 2] != ids[:2] for k in range(len(got) - 1))
+        assert got == hf_greedy_with(hf_model, prompt, bad_words_ids=words, eos_token_id=None)
 
 
 def test_min_tokens_delays_an_eos_the_model_is_pushed_to(engine, hf_model):

@@ -21,7 +21,7 @@ import pytest
 
 from common import api_cluster, metric_sum, nothing_left_running, sse_events, wait_for
 from router.app import sandboxed_template
-from router.protocol import chat_messages
+from router.protocol import bad_words_tokens, chat_messages
 from router.tools import tool_use
 from test_tools import SCHEMAS, TOOLS
 from workers.config import EngineConfig
@@ -220,6 +220,7 @@ FEATURES = {
     "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
     "logit_bias_min_tokens": {"logit_bias": {"101": 8, "102": -100}, "min_tokens": 10, "ignore_eos": False},
     "min_p": {"min_p": 0.3},
+    "bad_words": {"bad_words": ["e", "ab", " the"]},
     "json_schema": {"guided_json": {"type": "object", "required": ["a", "b"], "additionalProperties": False,
                                     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                                    "b": {"enum": ["x", "yz"]}}}, "ignore_eos": False},
@@ -245,6 +246,18 @@ def test_each_feature_through_a_failed_handoff_resumes_to_the_offline_engines_to
     same answers with no handoff). A forced tool call goes through the same."""
     base = {**(GREEDY if sampling == "greedy" else SEEDED), "max_tokens": 24}
     failing = cluster.spec.mode == "disaggregated"
+    # Every request through a handoff: local prefill (auto: on the decode worker while the prefill
+    # pool has a queue, which a busy machine makes) would serve one without a pull to fail.
+    placement = cluster.dispatcher.placement
+    saved, placement.local_prefill_max_tokens = placement.local_prefill_max_tokens, 0
+    try:
+        run_features_through_a_failing_pull(cluster, client, base, failing)
+    finally:
+        placement.local_prefill_max_tokens = saved
+    nothing_left_running(cluster)
+
+
+def run_features_through_a_failing_pull(cluster, client, base: dict, failing: bool) -> None:
     for name, feature in FEATURES.items():
         body = {**base, **feature}
         if failing:
@@ -254,6 +267,10 @@ def test_each_feature_through_a_failed_handoff_resumes_to_the_offline_engines_to
         params = {k: v for k, v in body.items() if k != "guided_json"}
         if "guided_json" in body:
             params["structured"] = {"json": json.dumps(body["guided_json"])}
+        if "bad_words" in params:
+            tok = byte_level_tokenizer()
+            params["bad_words_token_ids"] = bad_words_tokens(params.pop("bad_words"),
+                                                             lambda t: tok.encode(t, add_special_tokens=False))
         if "logit_bias" in params:
             params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
         assert got == offline(SamplingParams(**params)), name
@@ -271,7 +288,6 @@ def test_each_feature_through_a_failed_handoff_resumes_to_the_offline_engines_to
         [{"prompt_token_ids": served_prompt(ask, TOOLS)}],
         SamplingParams(**{k: ask[k] for k in base}, structured=forced))[0].text
     assert json.loads(text) == [{"name": call["function"]["name"], "parameters": json.loads(call["function"]["arguments"])}]
-    nothing_left_running(cluster)
 
 
 def test_streamed_samples_carry_their_index_and_equal_the_whole_answer(cluster, client):

@@ -1,6 +1,6 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs;
 before them the logits are shaped (`shape_logits`): a structured output's grammar mask, min_tokens,
-logit_bias, then the repetition, frequency and presence penalties, in vLLM's order and with
+bad_words, logit_bias, then the repetition, frequency and presence penalties, in vLLM's order and with
 OpenAI's and vLLM's meanings.
 Logprobs are of the model's own logits (vLLM's default, raw logprobs).
 
@@ -69,6 +69,12 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), i
         keys = [r * vocab + t for r, s in early for t in _ends(s, eos_token_ids) if t < vocab]
         if keys:
             flat[torch.tensor(keys, device=dev)] = float("-inf")
+    if any(p.bad_words_token_ids for p in params):
+        # vLLM's bad_words: a word's last token, where the output ends with the tokens before it.
+        keys = [r * vocab + w[-1] for r, s in enumerate(seqs) for w in s.params.bad_words_token_ids
+                if w[-1] < vocab and _ends_with(s.output_token_ids, w)]
+        if keys:
+            flat[torch.tensor(keys, device=dev)] = float("-inf")
     if any(p.logit_bias for p in params):
         keys = [r * vocab + int(t) for r, p in enumerate(params) for t in p.logit_bias if int(t) < vocab]
         bias = [b for p in params for t, b in p.logit_bias.items() if int(t) < vocab]
@@ -115,6 +121,12 @@ def _apply_grammars(out: torch.Tensor, seqs: list[Sequence], rows: list[int], eo
     allowed = ((masks[:, :words].unsqueeze(-1) >> shifts) & 1).bool().view(len(seqs), -1)[:, :vocab].to(out.device)
     index = torch.tensor(rows, device=out.device)
     out[index] = out[index].masked_fill(~allowed, float("-inf"))
+
+
+def _ends_with(output: list[int], word: list[int]) -> bool:
+    """Whether `output` ends with all of `word` but its last token (always, for one token)."""
+    k = len(word) - 1
+    return k == 0 or (len(output) >= k and output[-k:] == word[:-1])
 
 
 def _ends(seq: Sequence, eos_token_ids) -> list[int]:

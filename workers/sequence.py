@@ -28,6 +28,9 @@ class SamplingParams:
     min_tokens: int = 0                 # no EOS, stop token or stop string before this many output tokens
     include_stop_str_in_output: bool = False   # the text ends after the stop string, not before it
     structured: dict | None = None      # a grammar the output must follow (workers/grammar.py), e.g. {"regex": "..."}
+    # vLLM's bad_words as token sequences (the router tokenizes the words): a sequence's last
+    # token is banned wherever the output so far ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         # Bounds keep every value within what the wire (msgpack: 64-bit ints, UTF-8 strings)
@@ -75,6 +78,10 @@ class SamplingParams:
         _check(isinstance(self.include_stop_str_in_output, bool),
                f"include_stop_str_in_output must be true or false, got {show(self.include_stop_str_in_output)}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        _check(isinstance(self.bad_words_token_ids, list) and len(self.bad_words_token_ids) <= 2 * MAX_BAD_WORDS
+               and all(isinstance(w, list) and 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                       and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in w) for w in self.bad_words_token_ids),
+               f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} lists of 1-{MAX_BAD_WORD_TOKENS} token ids")
         if self.structured is not None:
             check_structured(self.structured)
 
@@ -86,7 +93,7 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether the sampler changes its logits before temperature (penalties, bias, min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured)
+                    or self.logit_bias or self.min_tokens or self.structured or self.bad_words_token_ids)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))     # the request fields that sample
@@ -113,6 +120,8 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 MAX_INT32 = 2**31 - 1               # max_tokens, top_k, token ids: far past any real value
 MAX_STOP = 32                       # stop strings per request
 MAX_STOP_LEN = 512                  # characters per stop string
+MAX_BAD_WORDS = 128                 # bad_words of one request (each tokenized twice: with a leading space too)
+MAX_BAD_WORD_TOKENS = 1024          # tokens of one bad word (at most 512 characters, as a stop string)
 MAX_LOGIT_BIAS = 1024               # entries of logit_bias (OpenAI's own limit is lower)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_CHARS = 64 * 1024    # a schema, pattern, grammar, or the choices together

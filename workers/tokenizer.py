@@ -50,8 +50,8 @@ class Tokenizer:
         """The tokenizer as tokenizer.json holds it (what the grammar engine reads)."""
         return self._tok.to_str()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
