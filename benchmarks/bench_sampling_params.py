@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.schemas import schema_suite  # noqa: E402
 from workers.config import CacheConfig, EngineConfig  # noqa: E402
+from workers import grammar as grammar_module  # noqa: E402
 from workers.grammar import Grammars  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.sampler import sample  # noqa: E402
@@ -62,6 +63,49 @@ def engine_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], **params) -
     results = engine.generate([{"prompt_token_ids": p} for p in prompts],
                               SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, **params))
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
+
+
+# Grammars built to be slow (each mask costs every request in the batch its time).
+HOSTILE = {"regex a{100000}": {"regex": "a{100000}"}, "regex a{20000}": {"regex": "a{20000}"},
+           "regex (a{100}){100}": {"regex": "(a{100}){100}"},
+           "regex 5,000-way alternation": {"regex": "|".join(f"w{i}q{i * 13}" for i in range(5000))},
+           "JSON, 300 anyOf branches with patterns": {"json": json.dumps({"anyOf": [
+               {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{3,40}"}},
+                "required": [f"k{i}"]} for i in range(300)]})},
+           "Lark, 'xy' then a{100000}": {"grammar": 'start: "xy" /a{100000}/'}}
+
+
+def hostile_costs(tokenizer, limits: dict, steps: int = 40) -> dict[str, str]:
+    """Each hostile grammar under `limits` (workers/grammar.py's LIMITS, or llguidance's
+    defaults): compile time (with the first mask), the slowest later mask over `steps` tokens,
+    each the first token its mask allows, and whether the grammar ran out of fuel."""
+    saved, grammar_module.LIMITS = grammar_module.LIMITS, limits
+    try:
+        grammars = Grammars(tokenizer)
+    finally:
+        grammar_module.LIMITS = saved
+    out = {}
+    for name, spec in HOSTILE.items():
+        t0 = time.perf_counter()
+        error = grammars.check(spec)
+        compile_ms = 1000 * (time.perf_counter() - t0)
+        if error:
+            out[name] = f"refused in {compile_ms:.0f} ms"
+            continue
+        m, slowest, ended = grammars.state(spec).matcher, 0.0, ""
+        for step in range(steps):
+            t = time.perf_counter()
+            mask = m.compute_bitmask()
+            slowest = max(slowest, time.perf_counter() - t) if step else slowest
+            if m.is_error():
+                ended = f", out of fuel at token {step}"
+                break
+            allowed = next((i * 8 + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1), None)
+            if allowed is None or m.is_stopped():
+                break
+            m.consume_token(allowed)
+        out[name] = f"compile {compile_ms:.0f} ms, later masks up to {1000 * slowest:.1f} ms{ended}"
+    return out
 
 
 def main() -> None:
@@ -102,6 +146,10 @@ def main() -> None:
         mask_ms.append(1000 * (time.perf_counter() - t1))
     print(f"grammar compilation, 50 schemas: median {statistics.median(compile_ms):.2f} ms, max "
           f"{max(compile_ms):.2f} ms; first mask median {statistics.median(mask_ms):.3f} ms, max {max(mask_ms):.3f} ms")
+    ours, defaults = hostile_costs(engine.tokenizer, grammar_module.LIMITS), hostile_costs(engine.tokenizer, {})
+    print("hostile grammars (byte-level vocabulary): llguidance's default limits | ours (workers/grammar.py LIMITS)")
+    for name in HOSTILE:
+        print(f"  {name}: {defaults[name]} | {ours[name]}")
     p = statistics.mean(runs["plain"])
     print("engine (tiny, 32 x 128 -> 64, greedy), output tokens/s: " + "; ".join(
         f"{name} {statistics.mean(r):.0f} ({statistics.mean(r) / p:.2f}x, runs {[round(x) for x in r]})"

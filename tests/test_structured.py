@@ -119,6 +119,24 @@ def test_penalties_and_a_grammar_together(engine):
         assert re.fullmatch(r"[a-c]{3}[0-5]{2}", r.text), r.text
 
 
+def test_a_grammar_past_the_limits_ends_its_own_request_and_changes_no_other(engine):
+    """`a{100000}` would build a lexer for 0.2 s and then cost 26 ms a step at llguidance's
+    default limits; at ours (workers/grammar.py LIMITS) it runs out of fuel on its second
+    token and ends with finish_reason abort, while the requests in its batch generate what
+    they generate without it."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [r.token_ids for r in engine.generate(PROMPTS[:3], params)]
+    hostile = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0,
+                                                            structured={"regex": "a{100000}"}))
+    others = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    while engine.has_unfinished():
+        engine.step()
+    ended = engine.result(hostile)
+    assert ended.finish_reason == "abort" and len(ended.token_ids) < 4 and set(ended.text) <= {"a"}, ended
+    assert [engine.result(s).token_ids for s in others] == alone
+    assert_all_blocks_free(engine)
+
+
 # -- the request fields -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def grammars():

@@ -25,6 +25,13 @@ from llguidance.gbnf_to_lark import any_to_lark
 from workers.sequence import check_structured
 
 CACHE = 256                          # compiled grammars kept, by their text
+# What one grammar may cost, so that no request's grammar holds up the step of the batch it
+# shares (llguidance's fuel: about 50 units a microsecond to build the lexer's expressions,
+# 14 a microsecond per mask). At the defaults (ten times these) `a{100000}` built for 0.2 s and
+# then took 26 ms every step; at these it is refused, and what passes costs at most a few ms a
+# step (BENCHMARKS.md, "Sampling parameters"). A limit reached on the first mask (computed when
+# the grammar is compiled) refuses the request; one reached later ends it (finish_reason abort).
+LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 100_000, "verbose_errors": False}
 # JSON as OpenAI's models write it: no whitespace between tokens but after ":" and "," (a weak
 # model given free whitespace spends its tokens on it).
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -78,6 +85,7 @@ class Grammars:
     def __init__(self, tokenizer):
         self.tokenizer = llguidance.LLTokenizer(tokenizer.backend_json(), eos_token=tokenizer.eos_token_id)
         self.vocab_size = self.tokenizer.vocab_size
+        self._limits = llguidance.LLParserLimits(**LIMITS)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def check(self, spec) -> str | None:
@@ -96,13 +104,16 @@ class Grammars:
         text = grammar_text(spec)
         m = self._cache.get(text)
         if m is None:
-            error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+            (kind, _), = spec.items()
+            error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer, limits=self._limits)
             if error:
-                (kind, _), = spec.items()
                 raise ValueError(f"structured {kind} does not compile: {error.strip().splitlines()[0][:300]}")
-            m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            m = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self._limits)
+            if not m.is_error():               # the first mask now: it builds the lexer (copies share it)
+                m.compute_bitmask()
             if m.is_error():
-                raise ValueError(f"structured {next(iter(spec))} does not compile: {m.get_error()[:300]}")
+                raise ValueError(f"structured {kind} is too large or complex to serve: "
+                                 f"{m.get_error().strip().splitlines()[0][:300]}")
             self._cache[text] = m
             if len(self._cache) > CACHE:
                 self._cache.popitem(last=False)
