@@ -187,6 +187,29 @@ def test_greedy_with_bad_words_equals_transformers(engine, hf_model):
         assert got == hf_greedy_with(hf_model, prompt, bad_words_ids=words, eos_token_id=None)
 
 
+def test_logprobs_beside_penalties_are_the_models_own_as_transformers_reports_them(engine, hf_model):
+    """With a repetition penalty and a logit bias choosing the tokens, each token's logprob and
+    its top 2 are the model's own distribution (vLLM's default, raw logprobs), as transformers'
+    `output_logits` report it, within 1e-4; the tokens are transformers' generate()'s."""
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=2, repetition_penalty=1.5,
+                            logit_bias={"65": 4.0}, ignore_eos=True)
+    results = engine.generate([{"prompt_token_ids": p} for p in PICKED[:3]], params)
+    for prompt, r in zip(PICKED[:3], results):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=STEPS,
+                                    pad_token_id=VOCAB - 2, eos_token_id=None, repetition_penalty=1.5,
+                                    sequence_bias=[[[65], 4.0]], output_logits=True, return_dict_in_generate=True)
+        assert out.sequences[0, len(prompt):].tolist() == r.token_ids
+        raw = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+        want = raw[torch.arange(STEPS), torch.tensor(r.token_ids)]
+        assert torch.allclose(torch.tensor([lp["logprob"] for lp in r.logprobs]), want, atol=1e-4)
+        for step, lp in enumerate(r.logprobs):
+            top = raw[step].topk(2)
+            assert set(lp["top"]) == set(top.indices.tolist()), step
+            assert torch.allclose(torch.tensor([lp["top"][t] for t in top.indices.tolist()]), top.values, atol=1e-4)
+
+
 def test_min_tokens_delays_an_eos_the_model_is_pushed_to(engine, hf_model):
     """EOS favoured by +50 ends every request at once; min_tokens 7 holds it back for 7 tokens
     (transformers' min_new_tokens), then it ends the request."""
