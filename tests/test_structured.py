@@ -9,6 +9,7 @@ mapping, and a grammar that does not compile is a 400 naming its field."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
@@ -17,7 +18,7 @@ import pytest
 from benchmarks.schemas import schema_suite
 from common import assert_all_blocks_free
 from router.protocol import APIError, sampling_params
-from workers.config import CacheConfig, EngineConfig
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
 from workers.grammar import Grammars
 from workers.sequence import SamplingParams
@@ -117,6 +118,33 @@ def test_penalties_and_a_grammar_together(engine):
     bias = {str(ord("9")): 50.0, str(ord("c")): 50.0}
     for r in run(engine, {"regex": r"[a-c]{3}[0-5]{2}"}, temperature=0, logit_bias=bias, frequency_penalty=1.0):
         assert re.fullmatch(r"[a-c]{3}[0-5]{2}", r.text), r.text
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_keep_their_grammar_penalties_and_seeds(tiny_dir, mode):
+    """A pool too small for its batch preempts (by recompute, or by swap); each request's
+    grammar matcher, penalty counts, banned words and seeded stream come back with it: the
+    outputs are those of a pool large enough never to preempt."""
+    rng = random.Random(3)
+    kinds = [{"structured": {"json": json.dumps(SCHEMA)}, "temperature": 0},
+             {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "temperature": 0},
+             {"bad_words_token_ids": [[101], [32, 116]], "temperature": 1.0, "seed": 4},
+             {"structured": {"regex": "[a-z]{5,40}( [a-z]{2,9}){3,8}"}, "temperature": 1.0, "seed": 9},
+             {"min_tokens": 30, "logit_bias": {"257": 20.0}, "min_p": 0.1, "temperature": 1.0, "seed": 2}]
+    requests = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randrange(60, 120))],
+                 "params": SamplingParams(max_tokens=128, **kinds[i % len(kinds)],
+                                          ignore_eos=not ({"structured", "min_tokens"} & set(kinds[i % len(kinds)])))}
+                for i in range(15)]
+    roomy = LLMEngine(EngineConfig(model=tiny_dir, cache=CacheConfig(num_blocks=512)))
+    want = [r.token_ids for r in roomy.generate(requests)]
+    tight = LLMEngine(EngineConfig(model=tiny_dir, cache=CacheConfig(
+        num_blocks=40, swap_space_bytes=8 * 2**20 if mode == "swap" else 0),
+        scheduler=SchedulerConfig(preemption_mode=mode)))
+    got = [r.token_ids for r in tight.generate(requests)]
+    assert [len(ids) for ids in want[4::5]] == [31] * 3             # EOS held back by min_tokens, then taken
+    assert tight.scheduler.stats.num_preemptions[mode] > 0, tight.scheduler.stats
+    assert got == want
+    assert_all_blocks_free(tight)
 
 
 def test_a_grammar_past_the_limits_ends_its_own_request_and_changes_no_other(engine):
