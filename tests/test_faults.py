@@ -6,6 +6,7 @@ come back to their size, and every KV block comes back.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -21,7 +22,9 @@ from cluster.run.serve import ServingCluster
 from common import free_port, wait_for, wait_pools_clean
 from router.config import RouterConfig
 from router.pools import ACTIVE
+from router.protocol import bad_words_tokens
 from workers.sequence import sample_seed
+from workers.tokenizer import byte_level_tokenizer
 
 NUM_STREAMS, MAX_TOKENS = 40, 80
 WORDS = "the a KV cache block prefill decode token stream worker router lease pool".split()
@@ -98,10 +101,21 @@ def kill(c: ServingCluster, rng: random.Random, sig: int, killed: list, role: st
 
 
 def offline(prompts: list[str], params: list[dict]) -> list[list[int]]:
-    """The offline engine's outputs (vLLM's guided_regex in `extra_body` as the engine's `structured`)."""
-    reqs = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, **{k: v for k, v in q.items() if k != "extra_body"},
-             **({"structured": {"regex": q["extra_body"]["guided_regex"]}} if "extra_body" in q else {})}
-            for p, q in zip(prompts, params)]
+    """The offline engine's outputs (`extra_body`'s fields as the router maps them: vLLM's
+    guided_regex and guided_json as the engine's `structured`, bad_words as token sequences)."""
+    tok = byte_level_tokenizer()
+    reqs = []
+    for p, q in zip(prompts, params):
+        extra = dict(q.get("extra_body", {}))
+        if "guided_regex" in extra:
+            extra["structured"] = {"regex": extra.pop("guided_regex")}
+        if "guided_json" in extra:
+            extra["structured"] = {"json": json.dumps(extra.pop("guided_json"))}
+        if "bad_words" in extra:
+            extra["bad_words_token_ids"] = bad_words_tokens(extra.pop("bad_words"),
+                                                            lambda t: tok.encode(t, add_special_tokens=False))
+        reqs.append({"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                     **{k: v for k, v in q.items() if k != "extra_body"}, **extra})
     return [r["token_ids"] for r in generate(reqs, model="tiny")]
 
 
@@ -116,17 +130,22 @@ def test_killed_workers_change_no_stream(chaos, seeded):
     """40 streams at once on 2 prefill + 2 decode workers; a random decode worker process is
     killed (SIGKILL) when a tenth of the tokens have arrived (by then every prompt may be
     prefilled, so a prefill worker may hold nothing), and a random worker of either pool at half.
-    A third of the streams ask for penalties and a logit bias, another third for a regex
-    (structured output): their state (the output's token counts, the grammar's matcher) crosses
-    the handoff and every resume, rebuilt from the tokens delivered."""
+    Five in six of the streams ask for a sampling feature (penalties and a logit bias; a regex;
+    min_p and min_tokens; bad_words; a JSON schema): their state (the output's token counts, the
+    grammar's matcher, the banned words' prefixes) crosses the handoff and every resume, rebuilt
+    from the tokens delivered."""
     rng = random.Random(int(seeded))
     prompts = word_prompts(NUM_STREAMS, seed=int(seeded))
     params = [{"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
               for i in range(NUM_STREAMS)]
-    for i in range(1, NUM_STREAMS, 3):
-        params[i] |= {"presence_penalty": 0.8, "frequency_penalty": 0.6, "logit_bias": {"101": 2.0, "32": -3.0}}
-    for i in range(2, NUM_STREAMS, 3):      # (longer than MAX_TOKENS: every stream runs to it)
-        params[i] |= {"extra_body": {"guided_regex": "([a-z]+ ){40}"}}
+    # (the grammars allow more than MAX_TOKENS tokens: every stream runs to it)
+    features = [{}, {"presence_penalty": 0.8, "frequency_penalty": 0.6, "logit_bias": {"101": 2.0, "32": -3.0}},
+                {"extra_body": {"guided_regex": "([a-z]+ ){40}"}},
+                {"extra_body": {"min_p": 0.2, "min_tokens": 20}},
+                {"extra_body": {"bad_words": ["e", "the", "ab c"]}},
+                {"extra_body": {"guided_json": {"type": "array", "minItems": 60, "items": {"type": "integer"}}}}]
+    for i in range(NUM_STREAMS):
+        params[i] |= features[i % len(features)]
     want = offline(prompts, params)
     resumed0 = metric(chaos, "pdcluster:requests_resumed_total")
     died0 = metric(chaos, "pdcluster:workers_lost_total", cause="died")
