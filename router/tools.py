@@ -231,12 +231,15 @@ class _CallObject:
         elif self.want == "in_value":
             self._value_ends(at + 1)
 
-    def args(self) -> str:
-        """The arguments' text so far (the whole value once it has ended)."""
+    def args_after(self, sent: int) -> str:
+        """The arguments' text after its first `sent` characters, as far as it has come (all of
+        it once the value has ended), trailing whitespace held back: a call's next delta."""
         if self.args_start < 0:
             return ""
         end = self.args_end if self.args_end >= 0 else len(self.raw)
-        return "".join(self.raw[self.args_start:end]).rstrip()
+        if self.args_end < 0 and end > 0 and self.raw[end - 1].isspace():
+            return ""                    # (a run of whitespace is joined once, when it ends)
+        return "".join(self.raw[self.args_start + sent:end]).rstrip()
 
     def text(self) -> str:
         return "".join(self.raw)
@@ -266,6 +269,8 @@ class ToolCallParser:
     def push(self, text: str) -> list[Piece]:
         for ch in text:
             self._feed(ch)
+        if self.obj is not None:            # a call's arguments so far: once per push (the text is
+            self._progress()                # joined each time: per character it would be quadratic)
         return self._take()
 
     def finish(self) -> list[Piece]:
@@ -306,7 +311,6 @@ class ToolCallParser:
             self.obj.feed(ch)
             if self.obj.done:
                 self.obj.args_end = len(self.obj.raw)
-            self._progress()
 
     def _sequence(self, ch: str, opener: str | None, sep: str, closer: str | None) -> None:
         """Calls one after another (Llama 3's `;`-separated objects, or the forced JSON array);
@@ -379,9 +383,11 @@ class ToolCallParser:
     def _object(self, ch: str) -> None:
         obj = self.obj
         obj.feed(ch)
-        self._progress()
+        if obj.name is not None and not (self.announced or self.skipped):
+            self._progress()                        # the call starts as soon as its name is known
         if not obj.done:
             return
+        self._progress()
         is_call = self.announced or self.skipped
         if not is_call and self.use.choice == "auto":   # an object that was no call: content after all
             self._content(self.prefix + obj.text())
@@ -400,10 +406,10 @@ class ToolCallParser:
             else:
                 self._start_call(obj.name)
         if self.announced:
-            args = obj.args()
-            if len(args) > self.sent:
-                self.out.append(Piece("args", args[self.sent:], self.calls - 1))
-                self.sent = len(args)
+            more = obj.args_after(self.sent)
+            if more:
+                self.out.append(Piece("args", more, self.calls - 1))
+                self.sent += len(more)
 
     def _start_call(self, name: str) -> None:
         self.out.append(Piece("call", name, self.calls, "call_" + uuid.uuid4().hex[:24]))
@@ -414,6 +420,8 @@ class ToolCallParser:
         """Sends the held outside text as content, but for its trailing whitespace (dropped if a
         call follows) and a tail that could still grow into `hold` (the opening tag)."""
         text = self.held
+        if text[-1:].isspace():
+            return                                  # nothing new to send (a run of it is rstripped once)
         keep = next((k for k in range(min(len(hold) - 1, len(text)), 0, -1) if hold.startswith(text[-k:])), 0)
         body = text[:len(text) - keep].rstrip()
         send = body.lstrip() if self.after_call else body

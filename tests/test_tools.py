@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import jsonschema
 import pytest
@@ -118,6 +119,33 @@ def test_only_the_first_call_without_parallel_calls_and_a_call_cut_short_keeps_w
     assert streamed_equals_whole(ToolUse("auto"), cut) == ("Checking.", [("f", '{"a": [1, 2')])
     unnamed = '<tool_call>{"arguments": {"a": 1'
     assert streamed_equals_whole(ToolUse("auto"), unnamed) == (unnamed, [])
+
+
+@pytest.mark.parametrize("shape", ["arguments", "named", "whitespace", "llama3 content"])
+def test_a_long_answer_is_read_in_time_linear_in_it(shape):
+    """A long call (or a long run of whitespace, which is held back) pushed a few characters
+    at a time, as a stream comes: ten times the text costs about ten times the time, not a
+    hundred (it runs on the router's event loop). The best of three runs each, so a pause of the
+    process counts for neither."""
+    def answer(n: int) -> tuple[ToolUse, str]:
+        args = json.dumps({"text": "x" * n})
+        return {"arguments": (ToolUse("auto"), '<tool_call>{"name": "f", "arguments": ' + args + "}</tool_call>"),
+                "named": (ToolUse("named", name="f", parallel=False), args),
+                "whitespace": (ToolUse("auto"), " " * n + "x"),
+                "llama3 content": (ToolUse("auto", parser="llama3_json"), "y" + " " * n + "x")}[shape]
+
+    def best_s(n: int) -> float:
+        use, text = answer(n)
+        times = []
+        for _ in range(3):
+            parser, t0 = ToolCallParser(use), time.perf_counter()
+            for at in range(0, len(text), 3):
+                parser.push(text[at:at + 3])
+            parser.finish()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    short, long = best_s(4_000), best_s(40_000)
+    assert long < 40 * short, (short, long)
 
 
 def test_stream_deltas_carry_the_call_start_once_then_its_arguments():
