@@ -639,8 +639,8 @@ async def _validated(server: Server, request: Request, parse) -> GenerationReque
 
 def _one_prompt(body: dict) -> bool:
     """A completions body with one prompt, or a chat body with a few messages, that asks for no
-    grammar (compiling one may take long for a small body): cheap to finish."""
-    if any(body.get(name) is not None for name in STRUCTURED_FIELDS):
+    grammar (compiling one may take long for a small body; tools may force one): cheap to finish."""
+    if any(body.get(name) is not None for name in (*STRUCTURED_FIELDS, "tools", "bad_words")):
         return False
     prompt, messages = body.get("prompt"), body.get("messages")
     if messages is not None:

@@ -41,7 +41,11 @@ def chaos(ray_session):
                        engine={"cache": {"num_blocks": 1024}, "scheduler": {"max_num_batched_tokens": 1024}},
                        lease_s=20, transfer_timeout_s=10)
     # Every request admitted (no SLO shedding while pools are down): each stream is compared.
-    with ServingCluster(spec, RouterConfig(port=free_port(), worker_hang_timeout_s=3, admission="queue")) as c:
+    # The hang timeout is short for the SIGSTOP test, but not so short that a starved box's
+    # pauses read as hangs (at 3 s, beside a busy process, three workers silent together for
+    # 30 s were taken for hung, and requests resumed through them and then the killed worker ran
+    # out of retries: a pause that long no timeout here waits out; 8 s takes the shorter ones).
+    with ServingCluster(spec, RouterConfig(port=free_port(), worker_hang_timeout_s=8, admission="queue")) as c:
         yield c
 
 

@@ -121,18 +121,15 @@ def test_only_the_first_call_without_parallel_calls_and_a_call_cut_short_keeps_w
     assert streamed_equals_whole(ToolUse("auto"), unnamed) == (unnamed, [])
 
 
-@pytest.mark.parametrize("shape", ["arguments", "named", "whitespace", "llama3 content"])
-def test_a_long_answer_is_read_in_time_linear_in_it(shape):
-    """A long call (or a long run of whitespace, which is held back) pushed a few characters
-    at a time, as a stream comes: ten times the text costs about ten times the time, not a
-    hundred (it runs on the router's event loop). The best of three runs each, so a pause of the
-    process counts for neither."""
+@pytest.mark.parametrize("shape", ["arguments", "named"])
+def test_a_long_call_is_read_in_time_linear_in_it(shape):
+    """A long call pushed a few characters at a time, as a stream comes: ten times the text
+    costs about ten times the time, not a hundred (it runs on the router's event loop). The
+    best of three runs each, so a pause of the process counts for neither."""
     def answer(n: int) -> tuple[ToolUse, str]:
         args = json.dumps({"text": "x" * n})
         return {"arguments": (ToolUse("auto"), '<tool_call>{"name": "f", "arguments": ' + args + "}</tool_call>"),
-                "named": (ToolUse("named", name="f", parallel=False), args),
-                "whitespace": (ToolUse("auto"), " " * n + "x"),
-                "llama3 content": (ToolUse("auto", parser="llama3_json"), "y" + " " * n + "x")}[shape]
+                "named": (ToolUse("named", name="f", parallel=False), args)}[shape]
 
     def best_s(n: int) -> float:
         use, text = answer(n)
@@ -144,7 +141,7 @@ def test_a_long_answer_is_read_in_time_linear_in_it(shape):
             parser.finish()
             times.append(time.perf_counter() - t0)
         return min(times)
-    short, long = best_s(4_000), best_s(40_000)
+    short, long = best_s(8_000), best_s(80_000)
     assert long < 40 * short, (short, long)
 
 

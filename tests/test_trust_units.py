@@ -41,12 +41,13 @@ def refused_or_parsed(raw: bytes) -> None:
 
 @pytest.mark.parametrize("shape", list(shapes(8)))
 def test_the_shape_check_is_linear_in_the_body(shape):
-    """8x the body costs about 8x the time (the best of seven runs each, so a busy machine's
-    pauses drop out); a quadratic scan would cost 64x (the old regex: minutes). The bound, 32x,
-    leaves room for noise."""
-    small, large = shapes(2**18)[shape], shapes(2**21)[shape]
+    """16x the body costs about 16x the time (the best of seven runs each, so a busy machine's
+    pauses drop out); a quadratic scan would cost 256x (the old regex: minutes). The bound, 80x,
+    leaves room for noise: beside a busy process a linear 8x once measured 35x (a small body's
+    passes stay in the cache, a large one's do not)."""
+    small, large = shapes(2**17)[shape], shapes(2**21)[shape]
     ratio = best_of(lambda: refused_or_parsed(large)) / best_of(lambda: refused_or_parsed(small))
-    assert ratio < 32, ratio
+    assert ratio < 80, ratio
 
 
 @pytest.mark.parametrize("raw, says", [
