@@ -10,7 +10,7 @@ import pytest
 from workers.config import ModelConfig
 from workers.cost_model import (DISTSERVE_OPT13B_A100, HARDWARE, LINKS, MODELS, BatchShape, CostModel,
                                 LinearStepModel, Link, ModelShape, RooflineStepModel, batch_shape, hardware,
-                                kv_capacity_tokens, link, local_prefill_limit, model_shape, roofline)
+                                StepFit, kv_capacity_tokens, link, local_prefill_limit, model_shape, roofline)
 from workers.sequence import SamplingParams, Sequence
 
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -120,6 +120,35 @@ def test_fit_rejects_too_few_samples():
     with pytest.raises(ValueError, match="collinear"):     # every row at one context: Σcontext ∝ rows
         LinearStepModel.fit(samples(TRUE)[:17] + dec)
 
+
+
+def test_a_reduced_fit_on_one_prompt_length_prices_that_length_and_refuses_without_reduce():
+    """Served steps of one prompt length (a load test's fixed lengths) cannot tell Σl² from Σl:
+    without `reduce` that is an error; with it the quadratic term is priced per token, and the
+    model gives the true step times of batches of that length (what admission and local
+    prefill ask it)."""
+    batches = [(prefill(*[(128, 0)] * k), TRUE.step_s(prefill(*[(128, 0)] * k))) for k in (1, 2, 4, 8, 16)]
+    dec = [(decode(*[ctx] * n), TRUE.step_s(decode(*[ctx] * n))) for n in (1, 8, 32) for ctx in (100, 900)]
+    with pytest.raises(ValueError, match="collinear"):
+        LinearStepModel.fit(batches + dec)
+    fit = LinearStepModel.fit(batches + dec, reduce=True)
+    assert fit.p2 == 0.0
+    for k in (1, 3, 16, 32):
+        shape = prefill(*[(128, 0)] * k)
+        assert fit.step_s(shape) == pytest.approx(TRUE.step_s(shape), rel=1e-6), k
+    assert fit.d1 == pytest.approx(TRUE.d1, rel=1e-6)          # the decode terms are untouched
+    with pytest.raises(ValueError, match="distinct prefill"):  # one batch shape pins nothing down
+        LinearStepModel.fit([batches[0]] * 4 + dec, reduce=True)
+
+
+def test_step_fit_on_served_steps_of_one_prompt_length_has_a_model():
+    fit = StepFit(kv_bytes_per_token=1024, kv_capacity_tokens=10_000)
+    shapes = [prefill(*[(128, 0)] * k) for k in (1, 2, 4, 8, 16)] + [decode(*[300 + n] * n) for n in (1, 8, 32)]
+    fit.add([[TRUE.step_s(s), *dataclasses.astuple(s)] for s in shapes])
+    model = fit.current()
+    assert model is not None
+    assert model.prefill_tokens_per_s(128, 2048) == pytest.approx(
+        16 * 128 / TRUE.step_s(prefill(*[(128, 0)] * 16)), rel=1e-6)
 
 # -- roofline ------------------------------------------------------------------------------------
 LLAMA3_8B_BLOCK_PARAMS = 32 * (4096 * (4096 + 2 * 8 * 128) + 4096 * 4096 + 3 * 4096 * 14336)

@@ -102,34 +102,56 @@ class LinearStepModel:
         return [t0 + j * dt for j in range(k)]
 
     @classmethod
-    def fit(cls, samples: list[tuple[BatchShape, float]], per_chunk: bool = False) -> LinearStepModel:
+    def fit(cls, samples: list[tuple[BatchShape, float]], per_chunk: bool = False,
+            reduce: bool = False) -> LinearStepModel:
         """Least squares on prefill-only and decode-only (shape, seconds) samples; mixed steps are
         left out because they cannot tell the two fixed costs apart. Coefficients stay >= 0: a
         negative one is dropped and the rest refit, as a small active-set NNLS; rows are weighted
         by 1 / time, so the fit minimizes relative error. `per_chunk`
-        also fits p3 and pc (the samples must include chunks on cached context)."""
+        also fits p3 and pc (the samples must include chunks on cached context).
+
+        Samples that cannot tell the terms apart raise ValueError, unless `reduce`: then the
+        terms the samples do not pin down are priced 0 and the rest fitted, the higher-order
+        term first (prompts all of one length make Σl² a multiple of Σl: the attention's pairs
+        are priced per token, as they are at that length; decode rows all at one context make
+        Σcontext a multiple of the rows: priced per row). What serving fits on is whatever
+        came (a load test of one prompt length is common), and a model right at the lengths it
+        has seen prices the line and local prefills, where none would turn both off."""
         import numpy as np
 
-        def solve(rows, kind, names):
+        def solve(rows, kind, names, drop):
             k = len(rows[0][0]) if rows else 3
-            if len({x for x, _ in rows}) < k:
-                raise ValueError(f"need at least {k} distinct {kind}-only samples to fit, got {len(rows)}")
-            a = np.array([x for x, _ in rows], dtype=float)
-            scale = np.abs(a).max(axis=0)       # columns span 1 to ~1e7: scale them to one range
-            a /= scale
-            if np.linalg.matrix_rank(a) < k:
-                raise ValueError(f"{kind} samples are collinear in ({names}): vary them independently")
+            a = np.array([x for x, _ in rows], dtype=float).reshape(len(rows), k)
+            keep = list(range(k))
+            while True:
+                if len({tuple(x[keep]) for x in a}) < len(keep):
+                    if reduce and len(keep) > 1 and drop:
+                        keep.remove(drop.pop(0))
+                        continue
+                    raise ValueError(f"need at least {k} distinct {kind}-only samples to fit, got {len(rows)}")
+                b = a[:, keep]
+                scale = np.abs(b).max(axis=0)   # columns span 1 to ~1e7: scale them to one range
+                scale[scale == 0] = 1.0
+                if np.linalg.matrix_rank(b / scale) == len(keep):
+                    break
+                if not (reduce and drop):
+                    raise ValueError(f"{kind} samples are collinear in ({names}): vary them independently")
+                keep.remove(drop.pop(0))
+            b = b / scale
             y = np.array([t for _, t in rows], dtype=float)
             # Relative error is what matters (a 4 ms step off by 2 ms is as wrong as a 100 ms
             # one off by 50): weight each row by 1 / its time.
             w = 1.0 / np.maximum(y, 1e-9)
-            a, y = a * w[:, None], y * w
-            active = list(range(k))
+            b, y = b * w[:, None], y * w
+            active = list(range(len(keep)))
             while True:
-                coef = np.zeros(k)
-                coef[active] = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+                coef = np.zeros(len(keep))
+                coef[active] = np.linalg.lstsq(b[:, active], y, rcond=None)[0]
                 if coef.min() >= 0:
-                    return [float(v) for v in coef / scale]
+                    out = [0.0] * k
+                    for j, v in zip(keep, coef / scale):
+                        out[j] = float(v)
+                    return out
                 active.remove(int(coef.argmin()))
 
         if per_chunk:
@@ -140,8 +162,9 @@ class LinearStepModel:
                    for s, t in samples if s.num_prefill and not s.num_decode]
         dec = [((1, s.decode_context, s.num_decode), t)
                for s, t in samples if s.num_decode and not s.num_prefill]
-        p0, p1, p2, *rest = solve(pre, "prefill", "1, Σl, Σl², chunks, Σlc" if per_chunk else "1, Σl, Σl²+2Σlc")
-        return cls(p0, p1, p2, *solve(dec, "decode", "1, Σcontext, rows"), *rest)
+        p0, p1, p2, *rest = solve(pre, "prefill", "1, Σl, Σl², chunks, Σlc" if per_chunk else "1, Σl, Σl²+2Σlc",
+                                  [] if per_chunk else [2])
+        return cls(p0, p1, p2, *solve(dec, "decode", "1, Σcontext, rows", [1]), *rest)
 
 
 # DistServe's simulator profile for OPT-13B, TP1, A100-80GB (LLMServe/DistServe,
@@ -539,7 +562,7 @@ class StepFit:
             self._new = False
             self._fitted_at = self.clock()
             try:
-                step = LinearStepModel.fit(self._profiled + list(self._recent))
+                step = LinearStepModel.fit(self._profiled + list(self._recent), reduce=True)
             except ValueError:                    # too few distinct shapes: keep the last fit
                 return self.model
             self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
