@@ -25,7 +25,7 @@ one. So the predictions lean on what the router observes, and are checked agains
   over admitted requests, smoothed, adds what neither sees (the router, the event path); it is
   additive, never a factor, so a short queue's overhead is never multiplied into a long queue's
   prediction. A request is let in while its prediction, plus the 95th percentile of how far
-  measured TTFTs ran over predictions near the target lately (`margin`, also additive: a factor
+  measured TTFTs ran over predictions of about its size lately (`margin`, also additive: a factor
   of measured over predicted multiplied the bias's fixed overhead, and refused requests of a
   64-client closed loop whose measured TTFTs were all within the target), is within its target.
 - TPOT: the gap between first and second token (the handoff, and any wait for a decode seat)
@@ -45,6 +45,7 @@ its predicted TTFT is within `ttft_s * shed_ratio ** p`.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -72,7 +73,8 @@ class Verdict:
 
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
-NEAR = 0.25             # predictions of at least this share of the TTFT target inform `margin`
+BANDS = (1 / 8, 1 / 4, 1 / 2, 1.0)   # `margin`'s bands of predictions: upper edges, in TTFT targets
+MARGIN_MIN_ERRORS = 20  # errors a band needs lately before its margin counts
 SATURATED = 0.9         # a line not empty this share of the time: requests end at the service's pace
 
 
@@ -155,9 +157,11 @@ class SLOAdmission:
         self.shed_ratio, self.weight, self.explore_share = shed_ratio, bias_weight, explore_share
         self.probe_credit = 0.0           # grows by explore_share per request let in; a probe takes 1
         self.bias = 0.0                   # measured TTFT - predicted, smoothed (seconds)
-        self.errors: deque[tuple[float, float]] = deque(maxlen=200)   # (when, measured - predicted TTFT), of
-        self.margin_window_s = margin_window_s                      # predictions near the target, lately
-        self._margin: float | None = 0.0  # margin() of `errors` (None: to compute again)
+        # Per band of predictions (BANDS), (when, measured - predicted TTFT) lately, and the band's
+        # margin as last computed (None: to compute again).
+        self.errors: list[deque[tuple[float, float]]] = [deque(maxlen=200) for _ in range(len(BANDS) + 1)]
+        self._margins: list[float | None] = [None] * (len(BANDS) + 1)
+        self.margin_window_s = margin_window_s
         self.waiting = self.waiting_tokens = self.in_handoff = 0
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
@@ -219,33 +223,49 @@ class SLOAdmission:
         swung it between -0.37 and +0.53 s every two seconds, refusing hundreds each swing."""
         if not predicted_ttft_s >= 0 or not ttft_s >= 0:
             return
-        if predicted_ttft_s >= NEAR * self.slo.ttft_s:
-            self.errors.append((self.clock(), ttft_s - predicted_ttft_s))
-            self._margin = None
         raw = predicted_ttft_s - bias                    # the prediction before its bias
+        band = self._band(raw)
+        self.errors[band].append((self.clock(), ttft_s - predicted_ttft_s))
+        self._margins[band] = None
         error = min(max(ttft_s - raw, -self.slo.ttft_s), self.slo.ttft_s)   # one outlier moves it little
         self.bias += self.weight * (error - self.bias)
 
-    def margin(self) -> float:
-        """How far measured TTFTs have lately run over predictions near the target: the 95th
-        percentile of measured minus predicted over the last `margin_window_s`, in seconds (0
-        with fewer than 20 such requests; within [-1/2, 2] x the TTFT target). A request is let
-        in while its prediction plus this is within its target, so that under overload nearly
-        all of those let in meet it (a prediction right on average still misses half the time
-        at the edge); predictions that ran pessimistic lately let more in. The errors age out:
-        a margin that a transient set high lets in only requests predicted far below the
-        target, which add no errors near it, so without the window it would not come down (served,
-        the first seconds of a jump to 3x load left it at its bound to the end of the run)."""
+    def _band(self, work_s: float) -> int:
+        return bisect.bisect_right(BANDS, work_s / self.slo.ttft_s)
+
+    def margin(self, work_s: float) -> float:
+        """How far measured TTFTs have lately run over predictions of about `work_s` before their
+        bias (the work ahead and the request's own prefill): the 95th percentile of measured
+        minus predicted over the last `margin_window_s`, among the predictions in its band
+        (BANDS: within a factor of two, in shares of the TTFT target), or the nearest band below
+        it with `MARGIN_MIN_ERRORS` such errors (0 with none; within [-1/2, 2] x the TTFT
+        target). A request is let in while its prediction plus this is
+        within its target, so that under overload nearly all of those let in meet it (a
+        prediction right on average still misses half the time at the edge); predictions that
+        ran pessimistic lately let more in. By band, because a prediction's error grows with
+        what it predicts: a long line's errors (seconds, after a burst) are not a short line's,
+        and a light load after an overload was refused while its requests were served in 20 ms
+        (half of vLLM's Poisson load after its 256-client closed loop, for six seconds). The
+        errors age out: a margin that a transient set high lets in only requests predicted far
+        below the target, which add no errors to its band, so without the window it would not
+        come down (served, the first seconds of a jump to 3x load left it at its bound to the end
+        of the run)."""
+        if math.isnan(work_s):
+            return 0.0
         horizon = self.clock() - self.margin_window_s
-        while self.errors and self.errors[0][0] < horizon:
-            self.errors.popleft()
-            self._margin = None
-        if self._margin is None:
-            ranked = sorted(e for _, e in self.errors)
-            target = self.slo.ttft_s
-            self._margin = (0.0 if len(ranked) < 20 else
-                            min(2 * target, max(-target / 2, ranked[int(0.95 * (len(ranked) - 1))])))
-        return self._margin
+        for band in range(self._band(work_s), -1, -1):
+            errors = self.errors[band]
+            while errors and errors[0][0] < horizon:
+                errors.popleft()
+                self._margins[band] = None
+            if len(errors) < MARGIN_MIN_ERRORS:
+                continue
+            if self._margins[band] is None:
+                ranked = sorted(e for _, e in errors)
+                target = self.slo.ttft_s
+                self._margins[band] = min(2 * target, max(-target / 2, ranked[int(0.95 * (len(ranked) - 1))]))
+            return self._margins[band]
+        return 0.0
 
     def probed(self, target: str, met: bool) -> None:
         """A probe's outcome: it met its targets or not (the router judges it when it ends)."""
@@ -366,7 +386,7 @@ class SLOAdmission:
         (`_refuse`)."""
         ttft, ahead = self.predict_ttft(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
-        likely = ttft + self.margin()
+        likely = ttft + self.margin(ttft - self.bias)
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "

@@ -548,3 +548,25 @@ def test_a_burst_after_a_quiet_spell_is_priced_by_its_prefill_work_not_the_quiet
         a.progress(a.started(128), 1)
     a.drain_rate()
     assert a.drain.length > 0.9 * burst
+
+
+def test_a_light_load_after_an_overload_that_missed_by_seconds_is_let_in():
+    """3x overload with a three-second stall (the requests in line then miss by seconds: the
+    margin of long lines goes to its bound), then 8 requests a second against the 20 served: the
+    light load's predictions are of a short line, whose errors are its own, and nothing is
+    refused once the overload's line has drained (with one margin for every prediction, the
+    overload's errors refused every request that found one ahead of it until they aged out,
+    as vLLM's Poisson load after its 256-client closed loop was, for six seconds)."""
+    s = FIFOServer(jitter=0.9, stall=(17.0, 20.0))
+    rng, t = random.Random(0), 0.0
+    while t < 60:
+        t += rng.expovariate(60 if t < 20 else 8)
+        s.at(t, "arrive")
+    s.run(25.0)                                                    # the overload's line drains
+    assert s.a.waiting <= 2
+    assert s.a.margin(0.8 * SLO.ttft_s) == 2 * SLO.ttft_s          # the stall's errors: at the bound
+    refused, seen = s.refused, len(s.done)
+    s.run(120.0)
+    light = s.done[seen:]
+    assert s.refused == refused
+    assert len(light) > 250 and all(r["ttft"] <= SLO.ttft_s for r in light if r["arrived"] >= 25)
