@@ -90,6 +90,19 @@ class Ticket:
         self.tokens = 0
 
 
+class Pledge:
+    """Requests let in and counted in the line at once, before their runs start: a response
+    begins after its handler returns, when other handlers may have run, and the tickets were
+    taken only then (`started`), so a burst's requests were all checked against the line as
+    it was before any of them (vLLM's 256-client closed loop: every one of the first round let
+    in, to first tokens up to 3 s). Redeemed when the first of its runs starts, or when the
+    response ends without one (`redeem`, idempotent)."""
+    __slots__ = ("requests", "prompt_tokens")
+
+    def __init__(self, requests: int, prompt_tokens: int):
+        self.requests, self.prompt_tokens = requests, prompt_tokens
+
+
 class DrainRate:
     """How fast the line of requests waiting for their first token drains: first tokens per
     second of time the line was not empty, over the last `window_s` (long enough that a burst of
@@ -177,6 +190,22 @@ class SLOAdmission:
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
         return Ticket(prompt_tokens, predicted_ttft_s, self.bias)
+
+    def pledge(self, prompt_tokens: int, requests: int = 1) -> Pledge:
+        """Requests just let in, in the line until their runs start (Pledge)."""
+        self.drain.line(self.clock(), self.waiting)
+        self.waiting += requests
+        self.waiting_tokens += prompt_tokens
+        return Pledge(requests, prompt_tokens)
+
+    def redeem(self, p: Pledge | None) -> None:
+        """The pledge's runs start (each takes its ticket), or its response ended without them."""
+        if p is None or not p.requests:
+            return
+        self.drain.line(self.clock(), self.waiting)
+        self.waiting -= p.requests
+        self.waiting_tokens -= p.prompt_tokens
+        p.requests = p.prompt_tokens = 0
 
     def progress(self, t: Ticket, tokens_out: int, ttft_s: float = math.nan) -> None:
         """The request has `tokens_out` tokens out (call after each token event)."""

@@ -345,7 +345,16 @@ class Server:
                                headers={"Retry-After": str(wait)})
             if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
                 req.predicted_ttft_s, req.ttft_limit_s, req.probe = v.predicted_ttft_s, v.ttft_limit_s, v.code
+            pledge = self.admission.pledge(sum(prompts), sequences)
+            for r in reqs:
+                r.pledge = pledge
         self.pending += sequences
+
+    def _release(self, reqs: list[GenerationRequest]) -> None:
+        """A response that `_admit` let in has ended: its slots and any pledge its runs left."""
+        self._done(sum(r.best_of for r in reqs))
+        if self.admission is not None:
+            self.admission.redeem(reqs[0].pledge)
 
     def _done(self, n: int = 1) -> None:
         self.pending -= n
@@ -430,7 +439,10 @@ class Server:
         prompt_tokens = 0 if shares_prompt else len(req.prompt_token_ids)
         m.observe_arrival(prompt_tokens)
         m.waiting.inc()
-        ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s) if self.admission else None
+        ticket = None
+        if self.admission is not None:
+            self.admission.redeem(req.pledge)
+            ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s)
         events: asyncio.Queue = asyncio.Queue()
         # One timer at the deadline, not one per event: it puts _DEADLINE among the events.
         deadline = (None if req.deadline is None else
@@ -732,12 +744,12 @@ async def _respond(server: Server, request: Request, req: GenerationRequest | li
         r.request_id = rid
     created = int(time.time())
     if req.stream:
-        slots = _Slots(server, sum(r.best_of for r in reqs))
+        slots = _Slots(server, reqs)
         return ClientStream(_stream(server, reqs, rid, created, slots), server, slots)
     try:
         return await _whole(server, request, reqs, rid, created)
     finally:
-        server._done(sum(r.best_of for r in reqs))
+        server._release(reqs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -919,17 +931,17 @@ class Line:
 
 
 class _Slots:
-    """A response's admitted sequences (`Server.pending`), given back once, by whichever cleanup
-    comes first: a stream's generator, or its response when the generator never started (the
-    client was gone before the response's head went out)."""
+    """A response's admitted sequences (`Server.pending`) and pledge, given back once, by
+    whichever cleanup comes first: a stream's generator, or its response when the generator
+    never started (the client was gone before the response's head went out)."""
 
-    def __init__(self, server: Server, n: int):
-        self.server, self.n = server, n
+    def __init__(self, server: Server, reqs: list[GenerationRequest]):
+        self.server, self.reqs = server, reqs
 
     def release(self) -> None:
-        if self.n:
-            self.server._done(self.n)
-            self.n = 0
+        if self.reqs:
+            self.server._release(self.reqs)
+            self.reqs = []
 
 
 async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid: str, created: int, slots: _Slots):

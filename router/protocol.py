@@ -26,6 +26,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from router.admission import Pledge
 from router.tools import MAX_TOOLS, ToolUse
 from workers.sequence import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN,
                               SAMPLING_FIELDS, SamplingParams, check_structured, show)
@@ -74,6 +75,7 @@ class GenerationRequest:
     predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
     probe: str = ""                            # SLO admission let it in although predicted to miss this target
     ttft_limit_s: float = math.nan             # the TTFT SLO admission let it in against
+    pledge: Pledge | None = None               # SLO admission's count of it until its run starts
     echo: bool = False                         # completions: the answer starts with the prompt
     n: int = 1                                 # samples answered
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered

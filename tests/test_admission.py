@@ -91,6 +91,32 @@ def test_the_prompts_ahead_predict_ttft_and_refuse_past_the_target():
     assert (a.waiting, a.waiting_tokens) == (0, 0)
 
 
+def test_requests_let_in_count_in_the_line_from_their_admission_until_their_runs_start():
+    """A burst's requests are checked one after another before any of their responses begins:
+    each is in the line for the next from its admission (its pledge), then as its run's ticket;
+    a response that ends before its run starts gives its place back."""
+    a = cluster(prefill=2)
+    verdicts, pledges = [], []
+    for _ in range(400):
+        verdicts.append(a.check(512, 16))
+        if verdicts[-1].admit:
+            pledges.append(a.pledge(512))
+    admitted = [v for v in verdicts if v.admit and not v.probe]
+    assert len(pledges) < 400 and a.waiting == len(pledges)
+    assert [v.predicted_ttft_s for v in admitted] == sorted(v.predicted_ttft_s for v in admitted)
+    assert admitted[-1].predicted_ttft_s <= SLO.ttft_s
+    tickets = []
+    for p in pledges[:-1]:                          # their runs start
+        a.redeem(p)
+        a.redeem(p)                                 # (once: another sample of the same request)
+        tickets.append(a.started(512))
+    assert (a.waiting, a.waiting_tokens) == (len(pledges), 512 * len(pledges))
+    a.redeem(pledges[-1])                           # its client left before its response began
+    for t in tickets:
+        a.ended(t)
+    assert (a.waiting, a.waiting_tokens) == (0, 0)
+
+
 def test_prompts_other_routers_queued_count_ahead_too():
     """Another router's prompts reach the prefill workers' reports, never this router's own
     count: the larger of the two is what is ahead (this router's own sends are in its count
