@@ -42,7 +42,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from router.admission import SLOAdmission
+from router.admission import RefusalPace, SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.leadership import Leadership
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIError, GenerationRequest, bad_request, chat_messages,
@@ -114,13 +114,14 @@ class Server:
                  admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
                  slo: SLOTargets | None = None, request_timeout_s: float | None = 600.0,
                  body_timeout_s: float = 30.0, max_validating: int = 64, leadership: Leadership | None = None,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, refusals_per_s: float = 500.0):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
         self.leadership = leadership or Leadership(leads=True)   # a router of its own leads its pools
         self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
         self.validation = Line()
+        self.refusal_pace = RefusalPace(refusals_per_s)   # a full server's 429s: at most this many a second
         self._grammars = None                  # workers/grammar.py Grammars, on the first structured request
         self._grammar_lock = threading.Lock()  # (validation threads share its cache)
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
@@ -349,6 +350,12 @@ class Server:
             for r in reqs:
                 r.pledge = pledge
         self.pending += sequences
+
+    async def _paced(self) -> None:
+        """Holds a 429 of a full server until its turn (router/admission.py RefusalPace)."""
+        hold = self.refusal_pace.hold(asyncio.get_running_loop().time())
+        if hold > 0:
+            await asyncio.sleep(hold)
 
     def _release(self, reqs: list[GenerationRequest]) -> None:
         """A response that `_admit` let in has ended: its slots and any pledge its runs left."""
@@ -737,7 +744,12 @@ class _Namespace(jinja2.utils.Namespace):
 async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
     """Answers a request, or a batch of prompts (a list of requests, one response for them all)."""
     reqs = _as_batch(req)
-    server._admit(reqs)
+    try:
+        server._admit(reqs)
+    except APIError as e:
+        if e.status == 429:
+            await server._paced()
+        raise
     req = reqs[0]
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     for r in reqs:

@@ -34,6 +34,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0          # a request still running this long after it arrived ends (504)
     body_timeout_s: float = 30.0              # a request body not whole within this long is refused (408)
     max_validating: int = 64                  # request bodies being read or validated at once, past it 429
+    max_refusals_per_s: float = 500.0         # a full server's 429s answered per second at most (held up to 0.5 s)
     tool_call_parser: str = AUTO              # how answers call tools: one of TOOL_PARSERS (auto: by the chat template)
     slo: SLOTargets = field(default_factory=SLOTargets)
     router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)
@@ -60,6 +61,8 @@ class RouterConfig:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {TOOL_PARSERS}, got {self.tool_call_parser!r}")
+        if not self.max_refusals_per_s > 0:       # NaN too
+            raise ValueError(f"--max-refusals-per-s must be > 0, got {self.max_refusals_per_s}")
         if self.max_validating < 1:
             raise ValueError(f"--max-validating must be >= 1, got {self.max_validating}")
         if self.api_key is not None and not self.api_key.strip():

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from common import Clock
-from router.admission import SLOAdmission, Verdict
+from router.admission import RefusalPace, SLOAdmission, Verdict
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -596,3 +596,17 @@ def test_a_light_load_after_an_overload_that_missed_by_seconds_is_let_in():
     light = s.done[seen:]
     assert s.refused == refused
     assert len(light) > 250 and all(r["ttft"] <= SLO.ttft_s for r in light if r["arrived"] >= 25)
+
+
+def test_refusals_go_out_at_their_pace_and_none_waits_past_its_bound():
+    """A burst of refusals at 100 a second: each waits for its turn, 10 ms after the one before,
+    up to half a second; those that would wait longer go at once and take no turn; once the
+    turns have passed, a refusal goes at once again."""
+    pace = RefusalPace(100.0, max_hold_s=0.5)
+    holds = [pace.hold(10.0) for _ in range(80)]
+    assert holds[:51] == pytest.approx([k / 100 for k in range(51)])
+    assert holds[51:] == [0.0] * 29
+    assert pace.hold(10.2) == pytest.approx(0.31)                   # the turn after the 51st
+    assert pace.hold(20.0) == 0.0
+    with pytest.raises(ValueError):
+        RefusalPace(0.0)

@@ -78,6 +78,7 @@ def test_bench_launch_takes_the_engine_flags():
     (["serve", "--mode", "colocated", "--prefill", "2"], "--prefill applies to --mode disaggregated"),
     (["serve", "--mode", "colocated", "--decode", "2"], "--decode applies to --mode disaggregated"),
     (["serve", "--policy", "fastest"], "invalid choice"),
+    (["serve", "--max-refusals-per-s", "0"], "--max-refusals-per-s must be > 0, got 0"),
 ])
 def test_flags_that_do_not_apply_are_refused_before_anything_starts(argv, needle, capsys):
     try:

@@ -243,7 +243,8 @@ class ServingCluster:
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
-                        max_validating=cfg.max_validating, leadership=self.leadership,
+                        max_validating=cfg.max_validating, refusals_per_s=cfg.max_refusals_per_s,
+                        leadership=self.leadership,
                         tool_parser=None if cfg.tool_call_parser == AUTO else cfg.tool_call_parser,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i.device.startswith("cuda") for i in infos)})
