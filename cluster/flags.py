@@ -150,8 +150,7 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "template) or llama3_json (Llama 3.1's JSON calls); auto: by the chat template", str, TOOL_PARSERS),
     Flag("--max-validating", "max_validating", "request bodies being read or validated at once (before "
          "admission); the others wait in line unread, 429 past --max-pending waiting or --body-timeout-s"),
-    Flag("--max-refusals-per-s", "max_refusals_per_s", "429s (a full server: admission, --max-pending, "
-         "bodies waiting to be read) "
+    Flag("--max-refusals-per-s", "max_refusals_per_s", "429s of a full server (admission, --max-pending) "
          "answered per second at most; the rest wait their turn, up to 0.5 s: a client that sends again "
          "the moment it is refused comes back at this pace, not as fast as the router can refuse", float),
 )

@@ -121,7 +121,7 @@ class Server:
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
         self.validation = Line()
-        self.refusal_pace = RefusalPace(refusals_per_s)   # its 429s (a full server): at most this many a second
+        self.refusal_pace = RefusalPace(refusals_per_s)   # a full server's 429s: at most this many a second
         self._grammars = None                  # workers/grammar.py Grammars, on the first structured request
         self._grammar_lock = threading.Lock()  # (validation threads share its cache)
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
@@ -351,6 +351,12 @@ class Server:
                 r.pledge = pledge
         self.pending += sequences
 
+    async def _paced(self) -> None:
+        """Holds a 429 of a full server until its turn (router/admission.py RefusalPace)."""
+        hold = self.refusal_pace.hold(asyncio.get_running_loop().time())
+        if hold > 0:
+            await asyncio.sleep(hold)
+
     def _release(self, reqs: list[GenerationRequest]) -> None:
         """A response that `_admit` let in has ended: its slots and any pledge its runs left."""
         self._done(sum(r.best_of for r in reqs))
@@ -529,10 +535,6 @@ def build_app(server: Server) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
-        if e.status == 429:           # a full server's: held for its turn (router/admission.py RefusalPace)
-            hold = server.refusal_pace.hold(asyncio.get_running_loop().time())
-            if hold > 0:
-                await asyncio.sleep(hold)
         return _error_response(e)
 
     @app.exception_handler(Exception)
@@ -742,7 +744,12 @@ class _Namespace(jinja2.utils.Namespace):
 async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
     """Answers a request, or a batch of prompts (a list of requests, one response for them all)."""
     reqs = _as_batch(req)
-    server._admit(reqs)
+    try:
+        server._admit(reqs)
+    except APIError as e:
+        if e.status == 429:
+            await server._paced()
+        raise
     req = reqs[0]
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     for r in reqs:
