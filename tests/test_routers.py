@@ -215,10 +215,15 @@ def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, 
             outs = [[] for _ in prompts]
             runs = [asyncio.ensure_future(stream([url0, r1.url][i % 2], p, outs[i])) for i, p in enumerate(prompts)]
             deadline = asyncio.get_running_loop().time() + 60
-            while sum(map(len, outs)) < len(prompts) * MAX_NEW_TOKENS // 4:
+            # The victim runs streams now, as the worker itself says: the file's earlier tests
+            # flipped decode-1 and added decode-2, and both routers may send every stream to one
+            # of the two decode workers (a kill of the idle one resumed nothing).
+            while True:
                 assert asyncio.get_running_loop().time() < deadline, outs
                 await asyncio.wait(runs, timeout=0.05)
-            victim = next(i for w, i in r0.answering().items() if i.role == "decode")
+                if sum(map(len, outs)) >= len(prompts) * MAX_NEW_TOKENS // 4:
+                    if victim := decode_worker_running_streams(r0):
+                        break
             os.kill(victim.pid, 9)
             await asyncio.gather(*runs)
             return outs
@@ -227,9 +232,20 @@ def test_a_worker_dies_under_two_routers_and_each_resumes_its_own(r0, tmp_path, 
                    for u in (url0, r1.url)]
         assert sum(resumed) >= 1, resumed           # streams on it resumed (each router resumes its own)
         wait_for(lambda: httpx.get(f"{r1.url}/health", timeout=10).json()["workers"]["decode"], lambda n: n == 2, 120)
+        wait_for(lambda: set(r0.answering()), lambda ids: ids == {w.worker_id for w in r0.workers}, 120)
         wait_pools_clean(r0, 30)
     finally:
         r1.kill()
+
+
+def decode_worker_running_streams(cluster: ServingCluster):
+    """The `ready()` answer of a decode worker that runs a sequence now (asked of the worker,
+    not read from a report that may be old), or None while none does."""
+    for worker_id, info in cluster.answering().items():
+        handle = next(w.handle for w in cluster.workers if w.worker_id == worker_id)
+        if info.role == "decode" and ray.get(handle.stats.remote(), timeout=10).running > 0:
+            return info
+    return None
 
 
 def test_a_second_launch_of_running_pools_and_down_of_absent_ones_fail_naming_the_way(r0):

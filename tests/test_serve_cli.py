@@ -102,7 +102,11 @@ def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_wi
         output = serve.output
         assert rc == code, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
-        assert "draining 2 request(s)" in output, output[-3000:]     # both were in flight at the signal
+        # Both were in flight when the signal was sent; on a busy box the short one (64 tokens)
+        # may finish before serve's handler runs, the long one never does.
+        draining = re.search(r"draining (\d+) request\(s\) in flight", output)
+        assert draining and int(draining[1]) in (1, 2), output[-3000:]
+        assert "1 request(s) did not finish and ended with an error" in output, output[-3000:]
         assert short_error is None and short_reason == "length" and short_ids == offline(short)
         assert long_error is not None and long_error["code"] == "server_shutdown", long_error
         assert 0 < len(long_ids) < LONG and long_ids == offline(len(long_ids))
