@@ -38,6 +38,8 @@ probes, at most `explore_share` of the requests let in, and the router records w
 its targets (what llm-d's predictor does with its exploration share); the probes' share that met
 is the share of refusals that would have met. Probes also inform the bias and the margin, where
 admitted requests alone (those predicted to meet) would never show a pessimistic prediction.
+And the predictions answer to the record: a would-be refusal is let in when the loads the
+router served lately within their targets say its load is served (`ServedRecord`).
 Only work already in the cluster refuses a request; until the line has drained a few requests
 and the fit has enough steps, only the queue bound applies. Under pressure lower priorities go
 first: a request of priority p > 0 (vLLM's sense: larger is less urgent) is let in only while
@@ -70,24 +72,30 @@ class Verdict:
     predicted_ttft_s: float = math.nan    # nan: no prediction (no cost model, no drain seen yet)
     probe: bool = False                   # admitted although predicted to miss (its outcome is recorded)
     ttft_limit_s: float = math.nan        # the TTFT it was admitted against (priority applied)
+    on_record: bool = False               # predicted to miss, let in: the record shows this load served (ServedRecord)
 
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
 BANDS = (1 / 8, 1 / 4, 1 / 2, 1.0)   # `margin`'s bands of predictions: upper edges, in TTFT targets
 MARGIN_MIN_ERRORS = 20  # errors a band needs lately before its margin counts
 SATURATED = 0.9         # a line not empty this share of the time: requests end at the service's pace
+RECORD_MISS_SHARE = 1 / 20   # ServedRecord: misses at a lighter load, against those met at a heavier one
+RECORD_STRETCH = 1.125       # ServedRecord: a load this much heavier than one met counts as served
 
 
 class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
-    __slots__ = ("prompt_tokens", "predicted_ttft_s", "bias", "stage", "first_at", "second_at", "tokens")
+    __slots__ = ("prompt_tokens", "predicted_ttft_s", "bias", "stage", "first_at", "second_at", "tokens", "load",
+                 "served")
 
-    def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float):
+    def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float, load: tuple[int, int] = (0, 0)):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
         self.bias = bias                  # the bias in its prediction (it has moved by its first token)
         self.first_at = self.second_at = math.nan
         self.tokens = 0
+        self.load = load                  # (requests in flight, their prompt tokens) as its run started
+        self.served: list | None = None   # its entry in the ServedRecord, from its first token
 
 
 class Pledge:
@@ -157,6 +165,46 @@ class DrainRate:
         return self.last
 
 
+class ServedRecord:
+    """What the router saw served lately, by load: a check on the predictions that needs no
+    model. A load is (requests in flight, their prompt tokens), each counted with the request
+    itself, as its run starts; an outcome is the request's TTFT (when its first token comes) and
+    whether its TPOT met the target (when it ends).
+
+    The record says a load is served when lately at least `min_met` requests met their targets
+    under a load as heavy in both counts, or within RECORD_STRETCH of it (so that a closed loop
+    held back by the predictions climbs to its size round by round, not only by probes), and
+    those that missed under a load as light or lighter are at most RECORD_MISS_SHARE of them (a
+    stray miss, a pause, does not undo a loop's hundreds; a load heavier than any served, or one
+    that lighter loads missed at, is the predictions' to judge). A request the predictions would refuse is let in when the record says
+    its load is served: a closed loop of clients never carries more than its first round did, so
+    once the server has served a round within its targets, nothing of that loop is refused
+    whatever the predictions say (vLLM's 64-client loop had 14 of 640 refused, each predicted
+    just over the target at a round's burst while every request let in met it)."""
+
+    def __init__(self, window_s: float = 20.0, size: int = 512, min_met: int = 3):
+        self.window_s, self.min_met = window_s, min_met
+        self.entries: deque[list] = deque(maxlen=size)   # [when, in flight, their prompt tokens, ttft, tpot met or None]
+
+    def first(self, now: float, load: tuple[int, int], ttft_s: float) -> list:
+        entry = [now, load[0], load[1], ttft_s, None]
+        self.entries.append(entry)
+        return entry
+
+    def serves(self, now: float, in_flight: int, tokens: int, ttft_limit_s: float) -> bool:
+        entries = self.entries
+        while entries and entries[0][0] < now - self.window_s:
+            entries.popleft()
+        met = missed = 0
+        reach_n, reach_tokens = in_flight / RECORD_STRETCH, tokens / RECORD_STRETCH
+        for _, n, k, ttft, tpot_met in entries:
+            if ttft > ttft_limit_s or tpot_met is False:
+                missed += n <= in_flight and k <= tokens
+            elif tpot_met:
+                met += n >= reach_n and k >= reach_tokens
+        return met >= self.min_met and missed <= RECORD_MISS_SHARE * met
+
+
 class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
                  shed_ratio: float = 0.75, bias_weight: float = 0.05,
@@ -175,7 +223,10 @@ class SLOAdmission:
         self.errors: list[deque[tuple[float, float]]] = [deque(maxlen=200) for _ in range(len(BANDS) + 1)]
         self._margins: list[float | None] = [None] * (len(BANDS) + 1)
         self.margin_window_s = margin_window_s
-        self.waiting = self.waiting_tokens = self.in_handoff = 0
+        self.waiting = self.waiting_tokens = self.in_handoff = self.decoding = 0
+        self.past_first_tokens = 0        # prompt tokens of the requests in flight past their first token
+        self.record = ServedRecord()
+        self.on_record = 0                # requests predicted to miss and let in on the record
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
@@ -189,7 +240,15 @@ class SLOAdmission:
         self.drain.line(self.clock(), self.waiting)
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
-        return Ticket(prompt_tokens, predicted_ttft_s, self.bias)
+        return Ticket(prompt_tokens, predicted_ttft_s, self.bias, (self.in_flight, self.in_flight_tokens))
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting + self.in_handoff + self.decoding
+
+    @property
+    def in_flight_tokens(self) -> int:
+        return self.waiting_tokens + self.past_first_tokens
 
     def pledge(self, prompt_tokens: int, requests: int = 1) -> Pledge:
         """Requests just let in, in the line until their runs start (Pledge)."""
@@ -214,12 +273,16 @@ class SLOAdmission:
             self._leave(t)
             t.stage = HANDOFF
             t.first_at = self.clock()
+            self.past_first_tokens += t.prompt_tokens
             self.in_handoff += 1
             self.drain.first(t.first_at, t.prompt_tokens)
             self._learn(t.predicted_ttft_s, t.bias, ttft_s)
+            if ttft_s >= 0:
+                t.served = self.record.first(t.first_at, t.load, ttft_s)
         if t.stage == HANDOFF and tokens_out >= 2:
             self._leave(t)
             t.stage = DECODING
+            self.decoding += 1
             now = self.clock()
             t.second_at = now
             self.gaps.append((now, now - t.first_at))
@@ -228,6 +291,9 @@ class SLOAdmission:
     def ended(self, t: Ticket) -> None:
         if t.stage in (HANDOFF, DECODING):
             self.completions.append(self.clock())
+            self.past_first_tokens -= t.prompt_tokens
+        if t.served is not None:            # its TPOT (none with one token: met)
+            t.served[4] = t.tokens < 2 or (self.clock() - t.first_at) / (t.tokens - 1) <= self.slo.tpot_s
         if t.stage == DECODING and t.tokens > 2:
             now = self.clock()
             self.paces.append((now, (now - t.second_at) / (t.tokens - 2)))
@@ -243,6 +309,8 @@ class SLOAdmission:
             self.waiting_tokens -= t.prompt_tokens
         elif t.stage == HANDOFF:
             self.in_handoff -= 1
+        elif t.stage == DECODING:
+            self.decoding -= 1
 
     def _learn(self, predicted_ttft_s: float, bias: float, ttft_s: float) -> None:
         """A first token came: `ttft_s` measured against `predicted_ttft_s`, which had `bias` in
@@ -420,7 +488,7 @@ class SLOAdmission:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
-                TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit))
+                TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit), prompt_tokens)
         # The gap lately counts only while work is on its way to the handoff or in it (as for the
         # TTFT): a request alone meets no queue there, and refusing it helps nobody.
         wait = self.handoff_wait() if ahead > 0 or self.in_handoff > 0 else 0.0
@@ -430,14 +498,19 @@ class SLOAdmission:
                 False, f"the gap between first and second token is {wait:.2f}s lately (the handoff to the decode "
                        f"pool), over the {budget:.2f}s that this request's {max_tokens} tokens leave it at the "
                        f"TPOT target", TPOT,
-                retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit))
+                retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit), prompt_tokens)
         self.probe_credit = min(1.0, self.probe_credit + self.explore_share)
         return Verdict(True, predicted_ttft_s=ttft, ttft_limit_s=limit)
 
-    def _refuse(self, v: Verdict) -> Verdict:
-        """A would-be refusal: a probe when the credit allows, so that probes stay within
-        `explore_share` of the requests let in (a closed loop's clients retry at once: a share of
-        the refusals would fill the server with probes)."""
+    def _refuse(self, v: Verdict, prompt_tokens: int) -> Verdict:
+        """A would-be refusal: let in when the record shows its load served (ServedRecord), else a
+        probe when the credit allows, so that probes stay within `explore_share` of the requests
+        let in (a closed loop's clients retry at once: a share of the refusals would fill the
+        server with probes)."""
+        if self.record.serves(self.clock(), self.in_flight + 1, self.in_flight_tokens + prompt_tokens, v.ttft_limit_s):
+            self.on_record += 1
+            return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, ttft_limit_s=v.ttft_limit_s,
+                           on_record=True)
         if self.probe_credit >= 1.0:
             self.probe_credit -= 1.0
             return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, probe=True,

@@ -337,7 +337,8 @@ class Server:
             prompts = [len(r.prompt_token_ids) for r in reqs]
             v = self.admission.check(sum(prompts), req.params.max_tokens, req.priority)
             if v.code:
-                self.metrics.admission_refusals.labels(v.code, "probe" if v.probe else "refused").inc()
+                verdict = "probe" if v.probe else "on_record" if v.on_record else "refused"
+                self.metrics.admission_refusals.labels(v.code, verdict).inc()
             if not v.admit:
                 self.metrics.errors.labels("slo_unattainable").inc()
                 wait = max(1, math.ceil(v.retry_after_s))
@@ -345,7 +346,8 @@ class Server:
                                f"retry in {wait}s", "rate_limit_exceeded", code="slo_unattainable",
                                headers={"Retry-After": str(wait)})
             if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
-                req.predicted_ttft_s, req.ttft_limit_s, req.probe = v.predicted_ttft_s, v.ttft_limit_s, v.code
+                req.predicted_ttft_s, req.ttft_limit_s = v.predicted_ttft_s, v.ttft_limit_s
+                req.probe = v.code if v.probe else ""
             pledge = self.admission.pledge(sum(prompts), sequences)
             for r in reqs:
                 r.pledge = pledge

@@ -91,12 +91,13 @@ class Metrics:
                                          "admission's prediction, per admitted request", registry=r,
                                          buckets=RATIO_BUCKETS)
         self.admission_refusals = Counter(P + "admission_refusals", "Requests SLO admission predicted to miss a "
-                                          "target: refused, or let in as a probe", ["target", "verdict"], registry=r)
+                                          "target: refused, let in as a probe, or let in on the record of the load "
+                                          "served lately", ["target", "verdict"], registry=r)
         self.admission_probes = Counter(P + "admission_probes", "Probes (requests predicted to miss, let in) "
                                         "that finished, by whether they met their targets", ["target", "outcome"],
                                         registry=r)
         for target in ("ttft", "tpot"):
-            for verdict in ("refused", "probe"):
+            for verdict in ("refused", "probe", "on_record"):
                 self.admission_refusals.labels(target, verdict)
             for outcome in ("met", "missed"):
                 self.admission_probes.labels(target, outcome)

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from common import Clock
-from router.admission import RefusalPace, SLOAdmission, Verdict
+from router.admission import RefusalPace, ServedRecord, SLOAdmission, Verdict
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -338,20 +338,22 @@ class FIFOServer:
     first token takes a further uniform [lo, hi] seconds that hold nobody else up (what the line
     does not show: the event path, a busy router). `stall` (from, to): no service starts in that
     span (a worker that stops, a pool that fills). Drives the admission with the simulated clock
-    and records every verdict, prediction and outcome."""
+    and records every verdict, prediction and outcome. `tokens` out at the end (2: only the
+    first two are told, no decode pace measured)."""
 
     def __init__(self, service_s=0.05, gap_s=0.005, decode_s=1.0, jitter=0.0, hidden_s=(0.0, 0.0), seed=0,
-                 stall=(0.0, 0.0), fit=None):
+                 stall=(0.0, 0.0), fit=None, tokens=2):
         self.clock = Clock(0.0)
         self.a = cluster(prefill=1, fit=fit or StepFit(1024, 1 << 20), clock=self.clock)
         self.prompt = 64                         # the next arrivals' prompt tokens
         self.service_s, self.gap_s, self.decode_s = service_s, gap_s, decode_s
         self.jitter, self.rng = jitter, random.Random(seed)   # each service takes service_s x [1 - j, 1 + j]
-        self.hidden_s, self.stall = hidden_s, stall
+        self.hidden_s, self.stall, self.tokens = hidden_s, stall, tokens
         self.events: list = []                   # (time, seq, what, payload)
         self.free_at, self.seq = 0.0, 0
         self.done: list[dict] = []               # admitted: predicted, measured TTFT, probe
         self.refused = 0
+        self.refused_at: list[float] = []
         self.on_end = None                       # called with the time a request ends or is refused
 
     def at(self, when: float, what: str, payload=None) -> None:
@@ -360,9 +362,10 @@ class FIFOServer:
 
     def arrive(self) -> None:
         now = self.clock()
-        v = self.a.check(self.prompt, 16)
+        v = self.a.check(self.prompt, max(16, self.tokens))
         if not v.admit:
             self.refused += 1
+            self.refused_at.append(now)
             if self.on_end:
                 self.on_end(now)
             return
@@ -390,6 +393,7 @@ class FIFOServer:
                 self.a.progress(r["ticket"], 2)
                 self.at(when + self.decode_s, "end", r)
             elif what == "end":
+                self.a.progress(r["ticket"], self.tokens)
                 self.a.ended(r["ticket"])
                 self.done.append(r)
                 if self.on_end:
@@ -506,6 +510,47 @@ def test_a_closed_loop_past_the_target_is_refused_and_keeps_the_goodput():
     probes = [r for r in s.done if r["probe"]]
     assert len(probes) > 20
     assert statistics.mean(r["ttft"] for r in probes) > statistics.mean(r["ttft"] for r in ok)
+
+
+def test_a_closed_loop_the_predictions_overprice_is_refused_nothing_once_its_load_is_on_record(monkeypatch):
+    """A cost model that prices each 64-token prefill at 0.13 s where the server takes 10 ms:
+    60 clients, each TTFT served within 0.4 s, all the predictions' pessimism. The predictions
+    alone refuse 10,000s of requests to the end (the reference, the record switched off); with
+    the record of the loads served lately, the loop's refusals end within its first seconds and
+    every request let in meets its target."""
+    slow = LinearStepModel(p0=0.004, p1=2e-3, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4)
+    slow_fit = StepFit(1024, 1 << 20, [[slow.step_s(s), *dataclasses.astuple(s)] for s in SHAPES])
+
+    def run() -> FIFOServer:
+        s = FIFOServer(service_s=0.01, decode_s=0.3, jitter=0.5, fit=slow_fit, tokens=64)
+        closed_loop(s, 60, duration_s=60)
+        return s
+    with monkeypatch.context() as m:
+        m.setattr(ServedRecord, "serves", lambda *args, **kw: False)
+        predictions_alone = run()
+    assert sum(t > 5 for t in predictions_alone.refused_at) > 10_000
+    s = run()
+    assert [t for t in s.refused_at if t > 5] == [] and len(s.done) >= len(predictions_alone.done)
+    assert s.a.on_record > 1000 and max(r["ttft"] for r in s.done) < SLO.ttft_s
+
+
+def test_the_record_serves_a_load_met_lately_and_not_one_missed_at_a_lighter_load():
+    """ServedRecord on hand-made outcomes: met at (64, 8192) serves up to an eighth more; one
+    miss at a lighter load among 20 met is a stray, two are not; a load missed at, or only
+    half-told (TPOT not known yet), serves nothing; outcomes age out."""
+    r = ServedRecord(window_s=20.0, min_met=3)
+    for i in range(20):
+        r.first(float(i) / 10, (64, 8192), 0.3)[4] = True
+    assert r.serves(2.0, 64, 8192, 1.0) and r.serves(2.0, 72, 9216, 1.0)
+    assert not r.serves(2.0, 73, 8192, 1.0) and not r.serves(2.0, 64, 9300, 1.0)
+    assert not r.serves(2.0, 64, 8192, 0.25)                    # a tighter limit (priority): all missed it
+    r.first(2.0, (32, 4096), 1.5)                                # a miss at a lighter load
+    assert r.serves(2.1, 64, 8192, 1.0) and r.serves(2.1, 16, 2048, 1.0)
+    r.first(2.2, (40, 5000), 0.5)[4] = False                     # a TPOT miss: two against 20
+    assert not r.serves(2.3, 64, 8192, 1.0) and r.serves(2.3, 16, 2048, 1.0)
+    r.first(2.4, (100, 20000), 0.2)                              # TPOT not known: neither
+    assert not r.serves(2.5, 100, 20000, 1.0)
+    assert not r.serves(30.0, 16, 2048, 1.0)                     # all aged out
 
 
 def test_three_times_capacity_keeps_the_goodput():
