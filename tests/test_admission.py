@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from common import Clock
-from router.admission import RefusalPace, ServedRecord, SLOAdmission, Verdict
+from router.admission import IDLE_GRACE_S, RefusalPace, ServedRecord, SLOAdmission, Verdict
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -32,7 +32,7 @@ def report(worker_id, role, waiting=0, queued=0, running=0) -> LoadReport:
     return LoadReport(worker_id, role, waiting, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
 
 
-def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None) -> SLOAdmission:
+def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None, **kw) -> SLOAdmission:
     """`prefill` prefill (or colocated) workers; decode workers reporting these running counts."""
     first = PREFILL if mode == DISAGGREGATED else COLOCATED
     members = [Member(f"p{i}", first, None, ACTIVE) for i in range(prefill)]
@@ -41,7 +41,7 @@ def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None) ->
             m = Member(f"d{i}", DECODE, None, ACTIVE)
             m.report = report(m.worker_id, DECODE, running=r)
             members.append(m)
-    return SLOAdmission(PoolRegistry.of(members), mode, fit or fitted(), SLO, BUDGET, clock=clock or Clock())
+    return SLOAdmission(PoolRegistry.of(members), mode, fit or fitted(), SLO, BUDGET, clock=clock or Clock(), **kw)
 
 
 def admitted(a: SLOAdmission, n: int, prompt: int) -> list:
@@ -115,6 +115,28 @@ def test_requests_let_in_count_in_the_line_from_their_admission_until_their_runs
     for t in tickets:
         a.ended(t)
     assert (a.waiting, a.waiting_tokens) == (0, 0)
+
+
+def test_with_local_prefill_a_decode_worker_idle_a_moment_ago_shares_a_bursts_prefill():
+    """A burst to an idle cluster: the decode worker takes prompts while the prefill worker has a
+    queue, so the work ahead is priced over both (half); once the burst's own requests fill its
+    batch, it counts for IDLE_GRACE_S more (the burst's tail), then no more; without local
+    prefill, never."""
+    clock = Clock(0.0)
+    local, alone = cluster(prefill=1, clock=clock, local_prefill=True), cluster(prefill=1, clock=clock)
+    for a in (local, alone):
+        admitted(a, 40, 512)
+    idle_s, alone_s = local.predict_ttft(512)[1], alone.predict_ttft(512)[1]
+    assert idle_s == pytest.approx(alone_s / 2, rel=1e-6)
+    decode = local.pools.active(DECODE)[0]
+    decode.report = report(decode.worker_id, DECODE, running=8)
+    clock.t += IDLE_GRACE_S / 2
+    assert local.predict_ttft(512)[1] == pytest.approx(idle_s, rel=1e-6)
+    clock.t += IDLE_GRACE_S
+    assert local.predict_ttft(512)[1] == pytest.approx(alone.predict_ttft(512)[1], rel=1e-6)
+    colocated = cluster(prefill=1, mode=COLOCATED, clock=clock, local_prefill=True)
+    admitted(colocated, 40, 512)
+    assert colocated.predict_ttft(512)[1] == pytest.approx(alone_s, rel=1e-6)
 
 
 def test_prompts_other_routers_queued_count_ahead_too():

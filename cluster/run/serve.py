@@ -236,7 +236,8 @@ class ServingCluster:
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
         if self.controller is not None:
             self.leadership.subscribe(lambda resume: self.controller.start(), self.controller.stop)
-        admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens)
+        admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
+                                  local_prefill=cfg.local_prefill_max_tokens != 0)
                      if cfg.admission == SLO else None)
         roles = {r: sum(i.role == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i.max_model_len for i in infos),
