@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from common import Clock
-from router.admission import IDLE_GRACE_S, RefusalPace, ServedRecord, SLOAdmission, Verdict
+from router.admission import BURST_S, QUIET_S, RefusalPace, ServedRecord, SLOAdmission, Verdict
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -117,26 +117,39 @@ def test_requests_let_in_count_in_the_line_from_their_admission_until_their_runs
     assert (a.waiting, a.waiting_tokens) == (0, 0)
 
 
-def test_with_local_prefill_a_decode_worker_idle_a_moment_ago_shares_a_bursts_prefill():
-    """A burst to an idle cluster: the decode worker takes prompts while the prefill worker has a
-    queue, so the work ahead is priced over both (half); once the burst's own requests fill its
-    batch, it counts for IDLE_GRACE_S more (the burst's tail), then no more; without local
-    prefill, never."""
+def test_with_local_prefill_a_burst_to_a_quiet_cluster_is_priced_over_its_idle_decode_workers_too():
+    """A burst after a second with nothing in flight: the decode worker takes prompts while the
+    prefill worker has a queue, so the work ahead is priced over both (half), for BURST_S from
+    its first request, whatever the decode worker reports meanwhile (the burst's own fill its
+    batch); not after a shorter pause (the waves of an overload), not colocated, not without
+    local prefill."""
     clock = Clock(0.0)
     local, alone = cluster(prefill=1, clock=clock, local_prefill=True), cluster(prefill=1, clock=clock)
-    for a in (local, alone):
+    colocated = cluster(prefill=1, mode=COLOCATED, clock=clock, local_prefill=True)
+    clock.t = QUIET_S
+    for a in (local, alone, colocated):
+        a.check(512, 16)                              # the burst's first: it starts the burst
         admitted(a, 40, 512)
-    idle_s, alone_s = local.predict_ttft(512)[1], alone.predict_ttft(512)[1]
-    assert idle_s == pytest.approx(alone_s / 2, rel=1e-6)
+    burst_s, alone_s = local.predict_ttft(512)[1], alone.predict_ttft(512)[1]
+    assert burst_s == pytest.approx(alone_s / 2, rel=1e-6)
+    assert colocated.predict_ttft(512)[1] == pytest.approx(alone_s, rel=1e-6)
     decode = local.pools.active(DECODE)[0]
     decode.report = report(decode.worker_id, DECODE, running=8)
-    clock.t += IDLE_GRACE_S / 2
-    assert local.predict_ttft(512)[1] == pytest.approx(idle_s, rel=1e-6)
-    clock.t += IDLE_GRACE_S
-    assert local.predict_ttft(512)[1] == pytest.approx(alone.predict_ttft(512)[1], rel=1e-6)
-    colocated = cluster(prefill=1, mode=COLOCATED, clock=clock, local_prefill=True)
-    admitted(colocated, 40, 512)
-    assert colocated.predict_ttft(512)[1] == pytest.approx(alone_s, rel=1e-6)
+    clock.t += BURST_S / 2
+    assert local.predict_ttft(512)[1] == pytest.approx(burst_s, rel=1e-6)
+    clock.t += BURST_S
+    assert local.predict_ttft(512)[1] == pytest.approx(alone_s, rel=1e-6)
+
+    # A burst after a pause shorter than QUIET_S (an overload's waves: the decode worker idle
+    # between them) is priced over the prefill worker alone.
+    fresh = cluster(prefill=1, clock=clock, local_prefill=True)
+    tickets = admitted(fresh, 40, 512)
+    for t in tickets:
+        fresh.ended(t)
+    clock.t += QUIET_S / 2
+    fresh.check(512, 16)
+    admitted(fresh, 40, 512)
+    assert fresh.predict_ttft(512)[1] == pytest.approx(alone_s, rel=1e-6)
 
 
 def test_prompts_other_routers_queued_count_ahead_too():
