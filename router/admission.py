@@ -178,11 +178,13 @@ class ServedRecord:
     held back by the predictions climbs to its size round by round, not only by probes), and
     those that missed under a load as light or lighter are at most RECORD_MISS_SHARE of them (a
     stray miss, a pause, does not undo a loop's hundreds; a load heavier than any served, or one
-    that lighter loads missed at, is the predictions' to judge). A request the predictions would refuse is let in when the record says
-    its load is served: a closed loop of clients never carries more than its first round did, so
-    once the server has served a round within its targets, nothing of that loop is refused
-    whatever the predictions say (vLLM's 64-client loop had 14 of 640 refused, each predicted
-    just over the target at a round's burst while every request let in met it)."""
+    that lighter loads missed at, is the predictions' to judge). A request the predictions
+    would refuse is let in when the record says its load is served: a closed loop of clients
+    never carries more than its first round did, so once the server has served a round within
+    its targets, nothing of that loop is refused whatever the predictions say (in
+    tests/test_admission.py, a loop whose cost model overprices prefill 13x: 48,000 refusals
+    after its first 5 s without the record, none with it). The first round itself is the
+    predictions' (`_prefill_workers`)."""
 
     def __init__(self, window_s: float = 20.0, size: int = 512, min_met: int = 3):
         self.window_s, self.min_met = window_s, min_met
