@@ -36,7 +36,7 @@ import jinja2
 import jinja2.sandbox
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -532,8 +532,47 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+class FrontDoor(FastAPI):
+    """The app: POST /v1/completions and /v1/chat/completions go straight to their handler,
+    past FastAPI's routing and Starlette's middleware (a served request's tokens cost the router
+    less: each SSE chunk's send went through two wrappers, each stream had an anyio task group);
+    every other request, and those two paths' other methods, is FastAPI's. The two routes are
+    still declared on FastAPI (for /openapi.json; a request reaching them there is served the
+    same way). Errors answer in OpenAI's shape either way."""
+
+    def __init__(self, server: Server, **kwargs):
+        super().__init__(**kwargs)
+        self.server = server
+        self.direct = {} if server is None else {"/v1/completions": server.completion_request,
+                                                 "/v1/chat/completions": server.chat_request}
+
+    async def __call__(self, scope, receive, send) -> None:
+        parse = self.direct.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if parse is None:
+            await super().__call__(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await _answer(self.server, request, parse)
+        except APIError as e:
+            response = _error_response(e)
+        except Exception as e:
+            response = _internal_error(request, e)
+        await response(scope, receive, send)
+
+
+async def _answer(server: Server, request: Request, parse) -> Response:
+    answer = await _respond(server, request, await _validated(server, request, parse))
+    return JSONResponse(answer) if isinstance(answer, dict) else answer
+
+
+def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.error("internal error answering %s %s", request.method, request.url.path, exc_info=e)
+    return _error_response(APIError(500, "internal error; the server's log has the details", "server_error"))
+
+
 def build_app(server: Server) -> FastAPI:
-    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    app = FrontDoor(server, title="pdcluster", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -541,8 +580,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
-        log.error("internal error answering %s %s", request.method, request.url.path, exc_info=e)
-        return _error_response(APIError(500, "internal error; the server's log has the details", "server_error"))
+        return _internal_error(request, e)
 
     def endpoints() -> str:
         return ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute) for m in sorted(r.methods))
@@ -593,13 +631,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions", openapi_extra=_body(COMPLETION_BODY))
     async def completions(request: Request):
-        req = await _validated(server, request, server.completion_request)
-        return await _respond(server, request, req)
+        return await _answer(server, request, server.completion_request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(CHAT_BODY))
     async def chat(request: Request):
-        req = await _validated(server, request, server.chat_request)
-        return await _respond(server, request, req)
+        return await _answer(server, request, server.chat_request)
 
     return app
 
@@ -973,6 +1009,8 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                             "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
         offsets: dict[int, int] = {}                       # choice -> text offset of its next token
+        unfinished = len(reqs) * req.n
+        tail = ""                  # the last choice's last chunk: it goes out with the usage and [DONE]
         parsers = None if req.tools is None or not req.tools.parses else {}   # choice -> its ToolCallParser
         async with contextlib.aclosing(_merged(server, reqs)) as events:
             async for p, j, d in events:
@@ -1003,16 +1041,20 @@ async def _stream(server, req: GenerationRequest | list[GenerationRequest], rid:
                     choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": fin}
                     if calls:
                         choice["delta"]["tool_calls"] = calls
-                yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
+                chunk = _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
+                unfinished -= fin is not None
+                if unfinished:
+                    yield chunk
+                else:
+                    tail = chunk
         if req.include_usage:
             prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-            yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out,
-                                  "total_tokens": prompt_tokens + n_out}})
-        yield "data: [DONE]\n\n"
+            tail += _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out,
+                                    "total_tokens": prompt_tokens + n_out}})
+        yield tail + "data: [DONE]\n\n"
     except APIError as e:
-        yield _sse(e.body())
-        yield "data: [DONE]\n\n"
+        yield tail + _sse(e.body()) + "data: [DONE]\n\n"
     finally:
         slots.release()
 
@@ -1021,41 +1063,53 @@ class DeadlinePassed(Exception):
     """The request ran past its deadline (--request-timeout-s)."""
 
 
-class ClientStalled(Exception):
-    """The client took no chunk within the stall timeout."""
-
-
 class SlowClient(Exception):
     """The client read so far behind its request's tokens that the buffer between filled."""
 
 
-class ClientStream(StreamingResponse):
-    """An SSE response whose client must keep reading: a chunk it does not take within the
-    server's `client_stall_timeout_s` (its socket and the transport's buffer full: it stopped
-    reading) ends the stream, which aborts the request, so such a client holds no request slot,
-    KV or memory for long. uvicorn then closes the connection."""
+class ClientStream:
+    """An SSE response (an ASGI app) whose client must keep reading: a chunk it does not take
+    within the server's `client_stall_timeout_s` (its socket and the transport's buffer full: it
+    stopped reading) ends the stream, which aborts the request, so such a client holds no
+    request slot, KV or memory for long; uvicorn then closes the connection. A client that
+    leaves ends it too: an ASGI 2.4 server says so by failing the send, an older one (uvicorn's
+    h11 says 2.3) through receive(), which one task per stream waits on. However the response
+    ends (the client gone before its head, or mid-stream), the generator's cleanup runs before
+    this returns (which aborts an unfinished request); a generator that never started has none,
+    so the slots are given back here."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
     def __init__(self, content, server: Server, slots: _Slots | None = None):
-        super().__init__(content, media_type="text/event-stream")
-        self.server, self.slots = server, slots
+        self.body_iterator, self.server, self.slots = content, server, slots
 
-    async def stream_response(self, send) -> None:
-        """One timer per stream, not one per chunk: a send records when it began, and the timer,
-        when it fires, ends the stream if a send has been waiting `client_stall_timeout_s`, or
-        sets itself for when the one under way (or the next) could have."""
+    async def __call__(self, scope, receive, send) -> None:
+        # One timer per stream, not one per chunk: a send records when it began, and the timer,
+        # when it fires, ends the stream if a send has been waiting `client_stall_timeout_s`, or
+        # sets itself for when the one under way (or the next) could have.
         timeout = self.server.client_stall_timeout_s
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         sending_since: float | None = None
-        stalled = False
+        ended: str | None = None                         # what cut the stream short, or "over"
+
+        def cut(why: str) -> None:
+            nonlocal ended
+            if ended is None:
+                ended = why
+                task.cancel()                            # where it waits: a send, or the next token
 
         def check() -> None:
-            nonlocal timer, stalled
+            nonlocal timer
             now = loop.time()
             if sending_since is not None and now - sending_since >= timeout:
-                stalled = True
-                task.cancel()                             # it waits in send(): that is what ends
+                cut("stalled")
                 return
             timer = loop.call_at((sending_since if sending_since is not None else now) + timeout, check)
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            cut("gone")
 
         async def timed(message) -> None:
             nonlocal sending_since
@@ -1065,32 +1119,32 @@ class ClientStream(StreamingResponse):
             finally:
                 sending_since = None
 
+        spec = tuple(int(x) for x in scope.get("asgi", {}).get("spec_version", "2.0").split("."))
+        watcher = asyncio.ensure_future(watch()) if receive is not None and spec < (2, 4) else None
         timer = loop.call_at(loop.time() + timeout, check)
         try:
-            await super().stream_response(timed)
+            await timed({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            async for chunk in self.body_iterator:
+                await timed({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await timed({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not stalled:
+            if ended is None:                            # not ours: the server's shutdown
                 raise
             task.uncancel()
-            raise ClientStalled from None
+        except OSError:                                  # ASGI 2.4: the client is gone
+            ended = "gone"
         finally:
+            why, ended = ended, "over"                   # from here on nothing cancels this task
             timer.cancel()
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except* ClientStalled:
-            await self.body_iterator.aclose()              # the generator's cleanup aborts the request
-            self.server.metrics.errors.labels("slow_client").inc()
-            log.warning("a stream's client took no data for %gs: the stream is ended and its request aborted",
-                        self.server.client_stall_timeout_s)
-        finally:
-            # However the response ended (the client gone before its head, or mid-stream), the
-            # generator's cleanup runs now, not whenever it is collected; a generator that never
-            # started has none, so the slot is given back here.
+            if watcher is not None:
+                watcher.cancel()
             await self.body_iterator.aclose()
             if self.slots is not None:
                 self.slots.release()
+        if why == "stalled":
+            self.server.metrics.errors.labels("slow_client").inc()
+            log.warning("a stream's client took no data for %gs: the stream is ended and its request aborted",
+                        self.server.client_stall_timeout_s)
 
 
 def _sse(obj: dict) -> str:

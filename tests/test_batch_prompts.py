@@ -292,6 +292,14 @@ def test_a_batch_is_admitted_whole_and_counts_as_its_prompts():
     assert server.pending == 2
 
 
+def post_scope(body: bytes, spec: str) -> dict:
+    """An ASGI scope of a POST of `body` to /v1/completions."""
+    return {"type": "http", "asgi": {"spec_version": spec, "version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("router", 80),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
 def test_a_stream_whose_client_is_gone_before_its_head_gives_its_slots_back(spec):
     # The client is gone before the response's head goes out (its send fails at once): the
@@ -306,10 +314,7 @@ def test_a_stream_whose_client_is_gone_before_its_head_gives_its_slots_back(spec
     async def send(message):
         raise OSError("the client is gone")
 
-    scope = {"type": "http", "asgi": {"spec_version": spec, "version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("router", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    scope = post_scope(body, spec)
 
     async def go():
         server, dispatcher = stand_in_server()
@@ -318,3 +323,38 @@ def test_a_stream_whose_client_is_gone_before_its_head_gives_its_slots_back(spec
         return server, dispatcher
     server, dispatcher = asyncio.run(go())
     assert server.pending == 0 and dispatcher.live == 0
+
+
+def test_a_stream_sends_a_chunk_per_event_and_its_last_with_the_usage_and_done():
+    """Each send is a write to the client's socket, a syscall that wakes the client (the
+    router's largest cost per token): a stream sends its head, one chunk per event, then its
+    last chunk, the usage and [DONE] in one, then the end of the body."""
+    body = json.dumps({"model": MODEL, "prompt": [[1], [2]], "max_tokens": 50, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():                              # the client stays to the end
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    async def go():
+        server, dispatcher = stand_in_server()
+        dispatcher.release.set()
+        await build_app(server)(post_scope(body, "2.3"), receive, send)
+        return server, dispatcher
+    server, dispatcher = asyncio.run(go())
+    assert server.pending == 0 and dispatcher.live == 0
+    head, *bodies, end = sent
+    assert head["type"] == "http.response.start" and head["status"] == 200
+    assert end == {"type": "http.response.body", "body": b"", "more_body": False}
+    per_send = [sse_events(m["body"].decode()) for m in bodies]
+    tokens = 2 * dispatcher.tokens                    # both prompts' events
+    assert [len(e) for e in per_send] == [1] * (tokens - 1) + [3]
+    last, usage, done = per_send[-1]
+    assert last["choices"][0]["finish_reason"] == "length" and usage["choices"] == [] and done == "[DONE]"
+    assert usage["usage"]["completion_tokens"] == tokens
