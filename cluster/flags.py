@@ -150,6 +150,10 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "template) or llama3_json (Llama 3.1's JSON calls); auto: by the chat template", str, TOOL_PARSERS),
     Flag("--max-validating", "max_validating", "request bodies being read or validated at once (before "
          "admission); the others wait in line unread, 429 past --max-pending waiting or --body-timeout-s"),
+    Flag("--otlp-traces-endpoint", "otlp_traces_endpoint", "send each request's trace (OpenTelemetry: the "
+         "router's, the prefill and decode workers' and the handoff's spans; a client's traceparent is "
+         "continued) to this OTLP/HTTP collector, e.g. http://localhost:4318 (Jaeger, Tempo, the OpenTelemetry "
+         "Collector); default: no tracing", str),
     Flag("--max-refusals-per-s", "max_refusals_per_s", "429s of a full server (admission, --max-pending) "
          "answered per second at most; the rest wait their turn, up to 0.5 s: a client that sends again "
          "the moment it is refused comes back at this pace, not as fast as the router can refuse", float),

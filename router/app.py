@@ -49,6 +49,7 @@ from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIE
                              check_token_ids, completion_prompts, echo_of, parse_json, request_options,
                              sample_counts, sampling_params, slo_targets, too_large)
 from router.slo import SLOTargets, judge
+from router.tracing import RequestTrace, Tracing
 from router.tools import ToolCallParser, ToolError, deltas, fold, parser_for_template, tool_use, tool_finish_reason
 from workers.names import ROLES, roles_of
 from workers.sequence import sample_seed, show
@@ -114,8 +115,9 @@ class Server:
                  admission: SLOAdmission | None = None, client_stall_timeout_s: float = 30.0,
                  slo: SLOTargets | None = None, request_timeout_s: float | None = 600.0,
                  body_timeout_s: float = 30.0, max_validating: int = 64, leadership: Leadership | None = None,
-                 tool_parser: str | None = None, refusals_per_s: float = 500.0):
+                 tool_parser: str | None = None, refusals_per_s: float = 500.0, tracing: Tracing | None = None):
         self.dispatcher, self.tokenizer = dispatcher, tokenizer
+        self.tracing = tracing                 # request traces (router/tracing.py); None: off
         self.leadership = leadership or Leadership(leads=True)   # a router of its own leads its pools
         self.request_timeout_s = request_timeout_s # a request still running this long after it arrived ends (504)
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
@@ -472,6 +474,8 @@ class Server:
                 now = time.monotonic()
                 if ev.token_ids:
                     if n_out == 0:
+                        if req.trace is not None:
+                            req.trace.first_token()
                         ttft = now - t0
                         m.ttft.observe(ttft)
                         m.observe_prediction(req.predicted_ttft_s, ttft)
@@ -490,6 +494,8 @@ class Server:
                 first_given = True
                 yield TextDelta(text, ev.token_ids, ev.finish_reason if ev.finished else None, ev.logprobs, plp)
                 if ev.finished:
+                    if req.trace is not None:
+                        req.trace.finished(ev.finish_reason, n_out)
                     e2e = time.monotonic() - t0
                     m.observe_finished(ttft if n_out else e2e, e2e, n_out, t0, req.params.max_tokens)
                     if req.probe and self.admission is not None:
@@ -552,17 +558,30 @@ class FrontDoor(FastAPI):
             await super().__call__(scope, receive, send)
             return
         request = Request(scope, receive)
+        tracing = self.server.tracing
+        trace = tracing.start(request.headers) if tracing is not None else None
+        status = 500
         try:
-            response = await _answer(self.server, request, parse)
-        except APIError as e:
-            response = _error_response(e)
-        except Exception as e:
-            response = _internal_error(request, e)
-        await response(scope, receive, send)
+            try:
+                response = await _answer(self.server, request, parse, trace)
+            except APIError as e:
+                response = _error_response(e)
+            except Exception as e:
+                response = _internal_error(request, e)
+            status = response.status_code
+            await response(scope, receive, send)
+        finally:
+            if trace is not None:
+                trace.end(status)
 
 
-async def _answer(server: Server, request: Request, parse) -> Response:
-    answer = await _respond(server, request, await _validated(server, request, parse))
+async def _answer(server: Server, request: Request, parse, trace: RequestTrace | None = None) -> Response:
+    req = await _validated(server, request, parse)
+    if trace is not None:
+        trace.validated()
+        for r in _as_batch(req):
+            r.trace = trace
+    answer = await _respond(server, request, req)
     return JSONResponse(answer) if isinstance(answer, dict) else answer
 
 
@@ -624,6 +643,13 @@ def build_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": 0, "owned_by": "pdcluster",
             "max_model_len": server.max_model_len, **server.cluster_info}]}
+
+    @app.get("/debug/phases")
+    async def phases(request: Request):
+        """Traced requests' time to first token by phase (router/tracing.py), the newest, by trace id."""
+        server._check_auth(request)
+        tracing = server.tracing
+        return {"tracing": tracing is not None, "requests": dict(tracing.phases) if tracing is not None else {}}
 
     @app.get("/metrics")
     async def metrics():
@@ -782,12 +808,17 @@ class _Namespace(jinja2.utils.Namespace):
 async def _respond(server: Server, request: Request, req: GenerationRequest | list[GenerationRequest]):
     """Answers a request, or a batch of prompts (a list of requests, one response for them all)."""
     reqs = _as_batch(req)
+    trace, t0 = reqs[0].trace, time.time()
     try:
         server._admit(reqs)
     except APIError as e:
+        if trace is not None:
+            trace.admission(t0, False, reqs[0].predicted_ttft_s, e.code or e.type)
         if e.status == 429:
             await server._paced()
         raise
+    if trace is not None:
+        trace.admission(t0, True, reqs[0].predicted_ttft_s)
     req = reqs[0]
     rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     for r in reqs:
@@ -1079,6 +1110,7 @@ class ClientStream:
     so the slots are given back here."""
 
     HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+    status_code = 200
 
     def __init__(self, content, server: Server, slots: _Slots | None = None):
         self.body_iterator, self.server, self.slots = content, server, slots
@@ -1123,7 +1155,7 @@ class ClientStream:
         watcher = asyncio.ensure_future(watch()) if receive is not None and spec < (2, 4) else None
         timer = loop.call_at(loop.time() + timeout, check)
         try:
-            await timed({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            await timed({"type": "http.response.start", "status": self.status_code, "headers": self.HEADERS})
             async for chunk in self.body_iterator:
                 await timed({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await timed({"type": "http.response.body", "body": b"", "more_body": False})

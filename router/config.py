@@ -38,6 +38,7 @@ class RouterConfig:
     tool_call_parser: str = AUTO              # how answers call tools: one of TOOL_PARSERS (auto: by the chat template)
     slo: SLOTargets = field(default_factory=SLOTargets)
     router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)
+    otlp_traces_endpoint: str = ""            # an OTLP/HTTP collector to send request traces to ("": none)
 
     def __post_init__(self):
         check_name(self.router_id)
@@ -65,6 +66,9 @@ class RouterConfig:
             raise ValueError(f"--max-refusals-per-s must be > 0, got {self.max_refusals_per_s}")
         if self.max_validating < 1:
             raise ValueError(f"--max-validating must be >= 1, got {self.max_validating}")
+        if self.otlp_traces_endpoint and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--otlp-traces-endpoint must be an http:// or https:// URL (an OTLP/HTTP collector), "
+                             f"got {self.otlp_traces_endpoint!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a non-empty key, or none")
         if not self.client_stall_timeout_s > 0:

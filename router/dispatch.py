@@ -256,6 +256,8 @@ class Dispatcher:
             else:
                 rid, involved, run = f"{base}.{attempt}", [], self.attempt
                 q = self.open_request(rid)
+            if req.trace is not None:
+                req.trace.attempt(rid, attempt)
             finished = False
             resume: _Resume | None = None
             try:
@@ -272,6 +274,8 @@ class Dispatcher:
                 if resume is None:
                     return
             finally:
+                if req.trace is not None:
+                    req.trace.attempt_ended(rid, None if resume is None else resume.error)
                 self.close_request(rid)
                 for w in involved:
                     w.assigned.discard(rid)
@@ -286,6 +290,8 @@ class Dispatcher:
             if stalled > self.max_retries:
                 raise RequestFailed(f"{stalled} attempts in a row failed (last: {resume.error})")
             self.metrics.resumed.labels(resume.cause).inc()
+            if req.trace is not None:
+                req.trace.resumed(resume.cause, len(delivered), resume.error)
             log.warning("request %s: %s; resuming after %d delivered tokens (attempt %d)", base, resume.error,
                         len(delivered), attempt + 2)
 
@@ -299,18 +305,28 @@ class Dispatcher:
         uses)."""
         involve = involve or involved.append
         outputs = list(delivered)
+        trace = req.trace
+        tp = trace.traceparent(rid) if trace is not None else ""
         if not outputs:                      # a new request (a resumed one is already under way)
+            t0 = time.time()
             await self._pass_gate(rid)
+            if trace is not None:
+                trace.gate(rid, t0, time.time())
         silence = _Silence(q, self.request_silence_s)
         try:
             w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
             (involve if op is msg.GenerateOp else involved.append)(w)
+            if trace is not None:
+                trace.submitted(rid)
             fire(w.handle.submit.remote(msg.encode(op(rid, req.prompt_token_ids, req.params, req.priority, outputs,
                                                       ttft_left_s=req.ttft_left_s(outputs), tpot_s=req.tpot_s,
-                                                      forks=list(forks) if op is msg.GenerateOp else []))))
+                                                      forks=list(forks) if op is msg.GenerateOp else [],
+                                                      trace=tp))))
             d = None            # the decode worker, picked early when the prompt's KV streams to it
             while True:
                 ev = await self._next_event(q, w, rid, silence)
+                if trace is not None and getattr(ev, "trace", None) is not None:
+                    trace.worker(ev.trace)
                 if (resume := _resume_for(ev)) is not None:
                     yield resume
                     return
@@ -341,9 +357,11 @@ class Dispatcher:
                 d.sent(rid, 1)
                 fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, outputs,
                                                                     w.worker_id, req.priority, forks=list(forks),
-                                                                    tpot_s=req.tpot_s, kv=held_kv))))
+                                                                    tpot_s=req.tpot_s, kv=held_kv, trace=tp))))
             while True:
                 ev = await self._next_event(q, d, rid, silence)
+                if trace is not None and getattr(ev, "trace", None) is not None:
+                    trace.worker(ev.trace)
                 if (resume := _resume_for(ev)) is not None:
                     yield resume
                     return
@@ -373,9 +391,10 @@ class Dispatcher:
         involved.append(d)
         d.sent(rid, 1)
         self.metrics.kv_streamed.inc()
+        tp = req.trace.traceparent(rid) if req.trace is not None else ""
         fire(d.handle.submit.remote(msg.encode(msg.DecodeOp(rid, req.prompt_token_ids, req.params, list(outputs),
                                                              w.worker_id, req.priority, tpot_s=req.tpot_s, kv=kv,
-                                                             streaming=True))))
+                                                             streaming=True, trace=tp))))
         return d
 
     async def _next_event(self, q: asyncio.Queue, w: Member, rid: str, silence: _Silence) -> msg.Event:

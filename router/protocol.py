@@ -25,11 +25,15 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.admission import Pledge
 from router.tools import MAX_TOOLS, ToolUse
 from workers.sequence import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_LEN,
                               SAMPLING_FIELDS, SamplingParams, check_structured, show)
+
+if TYPE_CHECKING:
+    from router.tracing import RequestTrace
 
 MAX_JSON_DEPTH = 32                    # nesting levels of objects and arrays in a request body
 PRIORITY_RANGE = (-2**31, 2**31 - 1)   # lower is served first (as vLLM)
@@ -84,6 +88,7 @@ class GenerationRequest:
     deadline: float | None = None              # time.monotonic() past which it ends (--request-timeout-s)
     request_id: str = ""                       # the response's id: in the log lines about it
     tools: ToolUse | None = None               # chat: what is asked of its tools (router/tools.py)
+    trace: RequestTrace | None = None          # traced: its request's spans (router/tracing.py)
 
     def ttft_left_s(self, delivered) -> float | None:
         """What an attempt's op carries: seconds until its next token is due (negative when

@@ -171,6 +171,9 @@ def test_latencies_match_injected_delays(injected_url, tmp_path, capsys, endpoin
     assert r["output_throughput"] == pytest.approx(16 * TOKENS / r["duration"])
     assert "Request goodput (req/s):" in out and "SLO attainment:" in out and f"{100 * good.sum() / 16:.1f}%" in out
     assert (tmp_path / "r-latency.png").stat().st_size > 10_000
+    # Each request went with a trace id of its own; this server does not trace, and the report says so.
+    assert len(set(r["trace_ids"])) == 16 and r["ttft_phases"] is None
+    assert "the server does not trace" in out and not (tmp_path / "r-ttft-phases.png").exists()
 
 
 def test_failures_and_timeouts_are_counted_with_their_error(injected_url, tmp_path, capsys):

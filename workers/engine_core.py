@@ -108,6 +108,7 @@ class EngineCore:
         self._copies: list[tuple[int, int]] = []       # forks' block copies for the next step
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, ())
+        self.last_scheduled: list = []          # the last step's (sequence, tokens) pairs
         self.last_shape = BatchShape()
         self.prefilling: list[Sequence] = []           # prefill-only sequences the last step left mid-prompt
         self._step_start = 0.0
@@ -378,6 +379,7 @@ class EngineCore:
         # A sequence's first chunk starts where the prefix cache left it, before any output
         # (later chunks, decode rows and received sequences all start further on).
         t = self._step_start = self.clock()
+        self.last_scheduled = out.scheduled
         self.last_step = StepStats(len(out.scheduled), out.num_batched_tokens, tuple(
             t - s.arrival_time for s, _ in out.scheduled
             if s.num_computed_tokens == s.num_cached_tokens and not s.num_preemptions and not s.num_output_tokens))

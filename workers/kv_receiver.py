@@ -21,17 +21,19 @@ from workers.kv_movers import LocalKV, Movers
 from workers.kv_stream import KVFeed, StreamEnded, newer
 from workers.messages import DecodeOp, ErrorEvent, HeldKV, KVMoreOp, TransferTotals
 from workers.peers import peer, release_on
+from workers.traces import WorkerTraces
 
 log = logging.getLogger("pdcluster.worker")
 
 
 class KVReceiver:
     def __init__(self, local: LocalKV, handoffs: HandoffBook, cluster_id: str, in_loop: Callable,
-                 apply: Callable, publish: Callable):
+                 apply: Callable, publish: Callable, traces: WorkerTraces):
         """`in_loop(fn)` runs fn on the engine loop thread; `apply(rid, outcome, abort)` carries
         out the handoff book's decision there; `publish(events, samples)` puts events and metric
-        samples in the outboxes."""
+        samples in the outboxes; `traces`: the worker's record of traced requests (loop thread)."""
         self.local, self.handoffs, self.cluster_id = local, handoffs, cluster_id
+        self.traces = traces
         self.in_loop, self.apply, self.publish = in_loop, apply, publish
         self.movers = Movers(local)
         self._feeds: dict[str, KVFeed] = {}          # each streamed pull's feed
@@ -94,6 +96,7 @@ class KVReceiver:
         bs = engine.kv.block_size
         for op, dst in self.handoffs.admit(reserve):
             self.handoffs.start_transfer(op.rid)
+            self.traces.mark(op.rid, "reserved")
             num_kv = len(op.prompt_token_ids) + len(op.output_token_ids) - 1 + op.streaming
             skip = cdiv(num_kv, bs) - len(dst)
             if op.streaming:
@@ -114,7 +117,7 @@ class KVReceiver:
         point = ["request"]                 # where the pull is (workers/faults.py's FAILURE_POINTS)
         try:
             prefill = peer(self.cluster_id, prefill_id)
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             busy = None                     # a streamed pull's seconds of copying (it also waits for words)
             mover = self.movers.mover_for(prefill_id, prefill) if dst else None
             if mover is not None and mover.streams and feed is not None:
@@ -122,9 +125,12 @@ class KVReceiver:
             else:
                 if feed is not None:        # the KV travels once it is held: wait for that word
                     op = dataclasses.replace(op, kv=self._held_word(feed))
-                    t0 = time.monotonic()
+                    t0, wall0 = time.monotonic(), time.time()
                 nbytes = mover.pull(op, prefill, dst, skip, point) if mover is not None else 0
             done = time.monotonic()
+            pulled = {"pull_start": wall0, "pull_end": wall0 + (done - t0)}
+            how = {"bytes": nbytes, "blocks_skipped": skip, "streamed": busy is not None,
+                   "mover": type(mover).__name__ if mover is not None else "none"}
             point[0] = "before_commit"
             faults.hit("recv", "before_commit")
             tail = done - max(t0, feed.final_at or t0) if feed is not None else done - t0
@@ -147,6 +153,7 @@ class KVReceiver:
                                                     cause="handoff_failed")
 
             def failed():
+                self.traces.forget(rid)
                 self._feeds.pop(rid, None)
                 if self.handoffs.finish_transfer(rid, ok=False) is Outcome.FREE:
                     self.local.engine.abort(rid)
@@ -157,6 +164,9 @@ class KVReceiver:
         prefill.release_kv.remote(rid)                  # acknowledged: the prefill side frees
 
         def committed():
+            for name, t in pulled.items():
+                self.traces.mark(rid, name, t)
+            self.traces.mark(rid, "committed", **how)
             self._feeds.pop(rid, None)
             self.apply(rid, self.handoffs.finish_transfer(rid, ok=True), abort=True)
         self.in_loop(committed)

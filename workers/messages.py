@@ -76,6 +76,7 @@ class GenerateOp:
     forks: list[Fork] = field(default_factory=list)
     ttft_left_s: float | None = None
     tpot_s: float | None = None
+    trace: str = ""                   # traced: the W3C traceparent of the router's span for this attempt
 
 
 @message
@@ -103,6 +104,7 @@ class DecodeOp:
     # are reserved for the KV of prompt + output_token_ids and the token to come, the copy
     # follows the prefill chunk by chunk (KVMoreOp), and the last KVMoreOp brings that token.
     streaming: bool = False
+    trace: str = ""                   # as GenerateOp's
 
 
 @message
@@ -130,6 +132,28 @@ Op = GenerateOp | PrefillOp | DecodeOp | KVMoreOp | AbortOp
 # -- worker -> router: events, load, samples ------------------------------------------------
 @message
 @dataclass(slots=True)
+class TraceRecord:
+    """What a worker timed of a traced request (an op with a `trace`), for the router to turn
+    into spans under `parent`, the op's traceparent. Times are seconds since the epoch on this
+    worker's own clock. `part`: "prefill" (to the first token: `marks` arrived, first_step,
+    first_token), "decode" (from the handoff to the end: arrived, reserved, pull_start,
+    pull_end, committed, finished; a colocated request's decode part starts at first_token);
+    `steps`: [start, end, tokens computed] of the engine steps that ran it (at most
+    MAX_TRACED_STEPS: `attrs["steps_left_out"]` counts the rest); `attrs`: the handoff's bytes,
+    blocks skipped (the prefix cache held them) and mover."""
+    parent: str
+    worker_id: str
+    part: str
+    marks: dict[str, float] = field(default_factory=dict)
+    steps: list[list[float]] = field(default_factory=list)
+    attrs: dict = field(default_factory=dict)
+
+
+MAX_TRACED_STEPS = 512
+
+
+@message
+@dataclass(slots=True)
 class TokenEvent:
     """New tokens of a request; `held`: prefill done, its KV is held under a lease. No tokens
     and `kv` but not held: a long prompt's prefill got further (`kv`: its full blocks computed
@@ -142,6 +166,7 @@ class TokenEvent:
     held: bool = False
     prompt_logprobs: list | None = None   # asked for: each prompt token's from the second, with the first output
     kv: HeldKV | None = None          # held, by a worker whose cache is in shared memory: where its KV is
+    trace: TraceRecord | None = None  # traced: a part of the request this worker has finished
 
 
 @message

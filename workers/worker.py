@@ -56,6 +56,7 @@ from workers.names import AUTO, ROLES, SHM, owner_of
 from workers.node import node_ip
 from workers.outboxes import MAX_ROUTERS, Outboxes
 from workers.tensor_parallel import RankLost
+from workers.traces import WorkerTraces
 
 log = logging.getLogger("pdcluster.worker")
 REPORT_EVERY_S = 0.01               # the load report's freshness (polls read the latest)
@@ -103,8 +104,9 @@ class Worker:
         self.sender = KVSender(self.kv, self.handoffs, self.loop.call, self._apply)
         self.engine.kv.pool.record_events()
         self.outboxes = Outboxes(worker_id)
+        self.traces = WorkerTraces(worker_id)         # (loop thread)
         self.receiver = KVReceiver(self.kv, self.handoffs, s.cluster_id, self.loop.call, self._apply,
-                                   self.outboxes.publish)
+                                   self.outboxes.publish, self.traces)
         self.outboxes.set_load(self._report_now())
         self._reported_at = time.monotonic()
         self.loop.start()
@@ -129,7 +131,8 @@ class Worker:
     def submit(self, payload: bytes) -> None:
         """An encoded GenerateOp | PrefillOp | DecodeOp | KVMoreOp | AbortOp; results come back as events."""
         op = decode(payload, (GenerateOp, PrefillOp, DecodeOp, KVMoreOp, AbortOp))
-        self.loop.call(lambda: self._handle(op))
+        arrived = time.time() if getattr(op, "trace", "") else 0.0      # traced: when it came
+        self.loop.call(lambda: self._handle(op, arrived))
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
         """Long poll of the outbox of requests without an owner tag: an encoded PollReply with
@@ -299,9 +302,14 @@ class Worker:
         return stepped
 
     def _step(self) -> None:
-        t0 = time.monotonic()
+        traces = self.traces
+        traced = bool(traces)
+        t0, wall0 = time.monotonic(), time.time() if traced else 0.0
         outputs = self.engine.step()
         step_s = time.monotonic() - t0
+        if traced:
+            wall1 = wall0 + step_s
+            traces.steps(self.engine.last_scheduled, wall0, wall1)
         self.steps += 1
         shape = self.engine.last_step
         events = []
@@ -313,8 +321,9 @@ class Worker:
                 self.handoffs.hold(o.request_id, ids)
                 if shared is not None:
                     kv = HeldKV(list(ids), shared.generations[ids].tolist(), shared.nonce)
+            trace = traces.output(o.request_id, o.finished, wall1) if traced else None
             events.append(TokenEvent(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
-                                     o.new_logprobs, o.held, o.prompt_logprobs, kv))
+                                     o.new_logprobs, o.held, o.prompt_logprobs, kv, trace))
         if shared is not None:
             events += self._announce(shared)
         samples = None
@@ -349,6 +358,7 @@ class Worker:
             log.warning("worker %s: router %s %s; ending its %d requests", self.worker_id, owner,
                         "missed its lease" if lapsed else "left", len(rids))
         for rid in rids:
+            self.traces.forget(rid)
             self._apply(rid, self.handoffs.abort(rid), abort=True)
             self.outboxes.publish([ErrorEvent(rid, f"router {owner} missed its lease on worker {self.worker_id}",
                                               retryable=True, cause="lease_expired")])
@@ -366,8 +376,9 @@ class Worker:
         report.accepting = self.accepting
         return report
 
-    def _handle(self, op) -> None:
+    def _handle(self, op, arrived: float = 0.0) -> None:
         if isinstance(op, AbortOp):
+            self.traces.forget(op.rid)
             self.receiver.abort(op.rid)
             self._apply(op.rid, self.handoffs.abort(op.rid), abort=True)
             return
@@ -381,8 +392,11 @@ class Worker:
             self.outboxes.publish([ErrorEvent(op.rid, f"worker {self.worker_id} is draining", retryable=True,
                                               cause="worker_draining")])
             return
+        decodes = isinstance(op, DecodeOp)
+        self.traces.begin(op.rid, op.trace, "decode" if decodes else "prefill", arrived,
+                          decodes_here=not decodes and not isinstance(op, PrefillOp))
         try:
-            if isinstance(op, DecodeOp):
+            if decodes:
                 self.receiver.wait_for_room(op)
             else:
                 self.engine.add_request(prompt_token_ids=op.prompt_token_ids, params=op.params, request_id=op.rid,
@@ -390,6 +404,7 @@ class Worker:
                                         output_token_ids=op.output_token_ids, forks=op.forks,
                                         ttft_left_s=op.ttft_left_s, tpot_s=op.tpot_s)
         except ValueError as e:
+            self.traces.forget(op.rid)
             self.outboxes.publish([ErrorEvent(op.rid, str(e))])
 
     def _apply(self, rid: str, outcome: Outcome, abort: bool = False) -> None:

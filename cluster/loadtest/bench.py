@@ -31,6 +31,7 @@ import httpx
 from cluster.loadtest import loadgen, promtext
 from cluster.flags import add_engine_args, engine_config_from_args
 from router.slo import ATTAINMENT
+from router.tracing import AFTER_FIRST_TOKEN, TTFT_PHASES
 from cluster.loadtest.bench_data import (DECODE_HEAVY, PREFILL_HEAVY, TIMESTAMP_UNITS, TRACES, BenchRequest, Phase,
                                 TraceRow, alternate, load_custom, load_trace, phase_rows, sample_prefix_repetition,
                                 sample_random, sample_sharegpt, sample_trace, save_trace)
@@ -310,6 +311,70 @@ def server_report(s: dict) -> str:
     for role, b in s["mean_batch_size"].items():
         lines.append(f"{f'Mean batch ({role}):':<40}{b:>10.1f}")
     return "\n".join(lines + ["=" * w])
+
+
+def server_phases(base_url: str, api_key: str | None) -> dict | None:
+    """The server's traced requests' phases by trace id (pdcluster serve --otlp-traces-endpoint:
+    /debug/phases); None when it does not trace (or is not pdcluster)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url + "/debug/phases", headers=headers, timeout=60, trust_env=False)
+        body = resp.json() if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body.get("requests") if isinstance(body, dict) and body.get("tracing") else None
+
+
+TTFT_WINDOW = 0.05           # the requests averaged for a TTFT percentile: this share around its rank
+
+
+def ttft_breakdown(result: dict, phases: dict, percentiles: list[float], slowest: int = 5) -> dict | None:
+    """Where the time to first token went, at each TTFT percentile: the requests ranked by the
+    server's TTFT, the phases (ms) averaged over those within TTFT_WINDOW of the percentile's
+    rank (so each bar sums to about that percentile's TTFT), and the slowest requests' trace
+    ids (by the client's TTFT). None when no request of the run is among the server's traces."""
+    ids, ttfts, errors = result.get("trace_ids") or [], result["ttfts"], result["errors"]
+    ok = [(ttft, t) for t, ttft, e in zip(ids, ttfts, errors) if not e and t in phases]
+    if not ok:
+        return None
+    ranked = sorted((phases[t] for _, t in ok), key=lambda p: p["ttft"])
+    n, half = len(ranked), round(TTFT_WINDOW * len(ranked) / 2)
+    out = {}
+    for q in sorted({50.0, *percentiles}):
+        at = min(n - 1, round(q / 100 * (n - 1)))
+        group = ranked[max(0, at - half):at + half + 1]
+        row = {k: 1000 * sum(p[k] for p in group) / len(group) for k in ("ttft", *TTFT_PHASES)}
+        after = [p for p in group if "handoff" in p]
+        if after:
+            row.update({k: 1000 * sum(p[k] for p in after) / len(after) for k in AFTER_FIRST_TOKEN})
+        out[f"p{q:g}"] = row
+    return {"requests": n, "of": len(ids), "by_percentile": out,
+            "slowest": [{"trace_id": t, "ttft_ms": 1000 * ttft} for ttft, t in sorted(ok, reverse=True)[:slowest]]}
+
+
+def breakdown_report(b: dict | None) -> str:
+    """The TTFT-by-phase table: a column per TTFT percentile, its phases' mean over the requests
+    at that rank, summing to the router's TTFT there; then the parts after the first token."""
+    w = 79
+    if b is None:
+        return (f"{' TTFT by phase ':-^{w}}\n"
+                "the server does not trace (pdcluster serve --otlp-traces-endpoint URL): no breakdown")
+    rows = b["by_percentile"]
+    cols = list(rows)
+    title = f" TTFT by phase (ms; {b['requests']} of {b['of']} requests traced) "
+    lines = [f"{title:-^{w}}", f"{'':<24}" + "".join(f"{c:>10}" for c in cols)]
+
+    def line(name: str, key: str) -> None:
+        lines.append(f"{name:<24}" + "".join(f"{rows[c].get(key, math.nan):>10.2f}" for c in cols))
+    for k in TTFT_PHASES:
+        line(f"  {k}", k)
+    line("= TTFT at the router", "ttft")
+    if any("handoff" in rows[c] for c in cols):
+        lines.append("after the first token:")
+        for k in AFTER_FIRST_TOKEN:
+            line(f"  {k}", k)
+    lines.append("slowest (client TTFT): " + ", ".join(f"{x['trace_id']} {x['ttft_ms']:.0f} ms" for x in b["slowest"]))
+    return "\n".join(lines)
 
 
 def phases_from_args(a: argparse.Namespace) -> list[Phase]:
@@ -694,6 +759,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
             result = {**header, "interrupted": interrupted, **run}
             print(report(result, opts, "Serving Benchmark Result (interrupted)" if interrupted
                          else "Serving Benchmark Result"))
+            traced = None if interrupted else server_phases(base_url, api_key)
+            result["ttft_phases"] = None if traced is None else ttft_breakdown(result, traced, opts.percentiles)
+            print(breakdown_report(result["ttft_phases"]))
             after = server_totals(base_url) if before is not None and not interrupted else None
             if after is not None:
                 result["server"] = server_summary(before, after)
@@ -767,11 +835,15 @@ def sweep_report(result: dict, a) -> str:
 
 def save_plots(result: dict, path: Path) -> list[Path]:
     """PNG plots beside the result file and named after it: NAME.json -> NAME-latency.png (one
-    run) or NAME-sweep.png (a sweep; none when no rate finished)."""
-    from cluster.loadtest.bench_plots import plot_distributions, plot_sweep
+    run; and NAME-ttft-phases.png when the server traced it) or NAME-sweep.png (a sweep; none
+    when no rate finished)."""
+    from cluster.loadtest.bench_plots import plot_distributions, plot_sweep, plot_ttft_phases
     if "sweep" in result:
         return [plot_sweep(result, path.with_name(f"{path.stem}-sweep.png"))] if result["sweep"] else []
-    return [plot_distributions(result, path.with_name(f"{path.stem}-latency.png"))]
+    plots = [plot_distributions(result, path.with_name(f"{path.stem}-latency.png"))]
+    if result.get("ttft_phases"):
+        plots.append(plot_ttft_phases(result, path.with_name(f"{path.stem}-ttft-phases.png")))
+    return plots
 
 
 # -- as a Ray job: the result file travels back in the job's log (no shared filesystem) ---------

@@ -73,3 +73,25 @@ def plot_sweep(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_ttft_phases(result: dict, path: Path) -> Path:
+    """Stacked bars: at each TTFT percentile, where the time to first token went (the server's
+    traces: `pdcluster bench`'s ttft_phases)."""
+    from router.tracing import TTFT_PHASES
+    rows = result["ttft_phases"]["by_percentile"]
+    cols = list(rows)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bottom = np.zeros(len(cols))
+    for k in TTFT_PHASES:
+        ms = np.asarray([rows[c][k] for c in cols])
+        ax.bar(cols, ms, bottom=bottom, label=k)
+        bottom += ms
+    ax.set_ylabel("ms")
+    ax.set_xlabel("requests at this TTFT percentile (the server's TTFT)")
+    ax.set_title(f"TTFT by phase ({result['ttft_phases']['requests']} traced requests)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     text: str = ""
+    trace_id: str = ""           # the W3C trace id it was sent with (a server that traces continues it)
 
     @property
     def tpot(self) -> float | None:
@@ -161,12 +163,13 @@ class _StreamError(Exception):
 
 async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest) -> RequestResult:
     """One streaming request; every failure ends up in `error`, never raised."""
-    r = RequestResult(prompt_len=req.prompt_len)
+    r = RequestResult(prompt_len=req.prompt_len, trace_id=os.urandom(16).hex())
+    headers = {**target.headers(), "traceparent": f"00-{r.trace_id}-{os.urandom(8).hex()}-01"}
     r.start = time.perf_counter()
     try:
         async with asyncio.timeout(target.timeout_s):
             async with session.post(target.base_url + target.endpoint, json=target.body(req),
-                                    headers=target.headers()) as resp:
+                                    headers=headers) as resp:
                 if resp.status != 200:
                     r.error = _error_text(resp.status, await resp.read())
                     return r
@@ -328,6 +331,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "itls": [r.itl for r in results],
         "generated_texts": [r.text for r in results],
         "errors": [r.error for r in results],
+        "trace_ids": [r.trace_id for r in results],
     })
     return out
 

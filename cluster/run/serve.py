@@ -20,6 +20,7 @@ from cluster.run.launcher import (ClusterSpec, check_fits, check_new, connect, l
 from cluster.run.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
+from router.tracing import Tracing
 from cluster.run.lead import LeadKeeper
 from router.dispatch import Dispatcher, DispatchSettings
 from router.leadership import Leadership
@@ -51,6 +52,8 @@ async def _lifespan(app):
     if lead is not None:
         await lead.step_down()
     await supervisor.stop()
+    if app.state.tracing is not None:             # the spans not sent yet go now
+        await asyncio.to_thread(app.state.tracing.close)
 
 
 class DrainingServer(uvicorn.Server):
@@ -245,7 +248,8 @@ class ServingCluster:
                         client_stall_timeout_s=cfg.client_stall_timeout_s, slo=cfg.slo,
                         request_timeout_s=cfg.request_timeout_s, body_timeout_s=cfg.body_timeout_s,
                         max_validating=cfg.max_validating, refusals_per_s=cfg.max_refusals_per_s,
-                        leadership=self.leadership,
+                        leadership=self.leadership, tracing=Tracing(cfg.otlp_traces_endpoint)
+                        if cfg.otlp_traces_endpoint else None,
                         tool_parser=None if cfg.tool_call_parser == AUTO else cfg.tool_call_parser,
                         cluster_info={"num_workers": len(infos), "workers_by_role": roles,
                                       "num_gpus": sum(i.device.startswith("cuda") for i in infos)})
@@ -254,7 +258,7 @@ class ServingCluster:
         self.lead = LeadKeeper(self.spec.cluster_id, self.spec.router_lease_s, self.book, self.leadership,
                                dispatcher.owner, self.pools, self.supervisor, metrics.requests,
                                lambda: self._uvicorn.request_exit())
-        app.state.supervisor, app.state.lead = self.supervisor, self.lead
+        app.state.supervisor, app.state.lead, app.state.tracing = self.supervisor, self.lead, server.tracing
         app.router.lifespan_context = _lifespan
         # Keep-alive longer than clients' usual idle timeouts, so a client never sends on a
         # connection the server is closing (uvicorn's 5 s default is shorter than aiohttp's 15 s).

@@ -1,0 +1,266 @@
+"""Request traces (issue 31): a disaggregated cluster (1 prefill + 2 decode workers, `tiny`,
+every request handed off) serves with `otlp_traces_endpoint` set to an OTLP/HTTP receiver in
+this process, which decodes the protobuf payloads as a collector does. The oracles: the
+client's own trace id and measured time to first token, the workers' own KV transfer totals,
+the offline engine's tokens."""
+from __future__ import annotations
+
+import gzip
+import json
+import http.server
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                     ExportTraceServiceResponse)
+
+from cluster.cli import main
+from common import free_port, nothing_left_running, sse_events, wait_for
+from router.tracing import AFTER_FIRST_TOKEN, TTFT_PHASES
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sequence import SamplingParams
+
+MODEL = "tiny"
+PROMPT = list(range(100, 160))
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint: every span it is sent, decoded, by trace id."""
+
+    def __init__(self):
+        self.spans: dict[str, list[dict]] = {}
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                receiver.take(req)
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def take(self, req) -> None:
+        with self.lock:
+            for rs in req.resource_spans:
+                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                for ss in rs.scope_spans:
+                    for s in ss.spans:
+                        attrs = {}
+                        for a in s.attributes:
+                            v = a.value
+                            attrs[a.key] = getattr(v, v.WhichOneof("value"))
+                        self.spans.setdefault(s.trace_id.hex(), []).append({
+                            "name": s.name, "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
+                            "start": s.start_time_unix_nano / 1e9, "end": s.end_time_unix_nano / 1e9,
+                            "attrs": attrs, "events": [(e.name, e.time_unix_nano / 1e9) for e in s.events],
+                            "error": s.status.code == s.status.STATUS_CODE_ERROR, "service": service})
+
+    def trace(self, trace_id: str) -> list[dict]:
+        """The trace's spans once its request span has come (it ends last)."""
+        def spans():
+            with self.lock:
+                return list(self.spans.get(trace_id, []))
+        return wait_for(spans, lambda s: any(x["name"] == "request" for x in s), 60,
+                        describe=lambda: f"spans so far: {sorted(x['name'] for x in spans())}")
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, receiver):
+    from cluster.run.launcher import ClusterSpec
+    from cluster.run.serve import ServingCluster
+    spec = ClusterSpec(model=MODEL, num_prefill=1, num_decode=2, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
+    with ServingCluster(spec, port=free_port(), admission="queue", local_prefill_max_tokens=0,
+                        otlp_traces_endpoint=receiver.url) as c:
+        yield c
+
+
+def traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """One connection for the module's requests (a new httpx client costs tens of ms of setup,
+    which a client's TTFT would count)."""
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as c:
+        assert c.get("/models").status_code == 200
+        yield c
+
+
+def stream(client, max_tokens: int, header: str, on_chunk=None) -> tuple[list[int], float]:
+    """A greedy streamed completion sent with `header` as its traceparent: its token ids and the
+    client's time to its first token."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    ids, ttft = [], None
+    t0 = time.time()
+    with client.stream("POST", "/completions", json=body, headers={"traceparent": header}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if ttft is None:
+                ttft = time.time() - t0
+            event = sse_events(line + "\n\n")[0]
+            ids += event["choices"][0]["token_ids"]
+            if on_chunk is not None:
+                on_chunk(len(ids))
+    return ids, ttft
+
+
+def offline(max_tokens: int) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=MODEL))
+    return engine.generate([{"prompt_token_ids": PROMPT}],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+def transferred(cluster) -> int:
+    """KV bytes the decode workers say they have pulled (their own totals)."""
+    return sum(ray.get(w.handle.stats.remote(), timeout=30).kv_transfer.bytes
+               for w in cluster.workers if w.role == "decode")
+
+
+def by_name(spans: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for s in spans:
+        out.setdefault(s["name"], []).append(s)
+    return out
+
+
+def test_each_request_is_one_trace_across_router_and_workers_whose_phases_add_up_to_its_ttft(cluster, client,
+                                                                                          receiver):
+    bytes_before = transferred(cluster)
+    want = offline(16)
+    handoff_bytes = 0
+    for _ in range(3):
+        header, trace_id, client_span = traceparent()
+        ids, client_ttft = stream(client, 16, header)
+        assert ids == want
+        spans = receiver.trace(trace_id)
+        named = by_name(spans)
+        (root,) = named["request"]
+        assert root["parent"] == client_span                       # the client's trace, continued
+        assert root["attrs"]["pdcluster.finish_reason"] == "length"
+        assert root["attrs"]["pdcluster.completion_tokens"] == 16
+        ids_of = {s["span_id"]: s for s in spans}
+
+        def parent(s):
+            return ids_of[s["parent"]]["name"]
+        for name in ("router.validate", "router.admission", "attempt"):
+            assert [parent(s) for s in named[name]] == ["request"], name
+        (attempt,) = named["attempt"]
+        for name in ("router.gate", "prefill", "decode.queue", "handoff", "decode"):
+            assert [parent(s) for s in named[name]] == ["attempt"], name
+        for name in ("prefill.queue", "prefill.compute"):
+            assert [parent(s) for s in named[name]] == ["prefill"], name
+        # The workers' spans name the worker that timed them: the prefill and a decode worker.
+        (prefill,), (decode,) = named["prefill"], named["decode"]
+        assert prefill["attrs"]["pdcluster.worker"].startswith("prefill")
+        assert decode["attrs"]["pdcluster.worker"].startswith("decode")
+        assert named["handoff"][0]["attrs"]["pdcluster.worker"] == decode["attrs"]["pdcluster.worker"]
+        assert named["prefill.compute"][0]["events"] and len(decode["events"]) == 15   # a step each
+        # In time order on one machine's clock: each phase starts after the one before it.
+        (queue,), (compute,) = named["prefill.queue"], named["prefill.compute"]
+        assert root["start"] <= attempt["start"] <= prefill["start"] <= queue["end"] <= compute["end"]
+        assert prefill["end"] <= named["handoff"][0]["start"] <= decode["start"] <= decode["end"] <= root["end"]
+        handoff_bytes += named["handoff"][0]["attrs"]["pdcluster.bytes"]
+
+        # The phases of its first token add up to the router's TTFT, and within the client's
+        # (which adds the request's and the chunk's way over loopback and the HTTP parsing).
+        phases = httpx.get(f"http://{cluster.host}:{cluster.port}/debug/phases", timeout=30).json()
+        assert phases["tracing"] is True
+        p = phases["requests"][trace_id]
+        assert all(p[k] >= -0.002 for k in (*TTFT_PHASES, *AFTER_FIRST_TOKEN)), p
+        assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-6
+        assert p["ttft"] <= client_ttft + 0.002
+        assert client_ttft - p["ttft"] < 0.05 + 0.25 * client_ttft, (client_ttft, p)
+        assert p["handoff_bytes"] == named["handoff"][0]["attrs"]["pdcluster.bytes"] > 0
+    assert transferred(cluster) - bytes_before == handoff_bytes       # every pull is in a trace, bytes exact
+    nothing_left_running(cluster)
+
+
+def test_a_request_whose_decode_worker_is_killed_has_a_resume_span_and_its_tokens_unchanged(cluster, client,
+                                                                                            receiver):
+    max_tokens = 400
+    want = offline(max_tokens)
+    header, trace_id, _ = traceparent()
+    killed = []
+
+    def kill_its_decode_worker(n: int) -> None:
+        if killed or n < 20:
+            return
+        for w in cluster.workers:
+            if w.role == "decode" and ray.get(w.handle.stats.remote(), timeout=10).running > 0:
+                os.kill(cluster.answering()[w.worker_id].pid, signal.SIGKILL)
+                killed.append(w.worker_id)
+                return
+    ids, _ = stream(client, max_tokens, header, kill_its_decode_worker)
+    assert killed and ids == want
+    named = by_name(receiver.trace(trace_id))
+    (resume,) = named["resume"]
+    assert resume["attrs"]["pdcluster.cause"] in ("worker_died", "worker_hung"), resume
+    assert resume["attrs"]["pdcluster.tokens_delivered"] >= 20
+    first, second = sorted(named["attempt"], key=lambda s: s["start"])
+    assert first["error"] and not second["error"]
+    assert first["end"] <= resume["start"] <= second["start"] + 0.002
+    # The resumed attempt ran on the workers again: its prefill and decode spans are there.
+    assert {s["parent"] for s in named["decode"]} == {second["span_id"]}
+    wait_for(lambda: sorted(cluster.answering()), lambda ws: len(ws) == 3, 120)
+    nothing_left_running(cluster)
+
+
+def test_the_load_test_breaks_ttft_down_by_phase_and_names_the_slowest_traces(cluster, receiver, tmp_path, capsys):
+    rc = main(["bench", "--disable-tqdm", "--base-url", f"http://{cluster.host}:{cluster.port}",
+               "--dataset-name", "random", "--num-prompts", "24", "--random-input-len", "48",
+               "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "6", "--metric-percentiles", "50,90",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    b = r["ttft_phases"]
+    assert b["requests"] == b["of"] == 24 and "24 of 24 requests traced" in out
+    for name, row in b["by_percentile"].items():
+        assert abs(sum(row[k] for k in TTFT_PHASES) - row["ttft"]) < 1e-6, name
+        assert row["handoff"] > 0 and row["prefill_compute"] > 0, row
+    assert b["by_percentile"]["p50"]["ttft"] <= b["by_percentile"]["p90"]["ttft"]
+    # The slowest requests are named by trace id, the client's slowest first, and each is a trace
+    # the collector has.
+    ttft_of = dict(zip(r["trace_ids"], r["ttfts"]))
+    slowest = [x["trace_id"] for x in b["slowest"]]
+    assert slowest == sorted(r["trace_ids"], key=lambda t: -ttft_of[t])[:5]
+    assert all(receiver.trace(t) for t in slowest)
+    assert (tmp_path / "r-ttft-phases.png").stat().st_size > 10_000
+    nothing_left_running(cluster)
