@@ -54,7 +54,8 @@ SERVERS = {   # name -> (label, the command's server-specific flags; None: vLLM)
 }
 
 
-def start(a, name: str, ckpt: Path, port: int, log: Path) -> subprocess.Popen:
+def start(a, name: str, ckpt: Path, port: int, log: Path, extra: list[str] = (), cwd: Path = ROOT) -> subprocess.Popen:
+    """Server `name`'s process (`extra`: more of its flags; `cwd`: the checkout pdcluster runs from)."""
     flags = SERVERS[name][1]
     if flags is None:
         cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
@@ -62,10 +63,10 @@ def start(a, name: str, ckpt: Path, port: int, log: Path) -> subprocess.Popen:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     else:
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(ckpt), "--served-model-name", "tiny",
-               "--port", str(port), *flags]
+               "--port", str(port), *flags, *extra]
         env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     with open(log, "w") as f:       # its own process group: stopped by it, never by a name
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -511,6 +511,17 @@ class _SharedStart:
             w.sent(f.rid, 0)
 
     async def _start(self) -> None:
+        """The carrier's attempt (a span of its own in a traced request: its work on the workers)."""
+        trace = self.req.trace
+        if trace is not None:
+            trace.attempt(self.rid, 0)
+        try:
+            await self._carry()
+        finally:
+            if trace is not None:
+                trace.attempt_ended(self.rid)
+
+    async def _carry(self) -> None:
         """The carrier's attempt, as any request's (one token, then held or forked): it ends
         "forked" where its samples run, or the start failed."""
         carrier = dataclasses.replace(self.req, params=self.CARRIER)

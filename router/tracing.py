@@ -42,6 +42,7 @@ from workers.messages import TraceRecord
 log = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
+_warned = False              # a record that could not be read has been logged
 KEPT_PHASES = 16384          # traced requests whose phases /debug/phases keeps (the newest)
 TTFT_PHASES = ("router", "gate", "dispatch", "prefill_queue", "prefill_compute", "return")
 AFTER_FIRST_TOKEN = ("handoff_wait", "decode_queue", "handoff")
@@ -62,7 +63,8 @@ class Tracing:
     """The router's tracer: OTLP/HTTP export in batches from a thread of the SDK's own. Its own
     provider, not the process-wide one (Ray's tracing hooks read that)."""
 
-    def __init__(self, endpoint: str, service_name: str = "pdcluster", export_delay_s: float = 1.0):
+    def __init__(self, endpoint: str, service_name: str = "pdcluster", export_delay_s: float = 1.0, exporter=None):
+        """`exporter`: an OpenTelemetry SpanExporter to use instead of OTLP/HTTP to `endpoint`."""
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -71,8 +73,8 @@ class Tracing:
 
         self.endpoint = collector_url(endpoint)
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.endpoint),
-                                                            schedule_delay_millis=export_delay_s * 1000))
+        exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=self.endpoint)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_s * 1000))
         self.tracer = self.provider.get_tracer("pdcluster")
         self.propagator = TraceContextTextMapPropagator()
         self.phases: OrderedDict[str, dict] = OrderedDict()      # trace id (hex) -> its request's phases
@@ -183,7 +185,18 @@ class RequestTrace:
         self.tokens += tokens
 
     def worker(self, rec: TraceRecord) -> None:
-        """A worker's finished part of the request: its spans under the attempt it names."""
+        """A worker's finished part of the request: its spans under the attempt it names. A
+        record this router cannot read costs its spans, never the request."""
+        try:
+            self._worker(rec)
+        except Exception:
+            global _warned
+            if not _warned:
+                log.warning("a worker's trace record of %s could not be made into spans (said once)",
+                            self.trace_id, exc_info=True)
+                _warned = True
+
+    def _worker(self, rec: TraceRecord) -> None:
         ctx = self.tracing.context_of(rec.parent)
         m, tracer = rec.marks, self.tracing.tracer
         who = {"pdcluster.worker": rec.worker_id}
@@ -212,14 +225,14 @@ class RequestTrace:
             return
         if self.decode is None:
             self.decode = rec
-        if "reserved" in m:
+        if "reserved" in m and "arrived" in m:
             s, end = child("decode.queue", m["arrived"], m["reserved"], ctx)
             s.end(end_time=_ns(end))
         if "pull_start" in m:
             attrs = {k: rec.attrs[k] for k in ("bytes", "blocks_skipped", "mover", "streamed") if k in rec.attrs}
             s, end = child("handoff", m["pull_start"], m["pull_end"], ctx, **attrs)
             s.end(end_time=_ns(end))
-        start = m.get("committed", m.get("first_token", m["arrived"]))
+        start = m.get("committed") or m.get("first_token") or m["arrived"]    # (colocated: from its first token)
         end = m.get("finished", start)
         s, _ = child("decode", start, end, ctx, steps_left_out=rec.attrs.get("steps_left_out", 0))
         steps(s, "step")

@@ -264,3 +264,74 @@ def test_the_load_test_breaks_ttft_down_by_phase_and_names_the_slowest_traces(cl
     assert all(receiver.trace(t) for t in slowest)
     assert (tmp_path / "r-ttft-phases.png").stat().st_size > 10_000
     nothing_left_running(cluster)
+
+
+# -- a worker's records made into spans, without a cluster -----------------------------------
+class Seq:
+    def __init__(self, seq_id: str):
+        self.seq_id = seq_id
+
+
+def in_memory_tracing():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from router.tracing import Tracing
+    exporter = InMemorySpanExporter()
+    return Tracing("http://127.0.0.1:9", exporter=exporter), exporter
+
+
+def test_a_colocated_request_has_its_prefill_and_decode_parts_from_one_worker_and_its_phases():
+    """The path the cluster test does not take: a GenerateOp (colocated, or prefilled on its
+    decode worker) is one record until its first token, then a decode part from there."""
+    from workers.traces import WorkerTraces
+    tracing, exporter = in_memory_tracing()
+    header, trace_id, client_span = traceparent()
+    trace = tracing.start({"traceparent": header})
+    trace.validated()
+    trace.admission(time.time(), True, 0.05)
+    rid = "router~x/r0.0"
+    tp = trace.attempt(rid, 0)
+    trace.submitted(rid)
+    worker = WorkerTraces("colocated-0")
+    worker.begin(rid, tp, "prefill", time.time(), decodes_here=True)
+    t = time.time()
+    worker.steps([(Seq(rid), 60), (Seq("untraced"), 1)], t, t + 0.01)
+    prefill = worker.output(rid, False, t + 0.01)
+    assert prefill is not None and prefill.part == "prefill" and rid in worker
+    trace.worker(prefill)
+    trace.first_token()
+    for k in range(3):
+        worker.steps([(Seq(rid), 1)], t + 0.02 + k / 100, t + 0.025 + k / 100)
+        assert worker.output(rid, False, t + 0.025 + k / 100) is None
+    decode = worker.output(rid, True, t + 0.05)
+    assert decode.part == "decode" and rid not in worker and not worker
+    trace.worker(decode)
+    trace.finished("length", 4)
+    trace.end(200)
+    tracing.flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert f"{spans['request'].context.trace_id:032x}" == trace_id
+    assert f"{spans['request'].parent.span_id:016x}" == client_span
+    attempt = spans["attempt"].context.span_id
+    assert spans["prefill"].parent.span_id == attempt and spans["decode"].parent.span_id == attempt
+    assert spans["prefill.compute"].parent.span_id == spans["prefill"].context.span_id
+    assert [e.attributes["tokens"] for e in spans["prefill.compute"].events] == [60]
+    assert len(spans["decode"].events) == 3 and "handoff" not in spans
+    assert spans["decode"].start_time == int((t + 0.01) * 1e9)          # from its first token
+    p = tracing.phases[trace_id]
+    assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-9 and "handoff" not in p
+    tracing.close()
+
+
+def test_an_untraced_op_is_not_kept_and_a_broken_record_costs_its_spans_only():
+    from workers.messages import TraceRecord
+    from workers.traces import WorkerTraces
+    worker = WorkerTraces("w")
+    worker.begin("r", "", "prefill", time.time())
+    assert not worker and worker.output("r", True, time.time()) is None
+    tracing, exporter = in_memory_tracing()
+    trace = tracing.start({})
+    trace.worker(TraceRecord("00-garbage", "w", "prefill", {}))          # no marks at all
+    trace.end(200)
+    tracing.flush()
+    assert [s.name for s in exporter.get_finished_spans()] == ["request"]
+    tracing.close()
