@@ -30,6 +30,26 @@ MODEL = "tiny"
 PROMPT = list(range(100, 160))
 
 
+def spans_of(req: ExportTraceServiceRequest) -> list[tuple[str, dict]]:
+    """(trace id, span) of each span an export holds, decoded as a collector reads it."""
+    out = []
+    for rs in req.resource_spans:
+        service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                attrs = {}
+                for a in s.attributes:
+                    v = a.value
+                    attrs[a.key] = getattr(v, v.WhichOneof("value"))
+                out.append((s.trace_id.hex(), {
+                    "name": s.name, "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
+                    "start": s.start_time_unix_nano / 1e9, "end": s.end_time_unix_nano / 1e9, "kind": s.kind,
+                    "attrs": attrs, "events": [(e.name, e.time_unix_nano / 1e9, e.attributes[0].value.int_value)
+                                               for e in s.events],
+                    "error": s.status.code == s.status.STATUS_CODE_ERROR, "service": service}))
+    return out
+
+
 class Receiver:
     """An OTLP/HTTP traces endpoint: every span it is sent, decoded, by trace id."""
 
@@ -62,19 +82,8 @@ class Receiver:
 
     def take(self, req) -> None:
         with self.lock:
-            for rs in req.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        attrs = {}
-                        for a in s.attributes:
-                            v = a.value
-                            attrs[a.key] = getattr(v, v.WhichOneof("value"))
-                        self.spans.setdefault(s.trace_id.hex(), []).append({
-                            "name": s.name, "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                            "start": s.start_time_unix_nano / 1e9, "end": s.end_time_unix_nano / 1e9,
-                            "attrs": attrs, "events": [(e.name, e.time_unix_nano / 1e9) for e in s.events],
-                            "error": s.status.code == s.status.STATUS_CODE_ERROR, "service": service})
+            for trace_id, span in spans_of(req):
+                self.spans.setdefault(trace_id, []).append(span)
 
     def trace(self, trace_id: str) -> list[dict]:
         """The trace's spans once its request span has come (it ends last)."""
@@ -273,17 +282,27 @@ class Seq:
 
 
 def in_memory_tracing():
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    """A Tracing whose exports land in a list (flushed by hand), and a reader of its spans."""
     from router.tracing import Tracing
-    exporter = InMemorySpanExporter()
-    return Tracing("http://127.0.0.1:9", exporter=exporter), exporter
+    payloads: list[bytes] = []
+    tracing = Tracing("http://127.0.0.1:9", sink=payloads.append, export_delay_s=3600)
+
+    def exported() -> dict[str, dict]:
+        tracing.flush()
+        spans = {}
+        for b in payloads:
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(b)
+            spans.update({s["name"]: {**s, "trace_id": t} for t, s in spans_of(req)})
+        return spans
+    return tracing, exported
 
 
 def test_a_colocated_request_has_its_prefill_and_decode_parts_from_one_worker_and_its_phases():
     """The path the cluster test does not take: a GenerateOp (colocated, or prefilled on its
     decode worker) is one record until its first token, then a decode part from there."""
     from workers.traces import WorkerTraces
-    tracing, exporter = in_memory_tracing()
+    tracing, exported = in_memory_tracing()
     header, trace_id, client_span = traceparent()
     trace = tracing.start({"traceparent": header})
     trace.validated()
@@ -307,16 +326,15 @@ def test_a_colocated_request_has_its_prefill_and_decode_parts_from_one_worker_an
     trace.worker(decode)
     trace.finished("length", 4)
     trace.end(200)
-    tracing.flush()
-    spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert f"{spans['request'].context.trace_id:032x}" == trace_id
-    assert f"{spans['request'].parent.span_id:016x}" == client_span
-    attempt = spans["attempt"].context.span_id
-    assert spans["prefill"].parent.span_id == attempt and spans["decode"].parent.span_id == attempt
-    assert spans["prefill.compute"].parent.span_id == spans["prefill"].context.span_id
-    assert [e.attributes["tokens"] for e in spans["prefill.compute"].events] == [60]
-    assert len(spans["decode"].events) == 3 and "handoff" not in spans
-    assert spans["decode"].start_time == int((t + 0.01) * 1e9)          # from its first token
+    spans = exported()
+    assert {s["trace_id"] for s in spans.values()} == {trace_id}
+    assert spans["request"]["parent"] == client_span and spans["request"]["service"] == "pdcluster"
+    attempt = spans["attempt"]["span_id"]
+    assert spans["prefill"]["parent"] == attempt and spans["decode"]["parent"] == attempt
+    assert spans["prefill.compute"]["parent"] == spans["prefill"]["span_id"]
+    assert [n for _, _, n in spans["prefill.compute"]["events"]] == [60]
+    assert len(spans["decode"]["events"]) == 3 and "handoff" not in spans
+    assert abs(spans["decode"]["start"] - (t + 0.01)) < 1e-6                # from its first token
     p = tracing.phases[trace_id]
     assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-9 and "handoff" not in p
     tracing.close()
@@ -328,10 +346,10 @@ def test_an_untraced_op_is_not_kept_and_a_broken_record_costs_its_spans_only():
     worker = WorkerTraces("w")
     worker.begin("r", "", "prefill", time.time())
     assert not worker and worker.output("r", True, time.time()) is None
-    tracing, exporter = in_memory_tracing()
-    trace = tracing.start({})
+    tracing, exported = in_memory_tracing()
+    trace = tracing.start({"traceparent": "00-zz-not-a-traceparent"})       # malformed: a trace of its own
     trace.worker(TraceRecord("00-garbage", "w", "prefill", {}))          # no marks at all
     trace.end(200)
-    tracing.flush()
-    assert [s.name for s in exporter.get_finished_spans()] == ["request"]
+    spans = exported()
+    assert list(spans) == ["request"] and spans["request"]["parent"] == ""
     tracing.close()
