@@ -26,8 +26,9 @@ The workers need no tracing library: an op carries the traceparent of its attemp
 finished part with the request's events; the router makes the spans under that parent. The
 router writes OTLP's protobuf itself (opentelemetry-proto's messages), a request's spans at its
 end, in batches from a thread: the OpenTelemetry SDK's span objects and its exporter cost about
-four times as much CPU per request (1.4 ms against 0.35 for a 64-token stream's 11 spans and
-their step events), which the served path pays on the router's core.
+three times as much CPU per request (1.4 ms against 0.43 for a 64-token stream's 11 spans and
+their 64 step events, the workers' records included), which the served path pays on the
+router's core.
 
 Each traced request's time to first token is also kept by phase (`RequestTrace.phases`): the
 router's part (validation, admission, picking), the decode gate, the op's way to its worker,

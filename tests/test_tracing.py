@@ -208,14 +208,15 @@ def test_each_request_is_one_trace_across_router_and_workers_whose_phases_add_up
         handoff_bytes += named["handoff"][0]["attrs"]["pdcluster.bytes"]
 
         # The phases of its first token add up to the router's TTFT, and within the client's
-        # (which adds the request's and the chunk's way over loopback and the HTTP parsing).
+        # (which adds the request's and the chunk's way over loopback and the HTTP parsing: 1-3
+        # ms on a quiet box; the bound leaves room for a busy one's scheduling).
         phases = httpx.get(f"http://{cluster.host}:{cluster.port}/debug/phases", timeout=30).json()
         assert phases["tracing"] is True
         p = phases["requests"][trace_id]
         assert all(p[k] >= -0.002 for k in (*TTFT_PHASES, *AFTER_FIRST_TOKEN)), p
         assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-6
         assert p["ttft"] <= client_ttft + 0.002
-        assert client_ttft - p["ttft"] < 0.05 + 0.25 * client_ttft, (client_ttft, p)
+        assert client_ttft - p["ttft"] < 0.1 + 0.5 * client_ttft, (client_ttft, p)
         assert p["handoff_bytes"] == named["handoff"][0]["attrs"]["pdcluster.bytes"] > 0
     assert transferred(cluster) - bytes_before == handoff_bytes       # every pull is in a trace, bytes exact
     nothing_left_running(cluster)
@@ -250,6 +251,23 @@ def test_a_request_whose_decode_worker_is_killed_has_a_resume_span_and_its_token
     wait_for(lambda: sorted(cluster.answering()), lambda ws: len(ws) == 3, 120)
     nothing_left_running(cluster)
 
+
+def test_samples_of_one_shared_start_are_traced_and_unchanged(cluster, client, receiver):
+    """n = 2: the shared start (one prefill and handoff for both samples) is an attempt of its
+    own with its prefill and handoff spans; the samples equal those of the untraced request."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2,
+            "ignore_eos": True}
+    header, trace_id, _ = traceparent()
+    traced = client.post("/completions", json=body, headers={"traceparent": header}).json()
+    plain = client.post("/completions", json=body).json()
+    assert [c["token_ids"] for c in traced["choices"]] == [c["token_ids"] for c in plain["choices"]]
+    named = by_name(receiver.trace(trace_id))
+    attempts = {s["attrs"]["pdcluster.rid"]: s for s in named["attempt"]}
+    (carrier,) = [s for rid, s in attempts.items() if rid.endswith(".carrier")]
+    assert len(attempts) == 3                                         # the carrier and each sample
+    assert {s["parent"] for s in named["prefill"]} == {carrier["span_id"]}
+    assert {s["parent"] for s in named["handoff"]} == {carrier["span_id"]}
+    nothing_left_running(cluster)
 
 def test_the_load_test_breaks_ttft_down_by_phase_and_names_the_slowest_traces(cluster, receiver, tmp_path, capsys):
     rc = main(["bench", "--disable-tqdm", "--base-url", f"http://{cluster.host}:{cluster.port}",

@@ -414,6 +414,7 @@ class Worker:
         elif outcome is Outcome.COMMIT:
             forked = self.engine.commit_received(rid)
             if forked is not None:                      # a carrier: its forks run from here
-                self.outboxes.publish([TokenEvent(rid, [], True, forked.finish_reason)])
+                self.outboxes.publish([TokenEvent(rid, [], True, forked.finish_reason,
+                                                  trace=self.traces.output(rid, True, time.time()))])
         elif outcome is Outcome.NOTHING and abort:
             self.engine.abort(rid)                      # not in a handoff: queued or running here
