@@ -16,7 +16,7 @@ a worker's from the worker's, which it sends with the request's events):
           prefill.compute    its first step to its first token; an event per step (tokens computed)
         decode.queue         the decode worker: the handoff's wait for room
         handoff              the KV pull: bytes, blocks skipped (the decode side's prefix cache
-                             held them), the mover, streamed or not
+                             held them), the transport (shm, gloo, nccl), streamed or not
         decode               from the KV committed (or the first token, colocated) to the end; an
                              event per step
       resume                 why an attempt ended (its cause) and the tokens delivered before it
@@ -313,7 +313,7 @@ class RequestTrace:
             self._span("decode.queue", m["arrived"], m["reserved"], at, who)
         if "pull_start" in m:
             self._span("handoff", m["pull_start"], m["pull_end"], at, {**who, **{
-                k: rec.attrs[k] for k in ("bytes", "blocks_skipped", "mover", "streamed") if k in rec.attrs}})
+                k: rec.attrs[k] for k in ("bytes", "blocks_skipped", "transport", "streamed") if k in rec.attrs}})
         start = m.get("committed") or m.get("first_token") or m["arrived"]    # (colocated: from its first token)
         self._span("decode", start, m.get("finished", start), at,
                    {**who, "steps_left_out": rec.attrs.get("steps_left_out", 0)}, steps)

@@ -205,6 +205,7 @@ def test_each_request_is_one_trace_across_router_and_workers_whose_phases_add_up
         (queue,), (compute,) = named["prefill.queue"], named["prefill.compute"]
         assert root["start"] <= attempt["start"] <= prefill["start"] <= queue["end"] <= compute["end"]
         assert prefill["end"] <= named["handoff"][0]["start"] <= decode["start"] <= decode["end"] <= root["end"]
+        assert named["handoff"][0]["attrs"]["pdcluster.transport"] == "shm"   # two workers of one node
         handoff_bytes += named["handoff"][0]["attrs"]["pdcluster.bytes"]
 
         # The phases of its first token add up to the router's TTFT, and within the client's

@@ -106,6 +106,7 @@ class KVMover:
     payload (the receiver frees them)."""
 
     streams = False                 # whether it can copy while the prompt is still prefilled
+    way = ""                        # how the bytes travel (a traced handoff's `transport`)
 
     def pull(self, op: DecodeOp, prefill, dst: list[int], skip: int, point: list[str]) -> int:
         """The held KV (`op.kv` when the router named it, else asked of the peer). Returns bytes."""
@@ -123,6 +124,10 @@ class TransportMover(KVMover):
 
     def __init__(self, local: LocalKV, lock: threading.Lock, next_id):
         self.local, self.lock, self.next_id = local, lock, next_id
+
+    @property
+    def way(self) -> str:
+        return type(self.local.transport()).__name__.removesuffix("Transport").lower()    # gloo, nccl
 
     def pull(self, op: DecodeOp, prefill, dst: list[int], skip: int, point: list[str]) -> int:
         local = self.local
@@ -147,6 +152,8 @@ class SharedMemoryMover(KVMover):
     """Copies out of a same-node prefill worker's cache: where the held event said the blocks
     are, checked by their allocation counts after the copy; without that (another CPU family),
     borrowed for the copy (`lend_kv`)."""
+
+    way = "shm"
 
     streams = True
 

@@ -130,7 +130,7 @@ class KVReceiver:
             done = time.monotonic()
             pulled = {"pull_start": wall0, "pull_end": wall0 + (done - t0)}
             how = {"bytes": nbytes, "blocks_skipped": skip, "streamed": busy is not None,
-                   "mover": type(mover).__name__ if mover is not None else "none"}
+                   "transport": mover.way if mover is not None else "none"}
             point[0] = "before_commit"
             faults.hit("recv", "before_commit")
             tail = done - max(t0, feed.final_at or t0) if feed is not None else done - t0

@@ -140,7 +140,7 @@ class TraceRecord:
     pull_end, committed, finished; a colocated request's decode part starts at first_token);
     `steps`: [start, end, tokens computed] of the engine steps that ran it (at most
     MAX_TRACED_STEPS: `attrs["steps_left_out"]` counts the rest); `attrs`: the handoff's bytes,
-    blocks skipped (the prefix cache held them) and mover."""
+    blocks skipped (the prefix cache held them) and transport."""
     parent: str
     worker_id: str
     part: str
