@@ -82,6 +82,9 @@ class Tracing:
 
     def __init__(self, endpoint: str, service_name: str = "pdcluster", export_delay_s: float = 1.0, sink=None):
         self.endpoint = collector_url(endpoint)
+        if httpx.URL(self.endpoint).port == 4317:
+            log.warning("traces go to %s over OTLP/HTTP, but 4317 is OTLP/gRPC's port: a collector's OTLP/HTTP "
+                        "receiver listens on 4318 by default", self.endpoint)
         self.resource = Resource(attributes=[_kv("service.name", service_name)])
         self.scope = InstrumentationScope(name="pdcluster")
         self.phases: OrderedDict[str, dict] = OrderedDict()      # trace id (hex) -> its request's phases

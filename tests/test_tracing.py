@@ -372,3 +372,12 @@ def test_an_untraced_op_is_not_kept_and_a_broken_record_costs_its_spans_only():
     spans = exported()
     assert list(spans) == ["request"] and spans["request"]["parent"] == ""
     tracing.close()
+
+
+def test_the_endpoint_is_a_base_or_the_traces_url_and_grpcs_port_is_named(caplog):
+    from router.tracing import Tracing, collector_url
+    assert collector_url("http://h:4318") == collector_url("http://h:4318/") == "http://h:4318/v1/traces"
+    assert collector_url("https://t.example/otlp/v1/traces") == "https://t.example/otlp/v1/traces"
+    with caplog.at_level("WARNING", logger="router.tracing"):
+        Tracing("http://127.0.0.1:4317", sink=lambda b: None).close()
+    assert "4317 is OTLP/gRPC's port" in caplog.text
