@@ -294,6 +294,29 @@ def test_the_load_test_breaks_ttft_down_by_phase_and_names_the_slowest_traces(cl
     nothing_left_running(cluster)
 
 
+
+def test_a_colocated_worker_traces_a_request_it_prefills_and_decodes(ray_session, receiver):
+    """The other way a request runs: one worker prefills and decodes it (colocated here; also a
+    disaggregated cluster's short prompts, prefilled on their decode worker): its prefill and
+    decode spans come from that worker, with no handoff between them."""
+    from cluster.run.launcher import ClusterSpec
+    from cluster.run.serve import ServingCluster
+    spec = ClusterSpec(model=MODEL, mode="colocated", num_colocated=1, num_cpus_per_worker=0.5,
+                       engine={"cache": {"num_blocks": 256}, "scheduler": {"max_num_batched_tokens": 512}})
+    with ServingCluster(spec, port=free_port(), admission="queue", otlp_traces_endpoint=receiver.url) as c, \
+            httpx.Client(base_url=c.base_url, timeout=120) as client:
+        header, trace_id, _ = traceparent()
+        ids, client_ttft = stream(client, 16, header)
+        assert ids == offline(16)
+        named = by_name(receiver.trace(trace_id))
+        (attempt,), (prefill,), (decode,) = named["attempt"], named["prefill"], named["decode"]
+        assert prefill["parent"] == decode["parent"] == attempt["span_id"] and "handoff" not in named
+        assert prefill["attrs"]["pdcluster.worker"] == decode["attrs"]["pdcluster.worker"]
+        assert decode["start"] == prefill["end"] and len(decode["events"]) == 15
+        p = httpx.get(f"http://{c.host}:{c.port}/debug/phases", timeout=30).json()["requests"][trace_id]
+        assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-6 and p["ttft"] <= client_ttft + 0.002
+        nothing_left_running(c)
+
 # -- a worker's records made into spans, without a cluster -----------------------------------
 class Seq:
     def __init__(self, seq_id: str):
