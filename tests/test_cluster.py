@@ -193,6 +193,11 @@ def test_wrong_api_key(disaggregated):
     client = openai.OpenAI(base_url=disaggregated.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    # The traced requests' phases are behind the key too (this server does not trace).
+    phases = disaggregated.base_url.removesuffix("/v1") + "/debug/phases"
+    assert httpx.get(phases, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(phases, headers={"Authorization": f"Bearer {API_KEY}"}).json() == {"tracing": False,
+                                                                                      "requests": {}}
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None, type_: str = "invalid_request_error"):

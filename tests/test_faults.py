@@ -14,6 +14,7 @@ import signal
 import httpx
 import openai
 import pytest
+import ray
 
 from cluster.loadtest import promtext
 from cluster.run.launcher import ClusterSpec
@@ -196,17 +197,26 @@ def test_a_hung_worker_is_restarted_and_its_requests_resume(chaos):
     hung0 = metric(chaos, "pdcluster:workers_lost_total", cause="hung")
     frozen: list[int] = []
 
-    def freeze():
-        pids = worker_pids(chaos)
-        frozen.append(pids["decode-0"])
-        os.kill(pids["decode-0"], signal.SIGSTOP)
+    victim: list[str] = []
 
+    def freeze():
+        # A decode worker that runs streams now (asked of the worker): one that ran none would
+        # leave the streams to finish before its hang is noticed, and resume nothing.
+        pids = worker_pids(chaos)
+        running = [w.worker_id for w in chaos.workers if w.role == "decode" and w.worker_id in pids
+                   and ray.get(w.handle.stats.remote(), timeout=10).running > 0]
+        victim.append(running[0] if running else "decode-0")
+        frozen.append(pids[victim[0]])
+        os.kill(frozen[0], signal.SIGSTOP)
+
+    resumed0 = metric(chaos, "pdcluster:requests_resumed_total")
     got = asyncio.run(stream_all(chaos, prompts, [{"temperature": 0}] * len(prompts), [(8 * 10, freeze)]))
     try:
         assert got == want
-        assert metric(chaos, "pdcluster:workers_lost_total", cause="hung") == hung0 + 1
+        wait_for(lambda: metric(chaos, "pdcluster:workers_lost_total", cause="hung"), lambda n: n == hung0 + 1, 60)
+        assert metric(chaos, "pdcluster:requests_resumed_total") > resumed0         # its streams moved
         recovered(chaos)
-        assert worker_pids(chaos)["decode-0"] != frozen[0]                # a new process
+        assert worker_pids(chaos)[victim[0]] != frozen[0]                  # a new process
     finally:
         for pid in frozen:                       # never leave a stopped process behind
             try:

@@ -57,7 +57,7 @@ def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_wi
         tmp_path, sig, code, spawns):
     port = free_port()
     key = "k-" + os.urandom(8).hex()
-    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--drain-timeout-s", "3",
+    with ServeProcess(tmp_path / "serve.log", "--prefill", "1", "--decode", "1", "--drain-timeout-s", "1",
                       *SMALL_KV, port=port, env={"PDCLUSTER_API_KEY": key}) as serve:
         # The key comes from the environment and is never printed; the banner's example request
         # works as printed, in a shell that has the key in its environment.
@@ -82,10 +82,11 @@ def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_wi
         client.close()
 
         # The signal (an orchestrator's SIGTERM, Ctrl-C in the terminal) with two streams in
-        # flight: the short one finishes within the 3 s drain, the long one ends with an error
+        # flight: the short one finishes within the 1 s drain, the long one ends with an error
         # event (a prefix of the offline output, never a cut stream); then serve exits with 128 +
-        # the signal, and nothing it started outlives it (Ray's daemons, the worker actors).
-        url, auth, short = f"http://127.0.0.1:{port}/v1/completions", {"Authorization": f"Bearer {key}"}, 64
+        # the signal, and nothing it started outlives it (Ray's daemons, the worker actors). (A
+        # 3 s drain let the long one's 2,000 tokens finish on a quiet box: 1.3 ms a token.)
+        url, auth, short = f"http://127.0.0.1:{port}/v1/completions", {"Authorization": f"Bearer {key}"}, 8
         with ThreadPoolExecutor(2) as pool:
             long_first, short_first = threading.Event(), threading.Event()
             long_stream = pool.submit(read_stream, url, LONG, long_first, auth)
@@ -102,7 +103,7 @@ def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_wi
         output = serve.output
         assert rc == code, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
-        # Both were in flight when the signal was sent; on a busy box the short one (64 tokens)
+        # Both were in flight when the signal was sent; on a busy box the short one (8 tokens)
         # may finish before serve's handler runs, the long one never does.
         draining = re.search(r"draining (\d+) request\(s\) in flight", output)
         assert draining and int(draining[1]) in (1, 2), output[-3000:]
@@ -110,7 +111,7 @@ def test_serve_answers_like_the_offline_engine_and_a_signal_drains_then_exits_wi
         assert short_error is None and short_reason == "length" and short_ids == offline(short)
         assert long_error is not None and long_error["code"] == "server_shutdown", long_error
         assert 0 < len(long_ids) < LONG and long_ids == offline(len(long_ids))
-        assert took < 3 + 30, took                    # the drain's 3 s, then the workers' shutdown
+        assert took < 1 + 30, took                    # the drain's 1 s, then the workers' shutdown
 
 
 def test_a_second_router_serves_and_a_killed_serve_leaves_no_process_behind(tmp_path, spawns):
