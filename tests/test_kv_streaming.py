@@ -127,20 +127,26 @@ def test_an_abort_mid_stream_frees_the_reservation_and_is_no_failure(stream_pool
     assert D.stats().kv_transfer.failures == before.failures
 
 
-@pytest.mark.parametrize("case", ["silence", "misfit"])
+@pytest.mark.parametrize("case", ["silence", "misfit", "misfit-first"])
 def test_a_stream_whose_words_stop_or_do_not_fit_fails_retryably_and_frees_everything(stream_pool, case):
     """No word within the transfer timeout (5 s here), or a held word with the wrong number of
-    output tokens: a retryable error (the router runs the request again), counted as a failed
-    pull, and every block back once the router aborts it on the prefill worker."""
+    output tokens (sent once the pull is under way, or before its DecodeOp, which meets it while
+    it waits for room): a retryable error (the router runs the request again), counted as a
+    failed pull, and every block back once the router aborts it on the prefill worker; never a
+    decode with the tokens the word brought."""
     from workers import messages as msg
     P, D = stream_pool
-    prompt = _prompt(4 if case == "silence" else 5)
+    prompt = _prompt({"silence": 4, "misfit": 5, "misfit-first": 6}[case])
     rid = f"s-{case}"
     before = D.stats().kv_transfer
     words, held = prefilled(P, rid, prompt)
+    misfit = msg.KVMoreOp(rid, held.kv, held.tokens * 2)
+    if case == "misfit-first":
+        D.submit(misfit)
     D.submit(msg.DecodeOp(rid, prompt, params(), [], P_ID, kv=words[0], streaming=True))
     if case == "misfit":
-        D.submit(msg.KVMoreOp(rid, held.kv, held.tokens * 2))
+        wait_for(D.stats, lambda s: s.receiving == 1, 30)
+        D.submit(misfit)
     ev = D.wait_event(lambda e: e.rid == rid, 60)
     assert isinstance(ev, msg.ErrorEvent) and ev.retryable and "KV transfer failed" in ev.error, ev
     P.submit(msg.AbortOp(rid))

@@ -29,6 +29,12 @@ from workers.sequence import SamplingParams, Sequence, SequenceStatus
 log = logging.getLogger(__name__)
 
 
+def held_tokens_fit(had: list[int], held: list[int]) -> bool:
+    """Whether the output tokens a streamed handoff's held word brings continue its reservation's:
+    the ones it had, then the one it awaited."""
+    return len(held) == len(had) + 1 and list(held[:len(had)]) == list(had)
+
+
 class RequestOutput(NamedTuple):
     """What one step produced for one request (new tokens), and whether it has ended.
     (A NamedTuple: one is built per sequence per step, and it builds several times faster
@@ -281,7 +287,7 @@ class EngineCore:
         seq = self._seqs[request_id]
         assert seq.status is SequenceStatus.RECEIVING, seq
         have = seq.num_output_tokens
-        if len(output_token_ids) != have + 1 or list(output_token_ids[:have]) != seq.output_token_ids:
+        if not held_tokens_fit(seq.output_token_ids, output_token_ids):
             raise ValueError(f"request {request_id}: {len(output_token_ids)} output tokens arrived for a "
                              f"reservation that had {have} and awaited one more")
         seq.token_ids.append(output_token_ids[-1])

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from workers.engine_core import held_tokens_fit
 from workers.handoff import HandoffBook, Outcome
 from workers.kv_cache_manager import cdiv
 from workers.kv_movers import LocalKV, Movers
@@ -57,6 +58,12 @@ class KVReceiver:
         waiting = self.handoffs.pending_op(op.rid)
         if waiting is not None:
             if newer(op.kv, final, waiting.kv, not waiting.streaming):
+                if final and waiting.streaming and not held_tokens_fit(waiting.output_token_ids, op.output_token_ids):
+                    # the same check a pull under way makes (engine_core.receive_token)
+                    self._refuse_waiting(op.rid, waiting, f"{len(op.output_token_ids)} output tokens arrived "
+                                         f"for a reservation that had {len(waiting.output_token_ids)} and "
+                                         "awaited one more")
+                    return
                 waiting.kv = op.kv
                 if final:
                     waiting.output_token_ids, waiting.streaming = list(op.output_token_ids), False
@@ -77,6 +84,20 @@ class KVReceiver:
                 feed.end(f"the held KV's word does not fit its reservation: {e}")
                 return
         feed.tell(op.kv, final)
+
+    def _refuse_waiting(self, rid: str, op: DecodeOp, why: str) -> None:
+        """A streamed handoff still waiting for room whose held word does not fit: it leaves the
+        line, the prefill side frees its copy, and the router runs the request again."""
+        self.handoffs.abort(rid)
+        log.warning("worker %s: KV handoff of %s refused: %s", self.local.worker_id, rid, why)
+        with self._lock:
+            t = self._totals
+            t.failures += 1
+            t.failures_by_point = {**t.failures_by_point, "request": t.failures_by_point.get("request", 0) + 1}
+        release_on(self.cluster_id, op.prefill_id, rid)
+        self.traces.forget(rid)
+        self.publish([ErrorEvent(rid, f"KV transfer failed: the held KV's word does not fit its reservation: {why}",
+                                 retryable=True, cause="handoff_failed")])
 
     def abort(self, rid: str) -> None:
         """The router aborted the request: a streamed pull of it stops (the caller frees it)."""
