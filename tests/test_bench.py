@@ -431,6 +431,9 @@ def test_launch_runs_the_real_cluster(ray_session, tmp_path, capsys):
                 "total_token_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
                 "input_lens", "output_lens", "ttfts", "itls", "errors"):
         assert key in r, key
+    # the launched server admits by the targets this run judges (a busy box's handoff gaps are
+    # no miss of a 10 s TPOT)
+    assert "SLO targets TTFT 30000 ms, TPOT 10000 ms" in out
     assert (r["completed"], r["failed"]) == (12, 0) and r["errors"] == [""] * 12, [e for e in r["errors"] if e]
     assert r["total_output_tokens"] == sum(r["output_lens"])
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])

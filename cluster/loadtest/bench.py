@@ -929,8 +929,14 @@ def _maybe_launch(a: argparse.Namespace):
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
                        num_decode=a.launch_decode, num_colocated=a.launch_workers,
                        engine=engine_config_from_args(a, skip=LAUNCH_SKIPS))
+    # The launched server's SLO targets are the ones this run judges goodput by (its admission
+    # refuses what would miss them), where --goodput names them; serve's defaults otherwise.
+    from router.slo import SLOTargets
+    given = loadgen.parse_goodput(a.goodput) if a.goodput else {}
+    slo = SLOTargets(**{f"{k}_s": given[k] for k in ("ttft", "tpot") if k in given})
     print(f"pdcluster bench: launching a local cluster ({spec.mode}: "
           + (f"{spec.num_prefill} prefill + {spec.num_decode} decode" if spec.mode == DISAGGREGATED
-             else f"{spec.num_colocated} workers") + f") on {spec.model!r}", flush=True)
-    with ServingCluster(spec, port=free_port(), api_key=a.api_key) as c:
+             else f"{spec.num_colocated} workers") + f") on {spec.model!r}, SLO targets TTFT "
+          f"{slo.ttft_s * 1000:g} ms, TPOT {slo.tpot_s * 1000:g} ms", flush=True)
+    with ServingCluster(spec, port=free_port(), api_key=a.api_key, slo=slo) as c:
         yield f"http://{c.host}:{c.port}"
