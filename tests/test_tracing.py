@@ -129,13 +129,16 @@ def client(cluster):
         yield c
 
 
-def stream(client, max_tokens: int, header: str, on_chunk=None) -> tuple[list[int], float]:
+def stream(client, max_tokens: int, header: str, on_chunk=None, sent: list | None = None) -> tuple[list[int], float]:
     """A greedy streamed completion sent with `header` as its traceparent: its token ids and the
-    client's time to its first token."""
+    client's time to its first token (and into `sent`, when given, the wall-clock time it sent the
+    request: the router's spans are on the same clock here)."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     ids, ttft = [], None
     t0 = time.time()
+    if sent is not None:
+        sent.append(t0)
     with client.stream("POST", "/completions", json=body, headers={"traceparent": header}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -176,7 +179,8 @@ def test_each_request_is_one_trace_across_router_and_workers_whose_phases_add_up
     handoff_bytes = 0
     for _ in range(3):
         header, trace_id, client_span = traceparent()
-        ids, client_ttft = stream(client, 16, header)
+        sent: list[float] = []
+        ids, client_ttft = stream(client, 16, header, sent=sent)
         assert ids == want
         spans = receiver.trace(trace_id)
         named = by_name(spans)
@@ -218,6 +222,11 @@ def test_each_request_is_one_trace_across_router_and_workers_whose_phases_add_up
         assert abs(sum(p[k] for k in TTFT_PHASES) - p["ttft"]) < 1e-6
         assert p["ttft"] <= client_ttft + 0.002
         assert client_ttft - p["ttft"] < 0.1 + 0.5 * client_ttft, (client_ttft, p)
+        # On one clock the router's TTFT lies inside the client's: it starts after the client
+        # sent and its first token goes out before the client read it, so what the client
+        # measured beyond the phases is the loopback and HTTP way alone.
+        assert sent[0] - 0.001 <= root["start"]
+        assert root["start"] + p["ttft"] <= sent[0] + client_ttft + 0.001, (sent, root["start"], p, client_ttft)
         assert p["handoff_bytes"] == named["handoff"][0]["attrs"]["pdcluster.bytes"] > 0
     assert transferred(cluster) - bytes_before == handoff_bytes       # every pull is in a trace, bytes exact
     nothing_left_running(cluster)
