@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from cluster.run.forecast import Forecast, Holt, floor_sizes
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, needs, window_start)
 
@@ -252,16 +253,19 @@ def test_over_the_budget_sheds_what_a_pool_can_spare():
 
 
 @pytest.mark.parametrize("budget", [2, 4, 8, 32])
-def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget):
+@pytest.mark.parametrize("elastic", [False, True])
+def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic):
     rng = random.Random(budget)
-    cfg = ControllerConfig(max_workers=budget)
+    cfg = ControllerConfig(max_workers=budget, min_workers=max(2, budget // 2) if elastic else None)
     for _ in range(2000):
         n_p = rng.randint(1, budget + 2)
         n_d = rng.randint(1, budget + 3 - n_p) if budget + 3 - n_p >= 1 else 1
         s = signals(n_p, n_d, rate=rng.uniform(0, 3 * budget), prompt=rng.choice((100, 1000, 3000)),
                     output=rng.choice((10, 100, 500)), queued_prefill_tokens=rng.choice((0, 0, 5000, 50_000)),
                     waiting_handoffs=rng.choice((0, 0, 10, 100)),
-                    ttft_attainment=rng.choice((math.nan, 0.5, 0.95)), tpot_attainment=rng.choice((math.nan, 0.5, 0.95)))
+                    ttft_attainment=rng.choice((math.nan, 0.5, 0.95)), tpot_attainment=rng.choice((math.nan, 0.5, 0.95)),
+                    floor_prefill=rng.choice((0, 1, budget // 2, budget)), floor_decode=rng.choice((0, 1, budget)),
+                    prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)))
         d = decide(s, cfg)
         after = apply(s, d)
         assert d.code in CODES and (d.count == 0) == (d.action == NONE), d
@@ -271,6 +275,11 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget):
         if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
             donor = 0 if d.action in (TO_DECODE, REMOVE_PREFILL) else 1
             assert loads(after)[donor] < cfg.shrink_below, (s, d)
+        if d.code == "shrink":                      # never below the minimum, a floor, or a recent growth
+            assert elastic and new_total >= cfg.min_workers, (s, d)
+            pool = "prefill" if d.action == REMOVE_PREFILL else "decode"
+            size = after.num_prefill if pool == "prefill" else after.num_decode
+            assert size >= getattr(s, f"floor_{pool}") and getattr(s, f"{pool}_grew_at") <= s.now - cfg.shrink_hold_s
 
 
 def test_config_keeps_its_hysteresis():
@@ -280,6 +289,113 @@ def test_config_keeps_its_hysteresis():
         ControllerConfig(max_workers=4, prefill_target_load=0.9)       # above shrink_below
     with pytest.raises(ValueError):
         ControllerConfig(max_workers=4, shrink_below=1.0)              # not under grow_at
+
+
+# -- elastic size ---------------------------------------------------------------------------------
+ELASTIC = ControllerConfig(max_workers=8, cooldown_s=30, min_workers=2)
+
+
+def test_fixed_size_never_shrinks_what_it_has():
+    d = decide(signals(4, 4, rate=0.2), CFG_8 := ControllerConfig(max_workers=8))
+    assert d.action == NONE and d.code == "balanced", d
+    assert CFG_8.min_workers is None
+
+
+def test_a_pool_below_the_forecasts_floor_grows_to_it_ahead_of_demand():
+    # loads 0.25 / 0.25 now, but the forecast wants 4 prefill workers: 2 more, within the budget
+    d = decide(signals(2, 2, rate=0.5, floor_prefill=4, floor_decode=2), ELASTIC)
+    assert (d.action, d.count, d.code) == (ADD_PREFILL, 2, "forecast_floor")
+    d = decide(signals(2, 5, rate=0.5, floor_prefill=4), ELASTIC)       # only 1 more fits the budget of 8
+    assert (d.action, d.count) == (ADD_PREFILL, 1)
+    d = decide(signals(2, 6, rate=0.5, floor_prefill=4), ELASTIC)       # at the budget: nothing to add
+    assert d.action != ADD_PREFILL
+
+
+def test_a_pool_that_demand_no_longer_needs_shrinks_to_what_its_survivors_carry_at_their_target():
+    """Prefill needs 1.0 worker of its 4 (0.25 each); decode 1.0 of its 4. The pool furthest
+    under its target (decode: 0.25 / 0.75 against prefill's 0.25 / 0.65) gives what leaves the
+    rest at or under its target: 2 leave (1.0 / 2 = 0.5; a third would leave 1.0 > 0.75); then
+    prefill gives 2 the same way."""
+    d = decide(signals(4, 4, rate=1.0), ELASTIC)
+    assert (d.action, d.count, d.code) == (REMOVE_DECODE, 2, "shrink"), d
+    d = decide(signals(4, 2, rate=1.0), ELASTIC)
+    assert (d.action, d.count, d.code) == (REMOVE_PREFILL, 2, "shrink"), d
+    assert decide(signals(2, 2, rate=1.0), ELASTIC).action == NONE
+    # a backlog counts in what the survivors carry
+    d = decide(signals(4, 4, rate=1.0, queued_prefill_tokens=45_000), ELASTIC)   # +1.5 workers' worth
+    assert d.action != REMOVE_PREFILL, d
+
+
+def test_a_shrink_waits_for_its_pools_growth_to_age_and_keeps_the_floor_and_the_minimum():
+    grew = dict(now=1000.0, prefill_grew_at=900.0)                       # prefill grew 100 s ago
+    d = decide(signals(4, 4, rate=1.0, **grew), ELASTIC)
+    assert d.action == REMOVE_DECODE, d                                  # decode did not grow: it may give
+    d = decide(signals(4, 4, rate=1.0, decode_grew_at=800.0, **grew), ELASTIC)
+    assert d.action == NONE, d
+    d = decide(signals(4, 4, rate=1.0, now=1000.0, prefill_grew_at=700.0, decode_grew_at=900.0), ELASTIC)
+    assert d.action == REMOVE_PREFILL, d                                 # grown 300 s ago: it may give
+    d = decide(signals(4, 4, rate=1.0, floor_prefill=3, floor_decode=4), ELASTIC)
+    assert (d.action, d.count) == (REMOVE_PREFILL, 1), d                # not below the floor
+    small = ControllerConfig(max_workers=8, min_workers=7)
+    d = decide(signals(4, 4, rate=1.0), small)
+    assert (d.action, d.count) == (REMOVE_DECODE, 1), d                 # not below min_workers
+    assert decide(signals(4, 3, rate=1.0), small).action == NONE
+
+
+def test_elastic_below_the_budget_a_pool_grows_before_its_capacity():
+    # prefill at load 0.9 (1.8 workers' worth over 2): past elastic_grow_at (0.85), under grow_at
+    s = signals(2, 2, rate=1.8, output=50)
+    d = decide(s, ELASTIC)
+    assert (d.action, d.code) == (ADD_PREFILL, "prefill_short_load") and d.count == 1, d   # 1.8 / 0.65 -> 3
+    assert decide(s, ControllerConfig(max_workers=8)).action == NONE     # fixed size: between target and capacity
+    assert decide(signals(2, 2, rate=1.8, output=50), ControllerConfig(max_workers=4, min_workers=2)).action == NONE
+
+
+def test_elastic_config_is_checked():
+    with pytest.raises(ValueError, match="min_workers"):
+        ControllerConfig(max_workers=4, min_workers=5)
+    with pytest.raises(ValueError, match="min_workers"):
+        ControllerConfig(max_workers=4, min_workers=1)
+    with pytest.raises(ValueError, match="elastic_grow_at"):
+        ControllerConfig(max_workers=4, min_workers=2, elastic_grow_at=0.7)
+
+
+# -- the forecast -------------------------------------------------------------------------------
+def test_holt_follows_the_hand_computed_recursion():
+    """alpha 0.5, beta 0.3, phi 0.9: 10, then 20: level 0.5 x 20 + 0.5 x 10 = 15, trend
+    0.3 x 5 = 1.5; forecast 1 ahead 15 + 0.9 x 1.5, 2 ahead 15 + (0.9 + 0.81) x 1.5."""
+    h = Holt()
+    assert h.forecast() == 0.0
+    h.add(10)
+    assert h.forecast() == 10
+    h.add(20)
+    assert (h.level, h.trend) == (pytest.approx(15.0), pytest.approx(1.5))
+    assert h.forecast(1) == pytest.approx(15 + 0.9 * 1.5)
+    assert h.forecast(2) == pytest.approx(15 + 1.71 * 1.5)
+    for _ in range(200):
+        h.add(0)
+    assert h.forecast(3) == pytest.approx(0.0, abs=1e-6)                 # never below 0
+    with pytest.raises(ValueError):
+        Holt(alpha=0)
+
+
+def test_the_floor_covers_the_forecast_at_target_and_its_bursts_at_full_load():
+    f = Forecast()
+    f.observe(10.0, 1000, 100, peak_rate=20.0)
+    assert f.outlook() is None                                           # one interval: no outlook yet
+    f.observe(10.0, 1000, 100, peak_rate=20.0)
+    o = f.outlook()
+    assert (o.arrival_rate, o.mean_prompt_tokens, o.peak_rate) == (pytest.approx(10.0), pytest.approx(1000),
+                                                                   pytest.approx(20.0))
+    # mean: 10 x 1,000 / 5,000 = 2 workers' worth, at 0.65 -> 4; bursts: 20 x 1,000 / 5,000 = 4 -> 4.
+    # decode: 10 x 100 / 1,000 = 1 at 0.75 -> 2; bursts 2 -> 2
+    assert floor_sizes(o, 5000, 1000, 0.65, 0.75) == (4, 2)
+    assert floor_sizes(dataclasses.replace(o, peak_rate=30.0), 5000, 1000, 0.65, 0.75) == (6, 3)
+    assert floor_sizes(None, 5000, 1000, 0.65, 0.75) == (0, 0)
+    rising = Forecast()
+    for k in range(6):
+        rising.observe(10.0 + 5 * k, 1000, 100)
+    assert rising.outlook(ahead=2).arrival_rate > rising.outlook(ahead=1).arrival_rate > 35
 
 
 # -- the window of signals ----------------------------------------------------------------------

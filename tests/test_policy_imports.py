@@ -11,7 +11,7 @@ POLICY_MODULES = ("workers.scheduler", "workers.kv_cache_manager", "workers.bloc
                   "cluster.run.controller", "workers.messages", "workers.config", "workers.names", "router.picker",
                   "router.placement", "router.leadership", "router.slo", "router.config", "cluster.run.spec",
                   "router.pools", "cluster.run.pool_control", "router.admission", "cluster.capacity.sim_control",
-                  "workers.leases", "cluster.run.book")
+                  "workers.leases", "cluster.run.book", "cluster.run.forecast", "cluster.capacity.dynamo_baseline")
 
 
 def test_policy_modules_load_neither_torch_nor_ray():

@@ -442,3 +442,33 @@ def phase_rows(phases: list[Phase], phase_s: float, burstiness: float = 1.0, ran
         outs = random_lens(rng, len(times), ph.output_len, range_ratio)
         rows += [TraceRow(t, n_in, n_out, None, ph.name) for t, n_in, n_out in zip(times, ins, outs)]
     return rows
+
+
+# -- an hour-scale rise and fall, over a real trace's arrivals ----------------------------------------
+def rise_and_fall(rows: list[TraceRow], low_rate: float, peak_rate: float, period_s: float,
+                  duration_s: float) -> list[TraceRow]:
+    """A trace replayed with its own burst structure under a slow swell: its rows in order (from
+    the first again when they run out), each gap between two of them the trace's own gap in
+    units of its mean gap, divided by the rate at that moment,
+
+        rate(t) = low + (peak - low) x (1 - cos(2 pi t / period)) / 2
+
+    (low at 0, peak at period / 2, low again at period). The requests keep the trace's prompt and
+    output lengths. Deterministic: the same rows and arguments give the same result."""
+    if len(rows) < 2:
+        raise ValueError("a rise and fall needs a trace of at least 2 requests")
+    if not (0 < low_rate <= peak_rate and period_s > 0 and duration_s > 0):
+        raise ValueError(f"a rise and fall needs 0 < low <= peak rate and positive period and duration, "
+                         f"got {low_rate}, {peak_rate}, {period_s}, {duration_s}")
+    span = rows[-1].arrival_s - rows[0].arrival_s
+    mean_gap = span / (len(rows) - 1) if span > 0 else 1.0
+    out, t, i = [], 0.0, 0
+    while t < duration_s:
+        r = rows[i % len(rows)]
+        out.append(TraceRow(t, r.prompt_len, r.output_len, r.prompt, r.phase))
+        nxt = rows[(i + 1) % len(rows)]
+        gap = (nxt.arrival_s - r.arrival_s) / mean_gap if (i + 1) % len(rows) else 1.0
+        rate = low_rate + (peak_rate - low_rate) * (1 - math.cos(2 * math.pi * t / period_s)) / 2
+        t += max(0.0, gap) / rate
+        i += 1
+    return out

@@ -39,8 +39,14 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   never undoes attainment: after a move for attainment, only a load above `grow_at` moves
   workers back (attainment may correct a move made on the predicted loads, once; so under a
   steady load the moves stop);
-- one change per decision, none while a worker is between roles, and none within `cooldown_s`
-  of the last;
+- elastic size (`min_workers` set): a pool below the forecast's floor (`Signals.floor_*`: what
+  the next long interval's forecast arrivals need at its target load, cluster/run/forecast.py)
+  grows to it ahead of demand; and when nothing is short, the pool furthest under its target
+  that has not grown for `shrink_hold_s` gives the workers its survivors can do without (the
+  same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
+  included), never below the floor nor the total below `min_workers`;
+- one change per decision, none while a worker is between roles or starting, and none within
+  `cooldown_s` of the last;
 - at least one worker per pool, never more workers than the budget;
 - every decision carries its reason, and `code`, the reason's kind (a metric label).
 """
@@ -56,7 +62,8 @@ NONE, TO_PREFILL, TO_DECODE, ADD_PREFILL, ADD_DECODE, REMOVE_PREFILL, REMOVE_DEC
     "none", "to_prefill", "to_decode", "add_prefill", "add_decode", "remove_prefill", "remove_decode")
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
-         "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "slo_not_capacity", "balanced")
+         "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "forecast_floor", "shrink",
+         "slo_not_capacity", "balanced")
 POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 BACKLOG_S = 30.0
@@ -76,10 +83,18 @@ class ControllerConfig:
     slo_backlog_share: float = 0.2        # its backlog at most this share of its need,
     slo_hold_s: float = 30.0              # and the last change this old (the pools settled)
     backlog_s: float = BACKLOG_S          # a backlog is work to clear within this long
+    min_workers: int | None = None        # elastic: the total shrinks to no fewer (None: it never shrinks)
+    shrink_hold_s: float = 300.0          # elastic: no pool shrinks within this long of its growth
+    elastic_grow_at: float = 0.85         # elastic, below the budget: a pool is short past this load
 
     def __post_init__(self):
         if self.max_workers < 2:
             raise ValueError(f"the worker budget must be at least 2 (one per pool), got {self.max_workers}")
+        if not max(self.prefill_target_load, self.decode_target_load) < self.elastic_grow_at <= self.grow_at:
+            raise ValueError(f"elastic_grow_at must be above both target loads and at most grow_at, "
+                             f"got {self.elastic_grow_at}")
+        if self.min_workers is not None and not 2 <= self.min_workers <= self.max_workers:
+            raise ValueError(f"min_workers must be within 2..max_workers ({self.max_workers}), got {self.min_workers}")
         if self.cooldown_s < 0 or self.slo_hold_s < 0 or self.backlog_s <= 0:
             raise ValueError("cooldown_s and slo_hold_s must be >= 0, backlog_s > 0")
         for t in (self.prefill_target_load, self.decode_target_load):
@@ -108,6 +123,10 @@ class Signals:
     draining: int = 0                     # workers between roles now
     waiting_handoffs: int = 0             # prefilled requests waiting for room on a decode worker now
     decode_kv_usage: float = 0.0          # share of the decode pool's KV blocks in use now
+    floor_prefill: int = 0                # the forecast's floor under each pool (cluster/run/forecast.py)
+    floor_decode: int = 0
+    prefill_grew_at: float = -math.inf    # when each pool last grew (workers added or moved in)
+    decode_grew_at: float = -math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +269,14 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
     if s.now - last_change_at < cfg.cooldown_s:
         return done(NONE, "cooldown", "cooldown")
     total = s.num_prefill + s.num_decode
+    # Elastic, with room to grow: a worker more costs only its GPU-time, and it serves only after
+    # its start-up, so a pool grows before its load reaches its capacity.
+    grow_at = cfg.elastic_grow_at if cfg.min_workers is not None and total < cfg.max_workers else cfg.grow_at
 
     def why_short(pool: str) -> tuple[str, str] | None:
         """(code, reason) when `pool` is short, else None."""
         name, att = slo[pool]
-        if load[pool] > cfg.grow_at:
+        if load[pool] > grow_at:
             return f"{pool}_short_load", f"{pool} short (load {load[pool]:.2f})"
         if (att < cfg.min_attainment and load[pool] >= cfg.slo_load_floor * cfg.target(pool)
                 and s.now - last_change_at >= cfg.slo_hold_s and backlog[pool] <= cfg.slo_backlog_share * need[pool]):
@@ -298,6 +320,27 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
                                           "within the budget")
         return done(move, code, f"{why}: {k} from {other} (load {load[other]:.2f} -> "
                                 f"{need[other] / (n[other] - k):.2f}, {pool} -> {need[pool] / (n[pool] + k):.2f})", k)
+
+    # Elastic size: the forecast's floor ahead of demand, then what demand no longer needs.
+    if cfg.min_workers is not None:
+        floor = {PREFILL: s.floor_prefill, DECODE: s.floor_decode}
+        under = [pool for pool in POOLS if n[pool] < floor[pool]]
+        if under and total < cfg.max_workers:
+            pool = max(under, key=lambda k: floor[k] - n[k])
+            k = min(floor[pool] - n[pool], cfg.max_workers - total)
+            return done(ADD_PREFILL if pool == PREFILL else ADD_DECODE, "forecast_floor",
+                        f"{pool} below the forecast's floor ({n[pool]} < {floor[pool]}): {k} more ({loads_txt})", k)
+        grew = {PREFILL: s.prefill_grew_at, DECODE: s.decode_grew_at}
+        if total > cfg.min_workers:
+            for pool in sorted(POOLS, key=lambda k: load[k] / cfg.target(k)):
+                if s.now - grew[pool] < cfg.shrink_hold_s:
+                    continue                      # a pool that grew lately keeps what it got
+                room = min(total - cfg.min_workers, n[pool] - max(1, floor[pool]))
+                k = givable(cfg, pool, need[pool], n[pool], room) if room > 0 else 0
+                if k:
+                    return done(REMOVE_PREFILL if pool == PREFILL else REMOVE_DECODE, "shrink",
+                                f"{pool} needs fewer: {k} leave (load {load[pool]:.2f} -> "
+                                f"{need[pool] / (n[pool] - k):.2f}; {loads_txt})", k)
 
     # Nothing short. An SLO missed at a low load, or with a backlog, is reported, not acted on.
     for pool in POOLS:

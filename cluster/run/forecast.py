@@ -1,0 +1,95 @@
+"""The controller's long time scale: a forecast of the next long interval's arrivals and
+lengths, from which it keeps a floor under each pool ahead of demand (plain Python, no Ray, no
+torch: the serving loop and `pdcluster simulate` run it alike).
+
+Each long interval feeds one value of the arrival rate, the mean prompt tokens and the mean
+output tokens to a damped Holt filter (exponential smoothing of a level and a trend; the trend
+damped so that a rise is not extrapolated without end): simple, robust to a noisy interval, and
+it follows an hour-scale rise and fall with a lag of about one interval where the last value
+lags by one interval and a mean by many. The floor is what the forecast needs of each pool at
+its target load, so a pool grows before the reactive policy sees it short, and never shrinks
+below what the next interval will need.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class Holt:
+    """Damped Holt (level + trend) smoothing of one series; `forecast(h)` is h intervals ahead,
+    never below 0."""
+
+    def __init__(self, alpha: float = 0.5, beta: float = 0.3, phi: float = 0.9):
+        if not (0 < alpha <= 1 and 0 <= beta <= 1 and 0 < phi <= 1):
+            raise ValueError(f"Holt needs 0 < alpha <= 1, 0 <= beta <= 1, 0 < phi <= 1, got {alpha}, {beta}, {phi}")
+        self.alpha, self.beta, self.phi = alpha, beta, phi
+        self.level: float | None = None
+        self.trend = 0.0
+        self.n = 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if self.level is None:
+            self.level = x
+            return
+        prev = self.level
+        self.level = self.alpha * x + (1 - self.alpha) * (prev + self.phi * self.trend)
+        self.trend = self.beta * (self.level - prev) + (1 - self.beta) * self.phi * self.trend
+
+    def forecast(self, h: int = 1) -> float:
+        if self.level is None:
+            return 0.0
+        damped = sum(self.phi ** i for i in range(1, h + 1))
+        return max(0.0, self.level + damped * self.trend)
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """What the forecast says of the next long interval."""
+    arrival_rate: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    peak_rate: float = 0.0              # its bursts: the rate times the peak-to-mean ratio seen lately
+
+
+class Forecast:
+    """The three series of the long time scale. `observe` once per long interval (with its rate
+    and means); `outlook` is None until `min_intervals` have been seen."""
+
+    def __init__(self, min_intervals: int = 2, **holt):
+        self.rate, self.prompt, self.output = Holt(**holt), Holt(**holt), Holt(**holt)
+        self.burst = Holt(alpha=0.3, beta=0.0)     # the peak-to-mean ratio: a level, no trend
+        self.min_intervals = min_intervals
+
+    def observe(self, arrival_rate: float, mean_prompt_tokens: float, mean_output_tokens: float,
+                peak_rate: float | None = None) -> None:
+        """One long interval: its mean arrival rate and lengths, and the highest rate of its
+        short parts (`peak_rate`, e.g. its busiest 10 s)."""
+        self.rate.add(arrival_rate)
+        if arrival_rate > 0:                       # an idle interval says nothing of lengths
+            self.prompt.add(mean_prompt_tokens)
+            self.output.add(mean_output_tokens)
+            if peak_rate is not None:
+                self.burst.add(max(1.0, peak_rate / arrival_rate))
+
+    def outlook(self, ahead: int = 1) -> Outlook | None:
+        """The next `ahead` intervals' peak forecast arrivals (a rise: the last of them), with the
+        lengths forecast for the first."""
+        if self.rate.n < self.min_intervals or self.prompt.level is None:
+            return None
+        rate = max(self.rate.forecast(h) for h in range(1, ahead + 1))
+        burst = self.burst.forecast() if self.burst.level is not None else 1.0
+        return Outlook(rate, self.prompt.forecast(), self.output.forecast(), rate * max(1.0, burst))
+
+
+def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_per_s: float,
+                prefill_target: float, decode_target: float) -> tuple[int, int]:
+    """Workers each pool needs for the outlook's arrivals: at its target load for their mean
+    rate, and at full load for their bursts (0, 0 without an outlook)."""
+    if o is None or o.arrival_rate <= 0:
+        return 0, 0
+    p = o.mean_prompt_tokens / max(1e-9, prefill_tokens_per_s)
+    d = o.mean_output_tokens / max(1e-9, decode_tokens_per_s)
+    return (math.ceil(max(o.arrival_rate * p / prefill_target, o.peak_rate * p) - 1e-9),
+            math.ceil(max(o.arrival_rate * d / decode_target, o.peak_rate * d) - 1e-9))
