@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import NamedTuple
 
-from cluster.run.spec import PLACEMENTS, ClusterSpec
+from cluster.run.spec import CONTROLLER_MODES, PLACEMENTS, ClusterSpec
 from router.admission import ADMISSION_POLICIES
 from router.config import API_KEY_ENV, TOOL_PARSERS, RouterConfig
 from router.slo import SLOTargets
@@ -42,6 +42,7 @@ class Flag(NamedTuple):
     choices: tuple | None = None
     unit: int = 1                     # the field holds flag value x unit (MiB -> bytes)
     negate: bool = False              # a store_true flag that turns a boolean field off
+    const: str | None = None          # the value of the flag given without one (a choice that may be left out)
 
 
 ENGINE_FLAGS = (
@@ -103,11 +104,19 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
     Flag("--cluster-id", "cluster_id", "names this cluster's Ray actors; `pdcluster router --cluster-id` attaches "
          "to it (default: a random one, printed)", str),
     Flag("--controller", "controller", "run the pool-ratio controller: it moves workers between the pools (and "
-         "adds or removes them within --max-workers) as the load shifts, against the --slo-* targets", bool),
+         "adds or removes them within --min-workers and --max-workers) as the load shifts, against the --slo-* "
+         "targets; `--controller advise` reports what it would do (log, metrics) and changes nothing (default: "
+         "off)", str, CONTROLLER_MODES, const="on"),
     Flag("--controller-interval-s", "controller_interval_s", "seconds between the controller's decisions", float),
     Flag("--controller-window-s", "controller_window_s", "seconds of arrivals and finishes a decision sees", float),
     Flag("--controller-cooldown-s", "controller_cooldown_s", "no change within this long of the last", float),
+    Flag("--controller-forecast-s", "controller_forecast_s", "the controller's long interval: a forecast of the "
+         "next ones' arrivals keeps a floor under each pool ahead of demand (0: no forecast)", float),
+    Flag("--controller-shrink-hold-s", "controller_shrink_hold_s", "elastic: no pool shrinks within this long of "
+         "its growth (a worker added costs its start-up; a shrink undone costs another)", float),
     Flag("--max-workers", "max_workers", "the worker budget the controller keeps to (default: the launched pools)"),
+    Flag("--min-workers", "min_workers", "elastic: the controller also shrinks the total when demand falls, to no "
+         "fewer than this (default: it never shrinks)"),
 )
 
 ROUTER_FLAGS = (        # RouterConfig fields
@@ -188,7 +197,8 @@ def add_flags(g, flags: tuple[Flag, ...], cls, **overrides) -> None:
         if isinstance(shown, float) and shown.is_integer() and f.type is int:
             shown = int(shown)
         note = "" if "default" in f.help else f" (default: {shown})"
-        g.add_argument(f.flag, type=f.type, default=argparse.SUPPRESS, choices=f.choices, help=f.help + note)
+        more = {} if f.const is None else {"nargs": "?", "const": f.const}
+        g.add_argument(f.flag, type=f.type, default=argparse.SUPPRESS, choices=f.choices, help=f.help + note, **more)
 
 
 def given(a: argparse.Namespace, flags: tuple[Flag, ...]) -> dict:

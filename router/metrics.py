@@ -173,8 +173,12 @@ class Metrics:
                                             "action and reason (none: no change, with why)", ["action", "reason"],
                                             registry=r)
         self.controller_decisions.labels("none", "no_cost_model")
+        self.controller_recommended = Gauge(P + "controller_recommended_workers", "The pool sizes the controller's "
+                                            "latest decision leads to (what it would do, in advisory mode)", ["role"],
+                                            registry=r)
         for role in ROLES:
             self.pool_size.labels(role)
+            self.controller_recommended.labels(role)
             for state in POOL_STATES:
                 self.pool_members.labels(role, state)
         for a, b in ROLE_FLIPS:

@@ -2,7 +2,7 @@
 `serve --controller`): under prefill-heavy load the prefill pool grows (a decode worker drains
 and flips), under the decode-heavy load that follows it shrinks back; no request fails other
 than with 429, every greedy output equals the offline engine's on the same prompt, and the role
-changes are counted. Each phase's rate is a multiple of one worker's capacity as the controller
+changes are counted. Elastic (1 + 1, up to 3): advice first, then a worker added and removed. Each phase's rate is a multiple of one worker's capacity as the controller
 prices it before serving (a fixed rate would overload a slow machine and not a fast one), and
 the phases end on what the pools do (with deadlines), not on a clock, so a slower machine only
 takes longer."""
@@ -17,6 +17,7 @@ import openai
 from cluster.run.launcher import ClusterSpec
 from cluster.run.serve import ServingCluster
 from common import free_port
+from router.pools import ACTIVE, DRAINING, STARTING
 from router.slo import SLOTargets
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -68,6 +69,16 @@ async def wait_until(probe, deadline_s: float, what: str, explain=lambda: ""):
         if time.monotonic() - t0 > deadline_s:
             raise AssertionError(f"{what} did not happen within {deadline_s:g}s; {explain()}")
         await asyncio.sleep(0.2)
+
+
+def assert_offline(served: list) -> None:
+    """Every (prompt, max_tokens, answer) served equals the offline engine's greedy output."""
+    engine = LLMEngine(EngineConfig(model="tiny"))
+    for n in sorted({n for _, n, _ in served}):
+        batch = [(p, a) for p, m, a in served if m == n]
+        ref = engine.generate([{"prompt_token_ids": p} for p, _ in batch],
+                              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert [r.token_ids for r in ref] == [a for _, a in batch]
 
 
 def why_not(c: ServingCluster) -> str:
@@ -127,10 +138,56 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
         of_phase = [a for (p, n, _), a in zip(sent, answers) if (len(p), n) == phase]
         ok = [a for a in of_phase if a != 429]
         assert len(ok) >= max(5, len(of_phase) / 8), f"{phase}: {len(of_phase) - len(ok)} of {len(of_phase)} refused"
-    engine = LLMEngine(EngineConfig(model="tiny"))
-    for n in sorted({n for _, n, _ in served}):
-        batch = [(p, a) for p, m, a in served if m == n]
-        ref = engine.generate([{"prompt_token_ids": p} for p, _ in batch],
-                              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        assert [r.token_ids for r in ref] == [a for _, a in batch]
+    assert_offline(served)
 
+
+
+def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_shrinks_it_after(ray_session, alone):
+    """1 prefill + 1 decode, elastic between 2 and 3 workers. Started with `--controller advise`:
+    under decode-heavy load it says it would add a decode worker (log, decisions, the
+    recommended-workers gauge) and nothing changes; switched to act, it adds one (a new actor
+    that joins once loaded); when the load falls it removes one (drained, then retired) once the
+    pool's growth is --controller-shrink-hold-s old. Every answer equals the offline engine's."""
+    import dataclasses
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, max_workers=3, min_workers=2,
+                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
+                       controller="advise", controller_interval_s=1.0, controller_window_s=6.0,
+                       controller_cooldown_s=3.0, controller_shrink_hold_s=8.0, controller_forecast_s=0.0)
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S),
+                        local_prefill_max_tokens=0) as c:
+        pools, ctl = c.pools, c.controller
+        cost, max_seqs = ctl.fit.current(), spec.engine.scheduler.max_num_seqs
+        dp, do = DECODE_HEAVY
+        decode_heavy = (dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do)
+        metrics = c.server.metrics.registry
+
+        def live() -> int:
+            return sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools)
+
+        async def drive():
+            load = Load(c.base_url)
+            load.phase = decode_heavy
+            sender = asyncio.ensure_future(load.run())
+            try:
+                await wait_until(lambda: sum(d["action"] == "add_decode" for d in ctl.decisions) >= 3,
+                                 PHASE_DEADLINE_S, "three pieces of advice to add a decode worker", lambda: why_not(c))
+                advised = (live(), pools.count(PREFILL), pools.count(DECODE),
+                           metrics.get_sample_value("pdcluster:controller_recommended_workers", {"role": DECODE}))
+                ctl.control = dataclasses.replace(ctl.control, advise=False)          # now it acts
+                await wait_until(lambda: pools.count(DECODE) == 2, PHASE_DEADLINE_S, "a decode worker added",
+                                 lambda: why_not(c))
+                load.phase = (dp, 4, 0.5)                                            # the load falls
+                await wait_until(lambda: live() == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
+                                 "the decode pool shrinking back", lambda: why_not(c))
+            finally:
+                load.stop = True
+                await sender
+            return advised, load.sent, await load.results()
+        advised, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
+        decisions = list(ctl.decisions)
+    assert advised == (2, 1, 1, 2.0), (advised, decisions)            # advice only: nothing had changed
+    acted = [d["action"] for d in decisions if d["action"] != "add_decode"]
+    assert acted and acted[-1] == "remove_decode", decisions
+    served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
+    assert len(served) >= 10, f"{len(sent) - len(served)} of {len(sent)} refused"
+    assert_offline(served)

@@ -88,7 +88,7 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
 
 
-def controller(clock, num_prefill=1, num_decode=2, **cfg):
+def controller(clock, num_prefill=1, num_decode=2, live: dict | None = None, **cfg):
     members = [Member(f"prefill-{i}", PREFILL, f"hp{i}", ACTIVE) for i in range(num_prefill)] + \
               [Member(f"decode-{i}", DECODE, f"hd{i}", ACTIVE) for i in range(num_decode)]
     for m in members:
@@ -97,8 +97,8 @@ def controller(clock, num_prefill=1, num_decode=2, **cfg):
     metrics.requests = RequestLog(clock=clock)
     d = Dispatcher(PoolRegistry.of(members), DISAGGREGATED, metrics)
     fit = StepFit(1024, 65536, PROFILE)
-    ctl = PoolController(d, LiveControl(ControllerConfig(num_prefill + num_decode, **cfg), 1.0, 10.0), fit,
-                         1.0, 0.05, 2048, 128, clock=clock)
+    ctl = PoolController(d, LiveControl(ControllerConfig(cfg.pop("max_workers", num_prefill + num_decode), **cfg),
+                                        1.0, 10.0, **(live or {})), fit, 1.0, 0.05, 2048, 128, clock=clock)
     return ctl, d, metrics
 
 
@@ -173,6 +173,48 @@ def test_a_decision_drains_the_least_loaded_worker_of_the_donor_pool():
     assert ctl.settled == clock.t                                 # attainment is judged from here on
     clock.t += 0.5
     assert asyncio.run(ctl.tick()).reason == "cooldown"
+
+
+def test_advisory_mode_reports_what_it_would_do_and_changes_nothing():
+    clock = Clock(1000.0)
+    ctl, d, metrics = controller(clock, cooldown_s=5, live={"advise": True})
+    ctl.started_at = clock.t - 30
+    serve_window(clock, metrics, rate=25, prompt=3000, output=2, seconds=30)   # prefill-heavy: it would move
+    for _ in range(3):                                   # every tick says so again: nothing took effect
+        decision = asyncio.run(ctl.tick())
+        assert decision.action == "to_prefill", decision
+        clock.t += 1
+    assert all(m.state == ACTIVE and m.role == r for m, r in zip(d.pools, (PREFILL, DECODE, DECODE)))
+    assert [x["action"] for x in ctl.decisions] == ["to_prefill"] * 3 and ctl.last_decision is None
+    rec = {role: metrics.registry.get_sample_value("pdcluster:controller_recommended_workers", {"role": role})
+           for role in (PREFILL, DECODE)}
+    assert rec == {PREFILL: 1 + decision.count, DECODE: 2 - decision.count}
+    assert metrics.registry.get_sample_value("pdcluster:controller_decisions_total",
+                                             {"action": "to_prefill", "reason": decision.code}) == 3
+
+
+def test_elastic_a_pool_demand_left_shrinks_and_the_forecast_keeps_a_floor():
+    """1 prefill + 4 decode, elastic down to 2: a light load leaves decode far under its target,
+    so decode workers leave (drained, then removed) once its growth (the start) is 5 minutes old;
+    with a forecast that has seen a heavier load lately, the floor keeps more of them."""
+    def run(forecast_s):
+        clock = Clock(1000.0)
+        ctl, d, metrics = controller(clock, 1, 4, max_workers=6, min_workers=2, cooldown_s=5,
+                                     live={"forecast_s": forecast_s})
+        ctl.started_at = ctl.grew_at[PREFILL] = ctl.grew_at[DECODE] = clock.t
+        if ctl.long is not None:
+            ctl.long.until = clock.t + forecast_s
+        serve_window(clock, metrics, rate=60, prompt=200, output=200, seconds=240)    # busier minutes first
+        for _ in range(6):
+            ctl.signals()                                   # the long intervals fed as they pass
+            serve_window(clock, metrics, rate=0.5, prompt=200, output=200, seconds=15)
+        decision = asyncio.run(ctl.tick())
+        return decision, d
+    decision, d = run(0.0)
+    assert (decision.action, decision.code) == ("remove_decode", "shrink"), decision
+    assert sum(m.state == DRAINING and m.to_role is None for m in d.pools) == decision.count == 3
+    with_forecast, _ = run(60.0)
+    assert with_forecast.action == "none" or with_forecast.count < decision.count, with_forecast
 
 
 def test_a_new_leader_calls_off_another_leaders_drains_and_restarts_what_it_saw_hang():

@@ -66,7 +66,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 CONTROLLER_FLAGS = ("--controller", "--controller-interval-s", "--controller-window-s", "--controller-cooldown-s",
-                    "--max-workers")
+                    "--controller-forecast-s", "--controller-shrink-hold-s", "--max-workers", "--min-workers")
 CONTROLLER_SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
 
 
@@ -81,22 +81,31 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("pool-ratio controller (disaggregated)")
     add_flags(c, cluster_flags, ClusterSpec)
     add_flags(c, slo_flags, SLOTargets)
+    c.add_argument("--worker-startup-s", type=float, default=None, help="seconds from the controller's ask for a "
+                   "worker to its first work (weights, warm-up): it holds its GPUs meanwhile (default: the "
+                   "profile's measured start-up, else 0)")
 
 
-def control_from_args(a: argparse.Namespace, cluster: SimCluster):
+def control_from_args(a: argparse.Namespace, cluster: SimCluster, startup_s: float = 0.0):
     """The controller's settings, or None without --controller: read and checked as `serve`
-    reads them (a ClusterSpec of the simulated pools' shape, SLOTargets)."""
-    from cluster.run.controller import ControllerConfig
+    reads them (a ClusterSpec of the simulated pools' shape, SLOTargets); an added worker's
+    start-up is --worker-startup-s, else `startup_s` (the profile's)."""
     from cluster.capacity.sim_control import SimControl
     cluster_flags, slo_flags = _controller_flags()
     fields = given(a, cluster_flags)
-    if not fields.get("controller"):
+    if fields.get("controller", "off") == "off":
         return None
+    if fields["controller"] == "advise":
+        raise ValueError("--controller advise changes nothing: simulate without --controller for that, or with "
+                         "--controller to see what it would do")
     spec = ClusterSpec(mode=cluster.mode, num_prefill=cluster.num_prefill, num_decode=cluster.num_decode,
                        num_colocated=cluster.num_colocated, **fields)
     slo = SLOTargets(**given(a, slo_flags))
-    return SimControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
-                      spec.controller_window_s, slo.ttft_s, slo.tpot_s)
+    startup = a.worker_startup_s if getattr(a, "worker_startup_s", None) is not None else startup_s
+    if not startup >= 0:
+        raise ValueError(f"--worker-startup-s must be >= 0, got {startup}")
+    return SimControl(spec.controller_config(), spec.controller_interval_s, spec.controller_window_s, slo.ttft_s, slo.tpot_s, startup,
+                      forecast_interval_s=spec.controller_forecast_s if spec.min_workers is not None else 0.0)
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +140,7 @@ class Costs:
     request_overhead_per_token_s: float = 0.0
     shared_cores: float | None = None   # a profile's machine: its workers and router share its cores
     router_cpu_per_token_s: float = 0.0
+    startup_s: float = 0.0              # a new worker's start-up (a profile's measured engine start)
 
 
 def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode_tp: int | None = None) -> Costs:
@@ -149,7 +159,7 @@ def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode
         served = facts.get("served") or {}
         return Costs(cost, cost, facts.get("max_model_len", 1 << 30), cost.source,
                      served.get("request_overhead_s", 0.0), served.get("request_overhead_per_token_s", 0.0),
-                     facts.get("cpus"), served.get("router_cpu_per_token_s", 0.0))
+                     facts.get("cpus"), served.get("router_cpu_per_token_s", 0.0), facts.get("startup_s", 0.0))
     if not a.gpu or not a.model:
         raise ValueError("costs: give --profile FILE (see `pdcluster profile`), or --gpu NAME with --model NAME")
     from workers.cost_model import model_shape
@@ -235,6 +245,8 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
         out["results"] = results        # in request order (the caller splits them by phase)
     if control is not None:
         out["simulator"]["controller"] = {"role_changes": sim.role_changes, "decisions": sim.decisions,
+                                          "added": sim.added, "removed": sim.removed, "undone": sim.undone,
+                                          "gpu_hours": sim.gpu_hours(),
                                           "final": {"prefill": len(sim.pools["prefill"]),
                                                     "decode": len(sim.pools["decode"])}}
     return out
@@ -291,7 +303,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(f"pdcluster simulate: {len(requests)} requests ({a.dataset_name}) on {cluster.mode} "
           + ", ".join(f"{n} {r}" for r, n in workers.items()) + f" ({cluster.num_gpus} GPUs); costs: {costs.source}",
           flush=True)
-    control = control_from_args(a, cluster)
+    control = control_from_args(a, cluster, costs.startup_s)
     run = simulate(cluster, requests, opts.slos, opts.percentile_metrics, opts.percentiles, costs.max_model_len,
                    control, keep_results=phases is not None)
     results = run.pop("results", None)
@@ -319,8 +331,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         ctl = s["controller"]
         for d in ctl["decisions"]:
             print(f"  t={d['t']:8.1f} s  {d['prefill']}P+{d['decode']}D  {d['action']:<12} {d['reason']}")
-        print(f"controller: {ctl['role_changes']} role changes; pools at the end: {ctl['final']['prefill']} prefill, "
-              f"{ctl['final']['decode']} decode")
+        print(f"controller: {ctl['role_changes']} role changes, {ctl['added']} added, {ctl['removed']} removed "
+              f"({ctl['undone']} changes undone within 5 minutes); {ctl['gpu_hours']:.2f} GPU-hours held; pools at "
+              f"the end: {ctl['final']['prefill']} prefill, {ctl['final']['decode']} decode")
     if a.save_result:
         path = save(result, a)
         plots = [] if a.no_plots or "itl" not in opts.percentile_metrics else save_plots(result, path)

@@ -207,6 +207,7 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, p
     cfg = dataclasses.replace(engine_cfg, cache=dataclasses.replace(engine_cfg.cache, enable_prefix_caching=False))
     t_start = time.perf_counter()
     engine = LLMEngine(cfg)
+    startup_s = time.perf_counter() - t_start       # a new worker's engine: weights, KV cache, kernels
     progress(f"profiling {cfg.model} on this machine ({os.cpu_count()} CPUs, 1 torch thread): engine steps")
     steps = profile_steps(engine, repeats, progress=progress)
     step_model = LinearStepModel.fit(steps, per_chunk=True)
@@ -243,6 +244,7 @@ def run_profile(engine_cfg, output: str, repeats: int = 5, serve: bool = True, p
         "max_model_len": max_model_len, "vocab_size": vocab,
         "fit_median_rel_error": statistics.median(errors), "fit_max_rel_error": max(errors),
         "served": served,
+        "startup_s": startup_s,
         "seconds": time.perf_counter() - t_start,
         "steps": [{"shape": dataclasses.asdict(s), "seconds": t} for s, t in steps],
         "handoffs": [{"bytes": b, "seconds": t} for b, t in transfers],

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
                                 ControllerConfig, Decision, Signals, decide, observe)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
-from cluster.run.forecast import Forecast, floor_sizes
+from cluster.run.forecast import LongScale
 from router.slo import RequestLog
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 
-BURST_S = 10.0              # the forecast's bursts: the busiest part of this length of each long interval
 UNDO_WINDOW_S = 300.0       # a change of a pool's size the other way within this long undoes an earlier one
 
 
@@ -204,47 +203,27 @@ class ControlledSimulator(ElasticSimulator):
                              f"{control.config.max_workers}")
         super().__init__(cluster, control.interval_s, control.startup_s, **kw)
         self.control = control
-        self.requests = RequestLog(control.window_s, clock=lambda: self.now)
+        self.requests = RequestLog(max(control.window_s, 2 * control.forecast_interval_s), clock=lambda: self.now)
         self.last_change = -math.inf                    # when the last change was decided
         self.last_decision: Decision | None = None
         self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
         self.grew_at = {PREFILL: 0.0, DECODE: 0.0}      # when each pool last grew (the start counts)
-        self.forecast = Forecast() if control.forecast_interval_s > 0 else None
-        self._long: list[tuple[float, int, int]] = []   # this long interval's arrivals (time, prompt, output)
-        self._long_until = control.forecast_interval_s
+        # the long time scale: far enough ahead that a worker asked for now has started by then
+        f = control.forecast_interval_s
+        self.long = LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f)) if f > 0 else None
 
     # -- signals ----------------------------------------------------------------------------------
     def _arrive(self, rid, r) -> None:
         self.requests.arrived(r.prompt_len, r.output_len)
-        if self.forecast is not None:
-            self._long.append((self.now, r.prompt_len, r.output_len))
         super()._arrive(rid, r)
 
     def _forecast_floor(self, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple[int, int]:
-        """The forecast's floor under each pool, its series fed once per long interval."""
-        f, c = self.forecast, self.control
-        if f is None:
+        """The forecast's floor under each pool (its series fed from the request log's arrivals)."""
+        if self.long is None:
             return 0, 0
-        if self.now >= self._long_until - 1e-9:
-            rows, self._long = self._long, []
-            n, start = len(rows), self._long_until - c.forecast_interval_s
-            parts = [0] * max(1, round(c.forecast_interval_s / BURST_S))
-            for t, _, _ in rows:
-                parts[min(len(parts) - 1, max(0, int((t - start) // BURST_S)))] += 1
-            f.observe(n / c.forecast_interval_s, sum(a for _, a, _ in rows) / n if n else 0.0,
-                      sum(b for _, _, b in rows) / n if n else 0.0, max(parts) / BURST_S)
-            self._long_until += c.forecast_interval_s
-        cfg = c.config
-        # far enough ahead that a worker asked for now has started by then, and through the next interval
-        ahead = 1 + math.ceil(self.startup_s / c.forecast_interval_s)
-        return floor_sizes(f.outlook(ahead), prefill_tokens_per_s, decode_tokens_per_s, cfg.prefill_target_load,
-                           cfg.decode_target_load)
-
-    def _finished(self, tr) -> None:
-        tpot = (tr.end_s - tr.first_s) / (tr.count - 1) if tr.count > 1 else 0.0
-        c = self.control
-        self.requests.finished(tr.sent_s, tr.count, tr.request.output_len, tr.first_s - tr.sent_s <= c.slo_ttft_s,
-                               tpot <= c.slo_tpot_s)
+        cfg = self.control.config
+        return self.long.floor(self.now, self.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
+                               cfg.prefill_target_load, cfg.decode_target_load)
 
     def signals(self) -> Signals:
         c, now = self.control, self.now

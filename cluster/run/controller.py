@@ -60,12 +60,16 @@ from workers.names import DECODE, PREFILL
 # Actions: move workers between the pools (they drain, flip, rejoin), or grow or shrink a pool.
 NONE, TO_PREFILL, TO_DECODE, ADD_PREFILL, ADD_DECODE, REMOVE_PREFILL, REMOVE_DECODE = (
     "none", "to_prefill", "to_decode", "add_prefill", "add_decode", "remove_prefill", "remove_decode")
+# What each action does to the pools' sizes, per worker: (prefill, decode).
+SIZE_CHANGE = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD_DECODE: (0, 1),
+               REMOVE_PREFILL: (-1, 0), REMOVE_DECODE: (0, -1), NONE: (0, 0)}
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "forecast_floor", "shrink",
          "slo_not_capacity", "balanced")
 POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
+SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
 BACKLOG_S = 30.0
 MIN_JUDGED = 20         # finished requests an attainment needs to count
 
@@ -84,7 +88,7 @@ class ControllerConfig:
     slo_hold_s: float = 30.0              # and the last change this old (the pools settled)
     backlog_s: float = BACKLOG_S          # a backlog is work to clear within this long
     min_workers: int | None = None        # elastic: the total shrinks to no fewer (None: it never shrinks)
-    shrink_hold_s: float = 300.0          # elastic: no pool shrinks within this long of its growth
+    shrink_hold_s: float = SHRINK_HOLD_S  # elastic: no pool shrinks within this long of its growth
     elastic_grow_at: float = 0.85         # elastic, below the budget: a pool is short past this load
 
     def __post_init__(self):

@@ -83,6 +83,24 @@ class Forecast:
         return Outlook(rate, self.prompt.forecast(), self.output.forecast(), rate * max(1.0, burst))
 
 
+BURST_S = 10.0              # a long interval's bursts: its busiest part of this length
+
+
+def interval_summary(arrivals, start: float, length: float) -> tuple[float, float, float, float]:
+    """(arrival rate, mean prompt tokens, mean output tokens, the busiest BURST_S's rate) of the
+    arrivals (rows of (time, prompt tokens, output tokens, ...)) within [start, start + length)."""
+    parts = [0] * max(1, round(length / BURST_S))
+    n = prompt = output = 0
+    for row in arrivals:
+        t = row[0]
+        if start <= t < start + length:
+            n += 1
+            prompt += row[1]
+            output += row[2]
+            parts[min(len(parts) - 1, int((t - start) // BURST_S))] += 1
+    return n / length, prompt / n if n else 0.0, output / n if n else 0.0, max(parts) / BURST_S
+
+
 def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_per_s: float,
                 prefill_target: float, decode_target: float) -> tuple[int, int]:
     """Workers each pool needs for the outlook's arrivals: at its target load for their mean
@@ -93,3 +111,22 @@ def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_pe
     d = o.mean_output_tokens / max(1e-9, decode_tokens_per_s)
     return (math.ceil(max(o.arrival_rate * p / prefill_target, o.peak_rate * p) - 1e-9),
             math.ceil(max(o.arrival_rate * d / decode_target, o.peak_rate * d) - 1e-9))
+
+
+class LongScale:
+    """A controller loop's long time scale: at each call it feeds the forecast every long interval
+    that has ended (from a request log's arrivals, oldest first) and gives the floor for the
+    outlook `ahead` intervals on."""
+
+    def __init__(self, interval_s: float, start: float, ahead: int = 2):
+        self.interval_s, self.ahead = interval_s, ahead
+        self.forecast = Forecast()
+        self.until = start + interval_s
+
+    def floor(self, now: float, arrivals, prefill_tokens_per_s: float, decode_tokens_per_s: float,
+              prefill_target: float, decode_target: float) -> tuple[int, int]:
+        while now >= self.until:
+            self.forecast.observe(*interval_summary(arrivals, self.until - self.interval_s, self.interval_s))
+            self.until += self.interval_s
+        return floor_sizes(self.forecast.outlook(self.ahead), prefill_tokens_per_s, decode_tokens_per_s,
+                           prefill_target, decode_target)

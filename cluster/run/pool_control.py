@@ -24,14 +24,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                CODES, ControllerConfig, Decision, Signals, decide, observe)
+from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
+                                TO_PREFILL, CODES, ControllerConfig, Decision, Signals, decide, observe)
+from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
 from workers.cost_model import StepFit
 from workers.names import DECODE, PREFILL
 
 log = logging.getLogger("pdcluster.controller")
+FORECAST_AHEAD = 2          # long intervals the floor looks ahead (a new worker starts within one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class LiveControl:
     config: ControllerConfig
     interval_s: float
     window_s: float
+    forecast_s: float = 0.0               # the long interval (cluster/run/forecast.py); 0: no forecast
+    advise: bool = False                  # report what it would do (log, metrics); change nothing
 
 
 class PoolController:
@@ -57,7 +61,9 @@ class PoolController:
         self.last_decision: Decision | None = None
         self.last_reason = ""                 # the latest tick's reason, whatever it decided
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
-        self.decisions: list[dict] = []       # every action taken, with its reason
+        self.decisions: list[dict] = []       # every action taken (advised, in advisory mode), with its reason
+        self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
+        self.long = LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD) if control.forecast_s > 0 else None
         self._task: asyncio.Task | None = None
         self.pools.listen(self._pool_changed)
         for code in CODES:                    # every "why not" series exists from the start
@@ -100,16 +106,27 @@ class PoolController:
         prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
         decode = [m.report for m in self.pools.active(DECODE) if m.report]
         queued = sum(m.queued_prefill_tokens() for m in prefill)
+        prefill_tps = cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens)
+        decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs)
+        floor = self._floor(now, prefill_tps, decode_tps)
         return Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
-            prefill_tokens_per_s=cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens),
-            decode_tokens_per_s=cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs),
-            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
+            queued_prefill_tokens=queued, floor_prefill=floor[0], floor_decode=floor[1],
+            prefill_grew_at=self.grew_at[PREFILL], decode_grew_at=self.grew_at[DECODE],
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)))
+
+    def _floor(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple[int, int]:
+        """The forecast's floor under each pool (its series fed from the request log's arrivals)."""
+        if self.long is None:
+            return 0, 0
+        cfg = self.control.config
+        return self.long.floor(now, self.d.metrics.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
+                               cfg.prefill_target_load, cfg.decode_target_load)
 
     # -- one decision -------------------------------------------------------------------------------
     async def tick(self) -> Decision | None:
@@ -121,16 +138,28 @@ class PoolController:
         d = decide(s, self.control.config, self.last_change, self.last_decision)
         self.last_reason = d.reason
         self.d.metrics.controller_decisions.labels(d.action, d.code).inc()
+        dp, dd = SIZE_CHANGE[d.action]
+        recommended = self.d.metrics.controller_recommended
+        recommended.labels(PREFILL).set(s.num_prefill + dp * d.count)
+        recommended.labels(DECODE).set(s.num_decode + dd * d.count)
         if d.action == NONE:
             log.debug("controller: %s", d.reason)
             return d
-        self.last_change = self.settled = s.now
-        self.last_decision = d
         count = d.count
-        log.warning("controller: %s x%d at %d prefill + %d decode: %s", d.action, count, s.num_prefill,
-                    s.num_decode, d.reason)
         self.decisions.append({"t": s.now - self.started_at, "action": d.action, "count": count, "reason": d.reason,
                                "prefill": s.num_prefill, "decode": s.num_decode})
+        if self.control.advise:
+            log.warning("controller (advisory, nothing changed): would %s x%d at %d prefill + %d decode -> %d + %d: %s",
+                        d.action, count, s.num_prefill, s.num_decode, s.num_prefill + dp * count,
+                        s.num_decode + dd * count, d.reason)
+            return d
+        self.last_change = self.settled = s.now
+        self.last_decision = d
+        for pool, k in ((PREFILL, dp), (DECODE, dd)):
+            if k > 0:
+                self.grew_at[pool] = s.now
+        log.warning("controller: %s x%d at %d prefill + %d decode: %s", d.action, count, s.num_prefill,
+                    s.num_decode, d.reason)
         if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
             donor = DECODE if d.action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
             to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(d.action)

@@ -233,10 +233,10 @@ class ServingCluster:
             cfg.worker_hang_timeout_s, self.spec.ready_timeout_s, self.spec.router_lease_s), restart, retire)
         sched = self.spec.engine.scheduler
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
-        fit = self._step_fit(infos) if self.spec.controller or cfg.admission == SLO or local_auto else None
+        fit = self._step_fit(infos) if self.spec.controls or cfg.admission == SLO or local_auto else None
         if local_auto:
             dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
-        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controller else None
+        self.controller = self._controller(dispatcher, infos, fit) if self.spec.controls else None
         if self.controller is not None:
             self.leadership.subscribe(lambda resume: self.controller.start(), self.controller.stop)
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
@@ -278,7 +278,7 @@ class ServingCluster:
         before serving (seconds on a GPU), so that the controller has a model from the start."""
         from workers.cost_model import StepFit
         info, profiled = infos[0], []
-        if self.spec.controller and self.owns:      # (a router that comes to lead fits on served steps)
+        if self.spec.controls and self.owns:        # (a router that comes to lead fits on served steps)
             t0 = time.monotonic()
             profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
@@ -288,7 +288,6 @@ class ServingCluster:
         return fit
 
     def _controller(self, dispatcher: Dispatcher, infos: list[WorkerInfo], fit):
-        from cluster.run.controller import ControllerConfig
         from cluster.run.pool_control import LiveControl, PoolController
         spec, slo, sched = self.spec, self.cfg.slo, self.spec.engine.scheduler
         cores = os.cpu_count() or 1
@@ -298,8 +297,8 @@ class ServingCluster:
             log.warning("controller: %d CPU workers (the budget) share %d cores here: the controller prices each "
                         "worker as a device of its own, so its moves exercise the mechanism, not the split",
                         spec.budget, cores)
-        control = LiveControl(ControllerConfig(spec.budget, spec.controller_cooldown_s), spec.controller_interval_s,
-                              spec.controller_window_s)
+        control = LiveControl(spec.controller_config(), spec.controller_interval_s, spec.controller_window_s, spec.controller_forecast_s,
+                              advise=spec.controller == "advise")
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
                               sched.max_num_seqs, add_worker=self._add_worker)
 

@@ -5,11 +5,13 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
-from cluster.run.controller import COOLDOWN_S
+from cluster.run.controller import COOLDOWN_S, SHRINK_HOLD_S, ControllerConfig
 from workers.config import EngineConfig
 from workers.names import COLOCATED, DECODE, DISAGGREGATED, MODES, PREFILL, TRANSPORTS, check_name
 
 PLACEMENTS = ("default", "spread")     # how Ray places the workers over the nodes (see launch)
+# --controller: off; on (it changes the pools); advise (it reports what it would do and changes nothing)
+CONTROLLER_MODES = ("off", "on", "advise")
 
 
 @dataclass(slots=True)
@@ -34,11 +36,14 @@ class ClusterSpec:
     router_lease_s: float = 10.0              # a router silent this long loses its requests on a worker
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])   # names this cluster's actors
     # The pool-ratio controller (cluster/run/pool_control.py): off by default.
-    controller: bool = False
+    controller: str = "off"                   # one of CONTROLLER_MODES (True and False: on and off)
     controller_interval_s: float = 10.0
     controller_window_s: float = 30.0
     controller_cooldown_s: float = COOLDOWN_S
+    controller_forecast_s: float = 60.0       # its long interval (cluster/run/forecast.py); 0: no forecast
+    controller_shrink_hold_s: float = SHRINK_HOLD_S   # elastic: no pool shrinks within this long of its growth
     max_workers: int | None = None            # the worker budget (default: the pools' sizes at launch)
+    min_workers: int | None = None            # elastic: the controller shrinks the total to no fewer
 
     def __post_init__(self):
         if isinstance(self.engine, dict):
@@ -49,7 +54,11 @@ class ClusterSpec:
             raise ValueError(f"--kv-transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.controller and self.mode != DISAGGREGATED:
+        if isinstance(self.controller, bool):
+            self.controller = "on" if self.controller else "off"
+        if self.controller not in CONTROLLER_MODES:
+            raise ValueError(f"--controller must be one of {', '.join(CONTROLLER_MODES)}, got {self.controller!r}")
+        if self.controls and self.mode != DISAGGREGATED:
             raise ValueError("--controller moves workers between the prefill and decode pools: it needs "
                              "--mode disaggregated")
         for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
@@ -68,6 +77,22 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.controller_cooldown_s >= 0:
             raise ValueError(f"--controller-cooldown-s must be >= 0, got {self.controller_cooldown_s}")
+        if not self.controller_shrink_hold_s >= 0:
+            raise ValueError(f"--controller-shrink-hold-s must be >= 0, got {self.controller_shrink_hold_s}")
+        if not self.controller_forecast_s >= 0:
+            raise ValueError(f"--controller-forecast-s must be >= 0, got {self.controller_forecast_s}")
+        if self.min_workers is not None and not 2 <= self.min_workers <= self.budget:
+            raise ValueError(f"--min-workers must be within 2 and the budget ({self.budget}), got {self.min_workers}")
+
+    def controller_config(self) -> ControllerConfig:
+        """The controller's policy settings (serve's and simulate's alike)."""
+        return ControllerConfig(self.budget, self.controller_cooldown_s, min_workers=self.min_workers,
+                                shrink_hold_s=self.controller_shrink_hold_s)
+
+    @property
+    def controls(self) -> bool:
+        """Whether the pool-ratio controller runs (acting, or advising)."""
+        return self.controller != "off"
 
     @property
     def budget(self) -> int:
