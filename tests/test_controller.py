@@ -265,6 +265,7 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic):
                     waiting_handoffs=rng.choice((0, 0, 10, 100)),
                     ttft_attainment=rng.choice((math.nan, 0.5, 0.95)), tpot_attainment=rng.choice((math.nan, 0.5, 0.95)),
                     floor_prefill=rng.choice((0, 1, budget // 2, budget)), floor_decode=rng.choice((0, 1, budget)),
+                    keep_prefill=rng.choice((0, 2, budget)), keep_decode=rng.choice((0, 1, budget // 2)),
                     prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)))
         d = decide(s, cfg)
         after = apply(s, d)
@@ -279,7 +280,8 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic):
             assert elastic and new_total >= cfg.min_workers, (s, d)
             pool = "prefill" if d.action == REMOVE_PREFILL else "decode"
             size = after.num_prefill if pool == "prefill" else after.num_decode
-            assert size >= getattr(s, f"floor_{pool}") and getattr(s, f"{pool}_grew_at") <= s.now - cfg.shrink_hold_s
+            assert size >= max(getattr(s, f"floor_{pool}"), getattr(s, f"keep_{pool}"))
+            assert getattr(s, f"{pool}_grew_at") <= s.now - cfg.shrink_hold_s
 
 
 def test_config_keeps_its_hysteresis():
@@ -311,18 +313,25 @@ def test_a_pool_below_the_forecasts_floor_grows_to_it_ahead_of_demand():
     assert d.action != ADD_PREFILL
 
 
-def test_a_pool_that_demand_no_longer_needs_shrinks_to_what_its_survivors_carry_at_their_target():
-    """Prefill needs 1.0 worker of its 4 (0.25 each); decode 1.0 of its 4. The pool furthest
-    under its target (decode: 0.25 / 0.75 against prefill's 0.25 / 0.65) gives what leaves the
-    rest at or under its target: 2 leave (1.0 / 2 = 0.5; a third would leave 1.0 > 0.75); then
-    prefill gives 2 the same way."""
-    d = decide(signals(4, 4, rate=1.0), ELASTIC)
+def test_a_pool_that_demand_no_longer_needs_shrinks_gradually_to_what_its_survivors_carry():
+    """8 + 8 workers, budget 16. At 1 req/s each pool needs 1.0 worker (0.125 each); the pool
+    furthest under its target (decode: 0.125 / 0.75 against prefill's 0.125 / 0.65) gives, a
+    quarter of it at most at once: 2. At 5 req/s (5.0 workers' worth each) decode gives only
+    what leaves the rest at its target: 5 / 7 = 0.71 <= 0.75, 5 / 6 > 0.75: 1; prefill none
+    (5 / 7 > 0.65)."""
+    cfg = ControllerConfig(max_workers=16, cooldown_s=30, min_workers=2)
+    d = decide(signals(8, 8, rate=1.0), cfg)
     assert (d.action, d.count, d.code) == (REMOVE_DECODE, 2, "shrink"), d
-    d = decide(signals(4, 2, rate=1.0), ELASTIC)
-    assert (d.action, d.count, d.code) == (REMOVE_PREFILL, 2, "shrink"), d
-    assert decide(signals(2, 2, rate=1.0), ELASTIC).action == NONE
+    d = decide(signals(8, 8, rate=5.0), cfg)
+    assert (d.action, d.count, d.code) == (REMOVE_DECODE, 1, "shrink"), d
+    assert decide(signals(8, 7, rate=5.0), cfg).action == NONE
+    # never below what the forecast needs over the next minutes: decode keeps 7, then 8 (prefill gives)
+    d = decide(signals(8, 8, rate=1.0, keep_decode=7), cfg)
+    assert (d.action, d.count) == (REMOVE_DECODE, 1), d
+    d = decide(signals(8, 8, rate=1.0, keep_decode=8), cfg)
+    assert (d.action, d.count) == (REMOVE_PREFILL, 2), d
     # a backlog counts in what the survivors carry
-    d = decide(signals(4, 4, rate=1.0, queued_prefill_tokens=45_000), ELASTIC)   # +1.5 workers' worth
+    d = decide(signals(2, 2, rate=0.5, queued_prefill_tokens=45_000), ELASTIC)    # prefill +1.5 workers' worth
     assert d.action != REMOVE_PREFILL, d
 
 

@@ -193,10 +193,11 @@ def test_advisory_mode_reports_what_it_would_do_and_changes_nothing():
                                              {"action": "to_prefill", "reason": decision.code}) == 3
 
 
-def test_elastic_a_pool_demand_left_shrinks_and_the_forecast_keeps_a_floor():
+def test_elastic_a_pool_demand_left_shrinks_and_the_forecast_keeps_what_the_next_minutes_need():
     """1 prefill + 4 decode, elastic down to 2: a light load leaves decode far under its target,
-    so decode workers leave (drained, then removed) once its growth (the start) is 5 minutes old;
-    with a forecast that has seen a heavier load lately, the floor keeps more of them."""
+    so decode workers leave (drained, then retired), one at a time (a quarter of the pool), once
+    its growth (the start) is old enough; with a forecast that has seen a heavier load lately,
+    the shrink stops at what the next minutes need."""
     def run(forecast_s):
         clock = Clock(1000.0)
         ctl, d, metrics = controller(clock, 1, 4, max_workers=6, min_workers=2, cooldown_s=5,
@@ -204,17 +205,24 @@ def test_elastic_a_pool_demand_left_shrinks_and_the_forecast_keeps_a_floor():
         ctl.started_at = ctl.grew_at[PREFILL] = ctl.grew_at[DECODE] = clock.t
         if ctl.long is not None:
             ctl.long.until = clock.t + forecast_s
-        serve_window(clock, metrics, rate=60, prompt=200, output=200, seconds=240)    # busier minutes first
+        serve_window(clock, metrics, rate=150, prompt=200, output=200, seconds=240)   # busier minutes first
         for _ in range(6):
             ctl.signals()                                   # the long intervals fed as they pass
             serve_window(clock, metrics, rate=0.5, prompt=200, output=200, seconds=15)
-        decision = asyncio.run(ctl.tick())
-        return decision, d
-    decision, d = run(0.0)
-    assert (decision.action, decision.code) == ("remove_decode", "shrink"), decision
-    assert sum(m.state == DRAINING and m.to_role is None for m in d.pools) == decision.count == 3
-    with_forecast, _ = run(60.0)
-    assert with_forecast.action == "none" or with_forecast.count < decision.count, with_forecast
+        removed, first = [], ctl.signals()
+        for _ in range(3):
+            decision = asyncio.run(ctl.tick())
+            if decision.action == "remove_decode":
+                leaving = [m for m in d.pools if m.state == DRAINING]
+                assert decision.count == len(leaving) == 1 and leaving[0].to_role is None
+                d.pools.finish_drain(leaving[0].worker_id)
+                removed.append(decision)
+            serve_window(clock, metrics, rate=0.5, prompt=200, output=200, seconds=10)
+        return removed, first
+    removed, _ = run(0.0)
+    assert [x.code for x in removed] == ["shrink"] * 3                    # down to 1 decode worker
+    kept, s = run(60.0)
+    assert s.keep_decode >= 2 and len(kept) == 4 - s.keep_decode, (kept, s)   # down to what is coming
 
 
 def test_a_new_leader_calls_off_another_leaders_drains_and_restarts_what_it_saw_hang():

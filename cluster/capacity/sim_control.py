@@ -217,12 +217,13 @@ class ControlledSimulator(ElasticSimulator):
         self.requests.arrived(r.prompt_len, r.output_len)
         super()._arrive(rid, r)
 
-    def _forecast_floor(self, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple[int, int]:
-        """The forecast's floor under each pool (its series fed from the request log's arrivals)."""
+    def _floors(self, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
+        """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
+        series fed from the request log's arrivals)."""
         if self.long is None:
-            return 0, 0
+            return (0, 0), (0, 0)
         cfg = self.control.config
-        return self.long.floor(self.now, self.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
+        return self.long.floors(self.now, self.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
                                cfg.prefill_target_load, cfg.decode_target_load)
 
     def signals(self) -> Signals:
@@ -235,7 +236,7 @@ class ControlledSimulator(ElasticSimulator):
         decode = [x.engine.load_report(x.worker_id, x.role, 0) for x in self.pools[DECODE]]
         prefill_tps = cost.prefill_tokens_per_s(prompt or 1, sched.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs)
-        floor = self._forecast_floor(prefill_tps, decode_tps)
+        floor, keep = self._floors(prefill_tps, decode_tps)
         return Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
@@ -246,7 +247,8 @@ class ControlledSimulator(ElasticSimulator):
             draining=len(self.draining) + len(self.starting),
             waiting_handoffs=sum(len(x.waiting_room) for x in self.workers.values() if x.role == DECODE),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
-            floor_prefill=floor[0], floor_decode=floor[1], prefill_grew_at=self.grew_at[PREFILL],
+            floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
+            prefill_grew_at=self.grew_at[PREFILL],
             decode_grew_at=self.grew_at[DECODE])
 
     def tick(self) -> None:

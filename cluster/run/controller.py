@@ -44,7 +44,8 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   grows to it ahead of demand; and when nothing is short, the pool furthest under its target
   that has not grown for `shrink_hold_s` gives the workers its survivors can do without (the
   same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
-  included), never below the floor nor the total below `min_workers`;
+  included), a quarter of the pool at most at once, never below the floor nor below what the
+  forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`;
 - one change per decision, none while a worker is between roles or starting, and none within
   `cooldown_s` of the last;
 - at least one worker per pool, never more workers than the budget;
@@ -129,6 +130,8 @@ class Signals:
     decode_kv_usage: float = 0.0          # share of the decode pool's KV blocks in use now
     floor_prefill: int = 0                # the forecast's floor under each pool (cluster/run/forecast.py)
     floor_decode: int = 0
+    keep_prefill: int = 0                 # the fewest a shrink leaves each pool: the forecast's floor over
+    keep_decode: int = 0                  # the next minutes (a shrink undone soon after costs a start-up)
     prefill_grew_at: float = -math.inf    # when each pool last grew (workers added or moved in)
     decode_grew_at: float = -math.inf
 
@@ -335,11 +338,14 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
             return done(ADD_PREFILL if pool == PREFILL else ADD_DECODE, "forecast_floor",
                         f"{pool} below the forecast's floor ({n[pool]} < {floor[pool]}): {k} more ({loads_txt})", k)
         grew = {PREFILL: s.prefill_grew_at, DECODE: s.decode_grew_at}
+        keep = {PREFILL: s.keep_prefill, DECODE: s.keep_decode}
         if total > cfg.min_workers:
             for pool in sorted(POOLS, key=lambda k: load[k] / cfg.target(k)):
                 if s.now - grew[pool] < cfg.shrink_hold_s:
                     continue                      # a pool that grew lately keeps what it got
-                room = min(total - cfg.min_workers, n[pool] - max(1, floor[pool]))
+                # gradual (a quarter of the pool at most), and never below what the next minutes need
+                room = min(total - cfg.min_workers, n[pool] - max(1, floor[pool], keep[pool]),
+                           max(1, n[pool] // 4))
                 k = givable(cfg, pool, need[pool], n[pool], room) if room > 0 else 0
                 if k:
                     return done(REMOVE_PREFILL if pool == PREFILL else REMOVE_DECODE, "shrink",

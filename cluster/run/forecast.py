@@ -113,20 +113,27 @@ def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_pe
             math.ceil(max(o.arrival_rate * d / decode_target, o.peak_rate * d) - 1e-9))
 
 
+KEEP_S = 300.0              # a shrink keeps what the forecast needs over this long (a change undone sooner is waste)
+
+
 class LongScale:
     """A controller loop's long time scale: at each call it feeds the forecast every long interval
-    that has ended (from a request log's arrivals, oldest first) and gives the floor for the
-    outlook `ahead` intervals on."""
+    that has ended (from a request log's arrivals, oldest first) and gives, per pool, the floor
+    (the outlook `ahead` intervals on: what a worker asked for now would start into) and what a
+    shrink keeps (the outlook's peak over the next KEEP_S)."""
 
     def __init__(self, interval_s: float, start: float, ahead: int = 2):
         self.interval_s, self.ahead = interval_s, ahead
+        self.keep_ahead = max(ahead, math.ceil(KEEP_S / interval_s))
         self.forecast = Forecast()
         self.until = start + interval_s
 
-    def floor(self, now: float, arrivals, prefill_tokens_per_s: float, decode_tokens_per_s: float,
-              prefill_target: float, decode_target: float) -> tuple[int, int]:
+    def floors(self, now: float, arrivals, prefill_tokens_per_s: float, decode_tokens_per_s: float,
+               prefill_target: float, decode_target: float) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((prefill, decode) floor, (prefill, decode) kept by a shrink)."""
         while now >= self.until:
             self.forecast.observe(*interval_summary(arrivals, self.until - self.interval_s, self.interval_s))
             self.until += self.interval_s
-        return floor_sizes(self.forecast.outlook(self.ahead), prefill_tokens_per_s, decode_tokens_per_s,
-                           prefill_target, decode_target)
+        rates = (prefill_tokens_per_s, decode_tokens_per_s, prefill_target, decode_target)
+        return (floor_sizes(self.forecast.outlook(self.ahead), *rates),
+                floor_sizes(self.forecast.outlook(self.keep_ahead), *rates))

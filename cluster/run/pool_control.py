@@ -108,24 +108,26 @@ class PoolController:
         queued = sum(m.queued_prefill_tokens() for m in prefill)
         prefill_tps = cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs)
-        floor = self._floor(now, prefill_tps, decode_tps)
+        floor, keep = self._floors(now, prefill_tps, decode_tps)
         return Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             queued_prefill_tokens=queued, floor_prefill=floor[0], floor_decode=floor[1],
+            keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL], decode_grew_at=self.grew_at[DECODE],
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)))
 
-    def _floor(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple[int, int]:
-        """The forecast's floor under each pool (its series fed from the request log's arrivals)."""
+    def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
+        """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
+        series fed from the request log's arrivals)."""
         if self.long is None:
-            return 0, 0
+            return (0, 0), (0, 0)
         cfg = self.control.config
-        return self.long.floor(now, self.d.metrics.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
+        return self.long.floors(now, self.d.metrics.requests.arrivals, prefill_tokens_per_s, decode_tokens_per_s,
                                cfg.prefill_target_load, cfg.decode_target_load)
 
     # -- one decision -------------------------------------------------------------------------------
