@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                ControllerConfig, Decision, Signals, decide, observe)
+                                ControllerConfig, Decision, PeakNeeds, Signals, decide, observe, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -208,6 +208,7 @@ class ControlledSimulator(ElasticSimulator):
         self.last_decision: Decision | None = None
         self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
         self.grew_at = {PREFILL: 0.0, DECODE: 0.0}      # when each pool last grew (the start counts)
+        self.peaks = PeakNeeds()                        # each pool's recent peak need (what a shrink keeps)
         # the long time scale: far enough ahead that a worker asked for now has started by then
         f = control.forecast_interval_s
         self.long = LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f)) if f > 0 else None
@@ -252,7 +253,7 @@ class ControlledSimulator(ElasticSimulator):
             decode_grew_at=self.grew_at[DECODE])
 
     def tick(self) -> None:
-        s = self.signals()
+        s = with_peaks(self.signals(), self.peaks, self.control.config)
         d = decide(s, self.control.config, self.last_change, self.last_decision)
         if d.action != NONE:
             self.last_change = self.now

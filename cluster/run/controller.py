@@ -53,7 +53,9 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from workers.names import DECODE, PREFILL
@@ -230,6 +232,35 @@ def loads(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
     """(prefill, decode) demand over each pool's capacity."""
     p, d = needs(s, backlog_s)
     return p / max(1, s.num_prefill), d / max(1, s.num_decode)
+
+
+def with_peaks(s: Signals, peaks: PeakNeeds, cfg: ControllerConfig) -> Signals:
+    """`s` with what a shrink keeps raised to carry the recent peak needs (after adding `s`'s)."""
+    peaks.add(s, cfg.backlog_s)
+    p, d = peaks.keep(cfg)
+    return dataclasses.replace(s, keep_prefill=max(s.keep_prefill, p), keep_decode=max(s.keep_decode, d))
+
+
+class PeakNeeds:
+    """Each pool's highest need (workers' worth, `needs`) over the last `span_s`: a shrink keeps
+    enough workers to carry it at the pool's target, so that a load that dipped for a window or
+    two does not take workers the next burst needs back (a change undone costs a start-up)."""
+
+    def __init__(self, span_s: float = 300.0):
+        self.span_s = span_s
+        self.rows: deque = deque()                  # (time, prefill need, decode need)
+
+    def add(self, s: Signals, backlog_s: float = BACKLOG_S) -> None:
+        self.rows.append((s.now, *needs(s, backlog_s)))
+        while self.rows and self.rows[0][0] < s.now - self.span_s:
+            self.rows.popleft()
+
+    def keep(self, cfg: ControllerConfig) -> tuple[int, int]:
+        if not self.rows:
+            return 0, 0
+        p = max(r[1] for r in self.rows)
+        d = max(r[2] for r in self.rows)
+        return math.ceil(p / cfg.prefill_target_load - 1e-9), math.ceil(d / cfg.decode_target_load - 1e-9)
 
 
 def wanted(need: float, size: int, target: float) -> int:

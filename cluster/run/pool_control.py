@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, CODES, ControllerConfig, Decision, Signals, decide, observe)
+                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, observe,
+                                with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -63,6 +64,7 @@ class PoolController:
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: list[dict] = []       # every action taken (advised, in advisory mode), with its reason
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
+        self.peaks = PeakNeeds()              # each pool's recent peak need (what a shrink keeps)
         self.long = LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD) if control.forecast_s > 0 else None
         self._task: asyncio.Task | None = None
         self.pools.listen(self._pool_changed)
@@ -137,6 +139,7 @@ class PoolController:
             self.d.metrics.controller_decisions.labels(NONE, "no_cost_model").inc()
             self.last_reason = "no cost model yet"
             return None
+        s = with_peaks(s, self.peaks, self.control.config)
         d = decide(s, self.control.config, self.last_change, self.last_decision)
         self.last_reason = d.reason
         self.d.metrics.controller_decisions.labels(d.action, d.code).inc()
