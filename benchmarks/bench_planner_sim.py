@@ -119,7 +119,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         if name == "controller":
-            cfg = ControllerConfig(a.max_workers, a.cooldown_s, min_workers=2)
+            cfg = ControllerConfig.sized(a.max_workers, a.cooldown_s, min_workers=2)
             control = SimControl(cfg, a.interval_s, a.window_s, slos["ttft"], slos["tpot"], a.startup_s, a.forecast_s)
             sim = ControlledSimulator(cluster(start_p, start_d), control, record_itl=False)
         else:

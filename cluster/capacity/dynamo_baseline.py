@@ -20,9 +20,11 @@ Two modes, as Dynamo runs them:
   pdcluster's controller. A decision made while a change is still under way is dropped, as
   Dynamo drops one while its deployment is not ready.
 
-- **The load-based planner**, every 5 s: per worker, an ordinary least-squares fit over its last
-  50 observations (at least 5) of TTFT against its active prefill tokens plus the mean ISL
-  (prefill), and of ITL against its KV blocks in use (decode). Each fit, inverted at the SLA,
+- **The load-based planner**, every 5 s: per pool, an ordinary least-squares fit over its last
+  50 observations (at least 5) of TTFT against a worker's active prefill tokens plus the mean
+  ISL (prefill), and of ITL against a worker's KV blocks in use (decode), the latencies as its
+  frontend measures them (the requests' own, over the interval) and the loads as the workers
+  report them (the pool's mean; Dynamo fits per worker). Each fit, inverted at the SLA,
   gives the load a worker can carry; a pool grows by one when every worker is above it, and
   shrinks by one (when it has more than one) when every worker is below it times (N - 1) / N
   times the scale-down sensitivity (80 %). Disaggregated, a pool grows when its side wants to

@@ -208,10 +208,11 @@ class ControlledSimulator(ElasticSimulator):
         self.last_decision: Decision | None = None
         self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
         self.grew_at = {PREFILL: 0.0, DECODE: 0.0}      # when each pool last grew (the start counts)
-        self.peaks = PeakNeeds()                        # each pool's recent peak need (what a shrink keeps)
+        self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         # the long time scale: far enough ahead that a worker asked for now has started by then
         f = control.forecast_interval_s
-        self.long = LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f)) if f > 0 else None
+        self.long = (LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f), control.config.shrink_hold_s) if f > 0
+                     else None)
 
     # -- signals ----------------------------------------------------------------------------------
     def _arrive(self, rid, r) -> None:
@@ -282,7 +283,6 @@ class PlannedSimulator(ElasticSimulator):
                         if mode == db.THROUGHPUT else db.LoadPlanner(planner_cfg))
         self._arrived: list[tuple[int, int]] = []                  # this interval's (prompt, output)
         self._done: list[tuple[float, float, float]] = []          # this interval's (ttft, itl, duration)
-        self._last_busy: dict[str, tuple[float, int]] = {}
 
     def _arrive(self, rid, r) -> None:
         self._arrived.append((r.prompt_len, r.output_len))
@@ -312,16 +312,12 @@ class PlannedSimulator(ElasticSimulator):
             active = [x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens + x.inbox_tokens
                       for x in self.pools[PREFILL]]
             blocks = [x.engine.load_report(x.worker_id, x.role, 0).kv_blocks_used for x in self.pools[DECODE]]
-            steps = []
-            for x in self.pools[DECODE]:                  # ITL as each decode worker's mean step lately
-                b, k = self._last_busy.get(x.worker_id, (0.0, 0))
-                if x.steps > k:
-                    steps.append((x.busy_s - b) / (x.steps - k))
-                self._last_busy[x.worker_id] = (x.busy_s, x.steps)
+            # TTFT and ITL as its frontend measures them: the requests' own, over the interval
+            # (ITL: the gaps after the first token, the wait for a decode seat included)
             if n and not math.isnan(ttft) and active:
                 self.planner.observe_prefill(sum(active) / len(active), isl, ttft)
-            if steps and blocks:
-                self.planner.observe_decode(sum(blocks) / len(blocks), sum(steps) / len(steps))
+            if not math.isnan(itl) and blocks:
+                self.planner.observe_decode(sum(blocks) / len(blocks), itl)
             if self.draining or self.starting or not n:
                 return
             want = self.planner.plan(num_p, num_d, active, isl, blocks)

@@ -109,6 +109,18 @@ class ControllerConfig:
                 raise ValueError("the controller needs 0 < target load <= shrink_below < grow_at (hysteresis), "
                                  f"got {t}, {self.shrink_below}, {self.grow_at}")
 
+    @classmethod
+    def sized(cls, max_workers: int, cooldown_s: float = COOLDOWN_S, min_workers: int | None = None,
+              shrink_hold_s: float = SHRINK_HOLD_S) -> ControllerConfig:
+        """The defaults for a budget, and, elastic (`min_workers` given), targets nearer capacity:
+        there the forecast's floor (bursts at full load) and the recent peak a shrink keeps hold
+        the headroom that a fixed size's targets must (measured: BENCHMARKS.md, the controller
+        against Dynamo's planner)."""
+        if min_workers is None:
+            return cls(max_workers, cooldown_s)
+        return cls(max_workers, cooldown_s, prefill_target_load=0.8, decode_target_load=0.85, shrink_below=0.9,
+                   min_workers=min_workers, shrink_hold_s=shrink_hold_s, elastic_grow_at=0.9)
+
     def target(self, pool: str) -> float:
         return self.prefill_target_load if pool == PREFILL else self.decode_target_load
 
@@ -242,7 +254,8 @@ def with_peaks(s: Signals, peaks: PeakNeeds, cfg: ControllerConfig) -> Signals:
 
 
 class PeakNeeds:
-    """Each pool's highest need (workers' worth, `needs`) over the last `span_s`: a shrink keeps
+    """Each pool's highest need (workers' worth, `needs`) over the last `span_s` (serve's loop and
+    the simulator's: the shrink hold, 5 minutes by default): a shrink keeps
     enough workers to carry it at the pool's target, so that a load that dipped for a window or
     two does not take workers the next burst needs back (a change undone costs a start-up)."""
 

@@ -113,18 +113,15 @@ def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_pe
             math.ceil(max(o.arrival_rate * d / decode_target, o.peak_rate * d) - 1e-9))
 
 
-KEEP_S = 300.0              # a shrink keeps what the forecast needs over this long (a change undone sooner is waste)
-
-
 class LongScale:
     """A controller loop's long time scale: at each call it feeds the forecast every long interval
     that has ended (from a request log's arrivals, oldest first) and gives, per pool, the floor
     (the outlook `ahead` intervals on: what a worker asked for now would start into) and what a
-    shrink keeps (the outlook's peak over the next KEEP_S)."""
+    shrink keeps (the outlook's peak over the next `keep_s`: a shrink undone sooner is waste)."""
 
-    def __init__(self, interval_s: float, start: float, ahead: int = 2):
+    def __init__(self, interval_s: float, start: float, ahead: int = 2, keep_s: float = 300.0):
         self.interval_s, self.ahead = interval_s, ahead
-        self.keep_ahead = max(ahead, math.ceil(KEEP_S / interval_s))
+        self.keep_ahead = max(ahead, math.ceil(keep_s / interval_s))
         self.forecast = Forecast()
         self.until = start + interval_s
 

@@ -64,8 +64,9 @@ class PoolController:
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: list[dict] = []       # every action taken (advised, in advisory mode), with its reason
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
-        self.peaks = PeakNeeds()              # each pool's recent peak need (what a shrink keeps)
-        self.long = LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD) if control.forecast_s > 0 else None
+        self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
+        self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s)
+                     if control.forecast_s > 0 else None)
         self._task: asyncio.Task | None = None
         self.pools.listen(self._pool_changed)
         for code in CODES:                    # every "why not" series exists from the start

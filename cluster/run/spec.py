@@ -86,8 +86,8 @@ class ClusterSpec:
 
     def controller_config(self) -> ControllerConfig:
         """The controller's policy settings (serve's and simulate's alike)."""
-        return ControllerConfig(self.budget, self.controller_cooldown_s, min_workers=self.min_workers,
-                                shrink_hold_s=self.controller_shrink_hold_s)
+        return ControllerConfig.sized(self.budget, self.controller_cooldown_s, self.min_workers,
+                                      self.controller_shrink_hold_s)
 
     @property
     def controls(self) -> bool:
