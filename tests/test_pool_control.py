@@ -54,6 +54,31 @@ def test_the_fit_recovers_the_step_costs_and_follows_what_is_served():
     assert fit.current().step_s(s) == pytest.approx(2 * TRUE.step_s(s), rel=0.15)
 
 
+def test_a_new_workers_warm_up_steps_never_feed_the_fit():
+    """Each worker's first steps (fifty times slower: lazy kernels, the allocator) are left out,
+    per worker; the same steps fed without naming the worker pull the fit off."""
+    shapes = [BatchShape(1, n, n * n) for n in range(100, 1100, 25)] + \
+             [BatchShape(num_decode=k, decode_context=k * 200) for k in range(1, 60)]
+    warm = [[50 * x[0], *x[1:]] for x in timed(shapes[:StepFit.WARMUP_STEPS])]
+    s = BatchShape(1, 500, 500 * 500)
+
+    def fitted(named: bool) -> tuple[float, float]:
+        clock = Clock()
+        fit = StepFit(1024, 65536, profiled=PROFILE, clock=clock)
+        for worker in ("decode-7", "prefill-3"):                 # each new worker's own warm-up
+            fit.add(warm[:5], worker if named else None)
+            fit.add(warm[5:], worker if named else None)
+            fit.add(timed(shapes), worker if named else None)
+        clock.t += fit.refit_every_s
+        return fit.current().step_s(s), fit.prefill_throughput()
+    served = [x for x in timed(shapes) if x[2]]                  # the prefill steps after the warm-up
+    throughput = sum(x[2] for x in served) / sum(x[0] for x in served)
+    step, tokens_per_s = fitted(True)
+    assert step == pytest.approx(TRUE.step_s(s), rel=0.02) and tokens_per_s == pytest.approx(throughput)
+    step, tokens_per_s = fitted(False)
+    assert tokens_per_s < 0.5 * throughput                       # the warm-up's steps would have priced it
+
+
 def test_too_few_shapes_give_no_model_rather_than_a_guess():
     fit = StepFit(1024, 65536, profiled=PROFILE[:2])
     assert fit.current() is None

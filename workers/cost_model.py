@@ -524,9 +524,12 @@ class StepFit:
     samples), which soon outweigh it, so the model follows what the pools see now (contention, a
     slower node). The pool controller and SLO admission price the pools with it."""
 
+    WARMUP_STEPS = 16       # a worker's first steps (allocator, lazy kernels, graph capture) are not its speed
+
     def __init__(self, kv_bytes_per_token: int, kv_capacity_tokens: int, profiled: list = (),
                  max_samples: int = 2000, refit_every_s: float = 2.0, clock=time.monotonic):
         self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
+        self._seen: dict[str, int] = {}              # worker -> its steps seen (the warm-up ones left out)
         self.model: CostModel | None = None
         self.refit_every_s, self.clock = refit_every_s, clock
         self._fitted_at = -math.inf
@@ -535,7 +538,13 @@ class StepFit:
         self._recent: deque = deque(maxlen=max_samples)
         self._new = True
 
-    def add(self, samples) -> None:
+    def add(self, samples, worker: str | None = None) -> None:
+        """Timed steps (of `worker`: its first WARMUP_STEPS never feed the fit, so a worker just
+        added does not make the pools look slower than they are)."""
+        if worker is not None:
+            seen = self._seen.get(worker, 0)
+            self._seen[worker] = seen + len(samples)
+            samples = samples[max(0, self.WARMUP_STEPS - seen):]
         for raw in samples:
             s = _fit_sample(raw)
             if s is not None:

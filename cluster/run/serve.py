@@ -284,7 +284,8 @@ class ServingCluster:
             log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
         fit = StepFit(info.bytes_per_block // info.block_size,
                       min(i.num_blocks for i in infos) * info.block_size, profiled)
-        self.supervisor.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ())))
+        self.supervisor.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ()),
+                                                                                      worker))
         return fit
 
     def _controller(self, dispatcher: Dispatcher, infos: list[WorkerInfo], fit):
