@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ class PoolController:
         self.last_decision: Decision | None = None
         self.last_reason = ""                 # the latest tick's reason, whatever it decided
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
-        self.decisions: list[dict] = []       # every action taken (advised, in advisory mode), with its reason
+        self.decisions: deque[dict] = deque(maxlen=10_000)   # the latest actions taken (or advised), with why
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s)
