@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from cluster.run.forecast import Forecast, Holt, floor_sizes
+from cluster.run.forecast import Forecast, Holt, LongScale, floor_sizes, interval_summary
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, needs, window_start)
 
@@ -405,6 +405,26 @@ def test_the_floor_covers_the_forecast_at_target_and_its_bursts_at_full_load():
     for k in range(6):
         rising.observe(10.0 + 5 * k, 1000, 100)
     assert rising.outlook(ahead=2).arrival_rate > rising.outlook(ahead=1).arrival_rate > 35
+
+
+def test_a_long_intervals_bursts_are_its_busiest_ttft_long_part_of_prompt_work():
+    """60 s of 10 req/s of 1,000-token prompts, and in second 30 forty more of 250 tokens:
+    610,000 tokens in 640 requests (953 each on average); the busiest second holds 20,000
+    tokens, the rate of 21 mean prompts. The floor's burst term clears it within the second plus
+    the TTFT target (1 s): half of that rate."""
+    arrivals = [(k / 10, 1000, 50) for k in range(600)] + [(30.0 + k / 100, 250, 50) for k in range(40)]
+    rate, prompt, output, peak = interval_summary(arrivals, 0.0, 60.0, burst_s=1.0)
+    assert (rate, output) == (pytest.approx(640 / 60), 50)
+    assert prompt == pytest.approx(610_000 / 640)
+    assert peak == pytest.approx((10 * 1000 + 40 * 250) / prompt)
+    long = LongScale(60.0, 0.0, ahead=1, keep_s=60.0, ttft_s=1.0)
+    for k in range(3):                                        # three such minutes
+        shifted = [(t + 60 * k, a, b) for t, a, b in arrivals]
+        floor, keep = long.floors(60.0 * (k + 1), shifted, 1000.0, 100.0, 0.8, 0.85)
+    o = long.forecast.outlook()
+    assert o.peak_rate == pytest.approx(peak, rel=0.01)
+    # prefill: the mean's 10.67 x 953 / 1,000 = 10.2 workers' worth at 0.8, against the burst's 10
+    assert floor[0] == math.ceil(max(rate * prompt / 1000 / 0.8, peak / 2 * prompt / 1000) - 1e-9)
 
 
 # -- the window of signals ----------------------------------------------------------------------

@@ -211,7 +211,8 @@ class ControlledSimulator(ElasticSimulator):
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         # the long time scale: far enough ahead that a worker asked for now has started by then
         f = control.forecast_interval_s
-        self.long = (LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f), control.config.shrink_hold_s) if f > 0
+        self.long = (LongScale(f, 0.0, 1 + math.ceil(self.startup_s / f), control.config.shrink_hold_s,
+                               control.slo_ttft_s) if f > 0
                      else None)
 
     # -- signals ----------------------------------------------------------------------------------

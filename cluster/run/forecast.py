@@ -12,6 +12,7 @@ below what the next interval will need.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class Outlook:
     arrival_rate: float
     mean_prompt_tokens: float
     mean_output_tokens: float
-    peak_rate: float = 0.0              # its bursts: the rate times the peak-to-mean ratio seen lately
+    peak_rate: float = 0.0              # its bursts: the rate times the peak-to-mean ratio of prompt work lately
 
 
 class Forecast:
@@ -64,8 +65,8 @@ class Forecast:
 
     def observe(self, arrival_rate: float, mean_prompt_tokens: float, mean_output_tokens: float,
                 peak_rate: float | None = None) -> None:
-        """One long interval: its mean arrival rate and lengths, and the highest rate of its
-        short parts (`peak_rate`, e.g. its busiest 10 s)."""
+        """One long interval: its mean arrival rate and lengths, and its busiest short part's
+        (`peak_rate`: interval_summary's)."""
         self.rate.add(arrival_rate)
         if arrival_rate > 0:                       # an idle interval says nothing of lengths
             self.prompt.add(mean_prompt_tokens)
@@ -83,13 +84,14 @@ class Forecast:
         return Outlook(rate, self.prompt.forecast(), self.output.forecast(), rate * max(1.0, burst))
 
 
-BURST_S = 10.0              # a long interval's bursts: its busiest part of this length
+BURST_S = 1.0               # a long interval's bursts: its busiest part this long (a TTFT target's length)
 
 
-def interval_summary(arrivals, start: float, length: float) -> tuple[float, float, float, float]:
-    """(arrival rate, mean prompt tokens, mean output tokens, the busiest BURST_S's rate) of the
-    arrivals (rows of (time, prompt tokens, output tokens, ...)) within [start, start + length)."""
-    parts = [0] * max(1, round(length / BURST_S))
+def interval_summary(arrivals, start: float, length: float, burst_s: float = BURST_S):
+    """(arrival rate, mean prompt tokens, mean output tokens, the prompt tokens per second of its
+    busiest `burst_s`, as an arrival rate of mean prompts) of the arrivals (rows of (time, prompt
+    tokens, output tokens, ...)) within [start, start + length)."""
+    parts = [0] * max(1, round(length / burst_s))
     n = prompt = output = 0
     for row in arrivals:
         t = row[0]
@@ -97,14 +99,16 @@ def interval_summary(arrivals, start: float, length: float) -> tuple[float, floa
             n += 1
             prompt += row[1]
             output += row[2]
-            parts[min(len(parts) - 1, int((t - start) // BURST_S))] += 1
-    return n / length, prompt / n if n else 0.0, output / n if n else 0.0, max(parts) / BURST_S
+            parts[min(len(parts) - 1, int((t - start) // burst_s))] += row[1]
+    mean_prompt = prompt / n if n else 0.0
+    peak = max(parts) / burst_s / mean_prompt if n else 0.0
+    return n / length, mean_prompt, output / n if n else 0.0, peak
 
 
 def floor_sizes(o: Outlook | None, prefill_tokens_per_s: float, decode_tokens_per_s: float,
                 prefill_target: float, decode_target: float) -> tuple[int, int]:
-    """Workers each pool needs for the outlook's arrivals: at its target load for their mean
-    rate, and at full load for their bursts (0, 0 without an outlook)."""
+    """Workers each pool needs for the outlook's arrivals: at its target load, and at full load
+    for their bursts (`peak_rate`) (0, 0 without an outlook)."""
     if o is None or o.arrival_rate <= 0:
         return 0, 0
     p = o.mean_prompt_tokens / max(1e-9, prefill_tokens_per_s)
@@ -119,8 +123,10 @@ class LongScale:
     (the outlook `ahead` intervals on: what a worker asked for now would start into) and what a
     shrink keeps (the outlook's peak over the next `keep_s`: a shrink undone sooner is waste)."""
 
-    def __init__(self, interval_s: float, start: float, ahead: int = 2, keep_s: float = 300.0):
+    def __init__(self, interval_s: float, start: float, ahead: int = 2, keep_s: float = 300.0,
+                 ttft_s: float = BURST_S):
         self.interval_s, self.ahead = interval_s, ahead
+        self.burst_s = self.ttft_s = ttft_s           # bursts measured over a TTFT target's length
         self.keep_ahead = max(ahead, math.ceil(keep_s / interval_s))
         self.forecast = Forecast()
         self.until = start + interval_s
@@ -129,8 +135,16 @@ class LongScale:
                prefill_target: float, decode_target: float) -> tuple[tuple[int, int], tuple[int, int]]:
         """((prefill, decode) floor, (prefill, decode) kept by a shrink)."""
         while now >= self.until:
-            self.forecast.observe(*interval_summary(arrivals, self.until - self.interval_s, self.interval_s))
+            self.forecast.observe(*interval_summary(arrivals, self.until - self.interval_s, self.interval_s,
+                                                    self.burst_s))
             self.until += self.interval_s
         rates = (prefill_tokens_per_s, decode_tokens_per_s, prefill_target, decode_target)
-        return (floor_sizes(self.forecast.outlook(self.ahead), *rates),
-                floor_sizes(self.forecast.outlook(self.keep_ahead), *rates))
+        return (floor_sizes(self._cleared(self.forecast.outlook(self.ahead)), *rates),
+                floor_sizes(self._cleared(self.forecast.outlook(self.keep_ahead)), *rates))
+
+    def _cleared(self, o: Outlook | None) -> Outlook | None:
+        """A burst's prompts arrive over `burst_s` and each may take its TTFT target after: the
+        pool clears them within burst_s + TTFT, so it needs their rate times that share."""
+        if o is None:
+            return None
+        return dataclasses.replace(o, peak_rate=o.peak_rate * self.burst_s / (self.burst_s + self.ttft_s))

@@ -66,7 +66,8 @@ class PoolController:
         self.decisions: deque[dict] = deque(maxlen=10_000)   # the latest actions taken (or advised), with why
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
-        self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s)
+        self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s,
+                               slo_ttft_s)
                      if control.forecast_s > 0 else None)
         self._task: asyncio.Task | None = None
         self.pools.listen(self._pool_changed)
