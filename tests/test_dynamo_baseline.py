@@ -195,6 +195,7 @@ def test_an_added_worker_holds_its_gpu_from_the_ask_and_serves_after_its_start_u
     sim = Scripted([(10, ADD_PREFILL, 1), (30, REMOVE_PREFILL, 1)], startup_s=15.0)
     results, end = sim.run(steady(5, 60))
     assert all(r.success for r in results)
+    assert sim.sizes[0] == (0.0, 1, 1, 2)                     # (t, prefill, decode, workers held)
     joined = [t for t, p, d, _ in sim.sizes if p == 2]
     assert joined and joined[0] == pytest.approx(25.0)        # asked at 10, started 15 s later
     # Two workers all along, the third from 10 s until it drained out after 30 s (its idle

@@ -67,7 +67,8 @@ class ElasticSimulator(Simulator):
         self.settled = -math.inf                        # when the last change's last worker joined (or left)
         self.draining: dict[str, str | None] = {}       # worker id -> the pool it moves to (None: it leaves)
         self.starting: dict[str, float] = {}            # worker id -> when it joins its pool
-        self.sizes: list[tuple[float, int, int, int]] = [(0.0, len(self.pools[PREFILL]), len(self.pools[DECODE]), 0)]
+        self.sizes: list[tuple[float, int, int, int]] = [(0.0, len(self.pools[PREFILL]), len(self.pools[DECODE]),
+                                                           len(self.workers))]   # (t, prefill, decode, held)
         self._gpu_s, self._held, self._held_since = 0.0, len(self.workers), 0.0
         self._vocab, self._max_len = kw.get("vocab_size", 32000), kw.get("max_model_len", 1 << 30)
         self._pending_arrivals = 0
