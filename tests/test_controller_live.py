@@ -191,3 +191,28 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
     assert len(served) >= 10, f"{len(sent) - len(served)} of {len(sent)} refused"
     assert_offline(served)
+
+
+def test_a_controller_short_of_room_asks_rays_autoscaler_for_it(ray_session):
+    """serve's controller, when the Ray cluster has no room for a worker it adds, leaves a
+    standing request with Ray's autoscaler (KubeRay's, `ray up`'s) for the workers it wants, one
+    bundle per rank, and lowers it when it removes workers; read back from Ray's own record of
+    the request (a cluster without an autoscaler keeps it and nothing happens)."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    from cluster.run.launcher import ask_autoscaler, worker_bundles
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5, num_gpus_per_worker=0)
+    assert worker_bundles(spec, 3) == [{"CPU": 0.5}] * 3
+    tp2 = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5, num_gpus_per_worker=1,
+                      engine={"tensor_parallel_size": 2})
+    assert worker_bundles(tp2, 2) == [{"CPU": 0.5, "GPU": 1}] * 4
+    ask_autoscaler(spec, 3)
+    if not is_autoscaler_v2():
+        import json
+
+        from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+        from ray.experimental.internal_kv import _internal_kv_get
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == [{"CPU": 0.5}] * 3
+        ask_autoscaler(spec, 2)
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == [{"CPU": 0.5}] * 2
+    ask_autoscaler(spec, 0)

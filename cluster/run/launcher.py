@@ -262,6 +262,22 @@ def check_new(cluster_id: str) -> None:
                            f"--cluster-id {cluster_id}`), or give another --cluster-id")
 
 
+def worker_bundles(spec: ClusterSpec, workers: int) -> list[dict[str, float]]:
+    """The resource bundles `workers` workers of this spec ask Ray for (one per rank)."""
+    bundle = {"CPU": spec.num_cpus_per_worker}
+    if gpus := gpus_per_worker(spec):
+        bundle["GPU"] = gpus
+    return [dict(bundle) for _ in range(workers * spec.max_tensor_parallel_size)]
+
+
+def ask_autoscaler(spec: ClusterSpec, workers: int) -> None:
+    """A standing request to Ray's autoscaler (KubeRay's, or `ray up`'s) for room for `workers`
+    workers of this spec: it adds nodes up to it, and lets idle ones go once it is lowered. A
+    cluster without an autoscaler keeps the request and nothing happens."""
+    from ray.autoscaler.sdk import request_resources
+    request_resources(bundles=worker_bundles(spec, workers))
+
+
 def room_for_one(spec: ClusterSpec) -> str | None:
     """None when the Ray cluster has the resources of one more worker free now, else what is short."""
     short = _shortfall(spec, 1)

@@ -51,11 +51,13 @@ class LiveControl:
 class PoolController:
     def __init__(self, dispatcher: Dispatcher, control: LiveControl, fit: StepFit, slo_ttft_s: float,
                  slo_tpot_s: float, max_num_batched_tokens: int, max_num_seqs: int,
-                 add_worker: Callable[[str], Awaitable[Member | None]] | None = None, clock=time.monotonic):
+                 add_worker: Callable[[str], Awaitable[Member | None]] | None = None,
+                 shrunk: Callable[[int], Awaitable[None]] | None = None, clock=time.monotonic):
         self.d, self.pools, self.control, self.fit = dispatcher, dispatcher.pools, control, fit
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.add_worker = add_worker          # launches one worker of a role (None: the budget is the pools)
+        self.shrunk = shrunk                  # told the workers left after a removal (the autoscaler's request)
         self.clock = clock
         self.started_at = clock()
         self.last_change = -math.inf          # when the last change was decided
@@ -171,8 +173,11 @@ class PoolController:
         if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
             donor = DECODE if d.action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
             to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(d.action)
-            for m in self._least_loaded(donor, count):
+            leaving = self._least_loaded(donor, count)
+            for m in leaving:
                 self.pools.drain(m.worker_id, to)
+            if to is None and leaving and self.shrunk is not None:
+                await self.shrunk(s.num_prefill + s.num_decode - len(leaving))
         elif d.action in (ADD_PREFILL, ADD_DECODE) and self.add_worker is not None:
             role = PREFILL if d.action == ADD_PREFILL else DECODE
             for _ in range(count):

@@ -16,7 +16,7 @@ import time
 import ray
 import uvicorn
 
-from cluster.run.launcher import (ClusterSpec, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
+from cluster.run.launcher import (ClusterSpec, ask_autoscaler, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
 from cluster.run.ports import check_port_free, free_port
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
@@ -156,6 +156,7 @@ class ServingCluster:
         self.ray_num_cpus = ray_num_cpus
         self.pools: PoolRegistry | None = None
         self.controller = None                        # cluster/run/pool_control.py's, with spec.controller
+        self._asked_autoscaler = False                # the controller asked Ray's autoscaler for room
         self.infos: list[WorkerInfo] = []             # each launched worker's ready() answer
         self._uvicorn: DrainingServer | None = None
         self._thread: threading.Thread | None = None
@@ -301,16 +302,26 @@ class ServingCluster:
         control = LiveControl(spec.controller_config(), spec.controller_interval_s, spec.controller_window_s, spec.controller_forecast_s,
                               advise=spec.controller == "advise")
         return PoolController(dispatcher, control, fit, slo.ttft_s, slo.tpot_s, sched.max_num_batched_tokens,
-                              sched.max_num_seqs, add_worker=self._add_worker)
+                              sched.max_num_seqs, add_worker=self._add_worker, shrunk=self._shrunk)
+
+    async def _shrunk(self, workers: int) -> None:
+        """The controller removed workers: a standing request to the autoscaler comes down with
+        them, so that it can let the idle nodes go."""
+        if self._asked_autoscaler:
+            await asyncio.to_thread(ask_autoscaler, self.spec, workers)
 
     async def _add_worker(self, role: str) -> Member | None:
         """The controller grows a pool: a new actor that joins once it has loaded (never above the
         budget; without room on the Ray cluster, nothing starts and the log says why)."""
-        if len(self.pools.live()) >= self.spec.budget:
+        live = len(self.pools.live())
+        if live >= self.spec.budget:
             return None
         short = await asyncio.to_thread(room_for_one, self.spec)
         if short:
-            log.warning("controller: cannot add a %s worker: %s", role, short)
+            # the autoscaler (if any) adds a node for it; the controller asks again next time
+            await asyncio.to_thread(ask_autoscaler, self.spec, live + 1)
+            self._asked_autoscaler = True
+            log.warning("controller: cannot add a %s worker yet: %s (asked Ray's autoscaler for room)", role, short)
             return None
         taken = {m.worker_id for m in self.pools}
         worker_id = next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
