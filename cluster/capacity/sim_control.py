@@ -21,11 +21,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE, TO_PREFILL,
-                                ControllerConfig, Decision, PeakNeeds, Signals, decide, observe, with_peaks)
+from cluster.capacity import dynamo_baseline as db
+from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
+                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, observe,
+                                with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
+from workers.cost_model import BatchShape
 from workers.names import DECODE, DISAGGREGATED, PREFILL
 
 UNDO_WINDOW_S = 300.0       # a change of a pool's size the other way within this long undoes an earlier one
@@ -262,7 +265,7 @@ class ControlledSimulator(ElasticSimulator):
             self.last_change = self.now
             self.last_decision = d
             if self.change(d.action, d.count, d.reason):
-                for pool, k in self.decisions[-1]["delta"].items():
+                for pool, k in zip((PREFILL, DECODE), SIZE_CHANGE[d.action]):
                     if k > 0:
                         self.grew_at[pool] = self.now
 
@@ -276,8 +279,7 @@ class PlannedSimulator(ElasticSimulator):
     change is under way are dropped, as Dynamo drops them while its deployment is not ready."""
 
     def __init__(self, cluster: SimCluster, planner_cfg, mode: str, startup_s: float = 0.0, **kw):
-        from cluster.capacity import dynamo_baseline as db
-        self.mode, self.pcfg = mode, planner_cfg
+        self.mode = mode
         interval = planner_cfg.interval_s if mode == db.THROUGHPUT else planner_cfg.load_interval_s
         super().__init__(cluster, interval, startup_s, **kw)
         sched = cluster.engine.scheduler
@@ -295,7 +297,6 @@ class PlannedSimulator(ElasticSimulator):
         self._done.append((tr.first_s - tr.sent_s, itl, tr.end_s - tr.sent_s))
 
     def tick(self) -> None:
-        from cluster.capacity import dynamo_baseline as db
         arrived, done, self._arrived, self._done = self._arrived, self._done, [], []
         n = len(arrived)
         isl = sum(a for a, _ in arrived) / n if n else math.nan
@@ -323,11 +324,11 @@ class PlannedSimulator(ElasticSimulator):
             if self.draining or self.starting or not n:
                 return
             want = self.planner.plan(num_p, num_d, active, isl, blocks)
-        for pool, k, up, down in ((PREFILL, want[0] - num_p, ADD_PREFILL, REMOVE_PREFILL),
-                                  (DECODE, want[1] - num_d, ADD_DECODE, REMOVE_DECODE)):
-            if k:
-                self.change(up if k > 0 else down, abs(k), f"{self.mode} planner: {pool} {num_p if pool == PREFILL else num_d}"
-                            f" -> {want[0] if pool == PREFILL else want[1]}")
+        for pool, have, n_want, up, down in ((PREFILL, num_p, want[0], ADD_PREFILL, REMOVE_PREFILL),
+                                             (DECODE, num_d, want[1], ADD_DECODE, REMOVE_DECODE)):
+            if n_want != have:
+                self.change(up if n_want > have else down, abs(n_want - have),
+                            f"{self.mode} planner: {pool} {have} -> {n_want}")
 
 
 class _Profile:
@@ -344,11 +345,9 @@ class _Profile:
         return self.cost.decode_tokens_per_s(context, itl_s, self.sched.max_num_seqs)
 
     def ttft_s(self, isl: float) -> float:
-        from workers.cost_model import BatchShape
         n = max(1, round(isl))
         return self.cost.step_s(BatchShape(1, n, n * n))
 
     def itl_s(self, concurrency: float, context: float) -> float:
-        from workers.cost_model import BatchShape
         k = max(1, round(concurrency))
         return self.cost.step_s(BatchShape(num_decode=k, decode_context=round(k * context)))
