@@ -455,8 +455,8 @@ class SLOAdmission:
         47th of vLLM's 64 clients and 50 were refused; the two workers served all 64 within 0.35
         s. Only from quiet: a decode worker idle between the waves of an overload, counted, let
         in a wave each time it emptied (3x goodput 0.72 of the peak, from 0.87)."""
-        workers = len(self.pools.active(self.prefill_role))
-        if workers and self.local_prefill:
+        workers = len(self._prefilling())
+        if workers and self.local_prefill and self.pools.active(PREFILL):
             now = self.clock()
             decode = self.pools.active(DECODE)
             if not self.in_flight and now - self._empty_since >= QUIET_S:
@@ -465,6 +465,12 @@ class SLOAdmission:
             if now <= until:
                 workers += sum(m.worker_id in idle for m in decode)
         return workers
+
+    def _prefilling(self) -> list:
+        """The workers that compute prompts: the prefill (or colocated) pool, or, disaggregated
+        with no active prefill worker, the decode workers, which then serve requests whole."""
+        return self.pools.active(self.prefill_role) or (self.pools.active(DECODE) if self.prefill_role == PREFILL
+                                                         else [])
 
     def _prefill_rate(self):
         """Prompt tokens per second of a prefill worker at a prompt length (a function), from the
@@ -479,8 +485,7 @@ class SLOAdmission:
         """Prompt tokens ahead of a new request: this router's admitted prompts without a first
         token, or, when more, what the prefill workers report queued (other routers send there
         too; the reports lag this router's own sends, which its count has at once)."""
-        reported = sum(m.report.queued_prefill_tokens for m in self.pools.active(self.prefill_role)
-                       if m.report is not None)
+        reported = sum(m.report.queued_prefill_tokens for m in self._prefilling() if m.report is not None)
         return max(self.waiting_tokens, reported)
 
     def handoff_wait(self) -> float:

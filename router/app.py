@@ -51,7 +51,7 @@ from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIE
 from router.slo import SLOTargets, judge
 from router.tracing import RequestTrace, Tracing
 from router.tools import ToolCallParser, ToolError, deltas, fold, parser_for_template, tool_use, tool_finish_reason
-from workers.names import ROLES, roles_of
+from workers.names import ROLES
 from workers.sequence import sample_seed, show
 from workers.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
 
@@ -633,7 +633,7 @@ def build_app(server: Server) -> FastAPI:
         leads = server.leadership.leads                # this router leads the cluster (cluster/run/book.py)
         if server.draining:                            # a load balancer stops sending here
             return JSONResponse({"status": "draining", "workers": alive, "leads": leads}, status_code=503)
-        ok = all(alive[r] > 0 for r in roles_of(server.dispatcher.mode))
+        ok = server.dispatcher.serves()
         return JSONResponse({"status": "ok" if ok else "degraded", "workers": alive, "leads": leads},
                             status_code=200 if ok else 503)
 

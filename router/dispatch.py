@@ -163,6 +163,15 @@ class Dispatcher:
             fut.set_result(None)
         self.metrics.gated.set(len(self.gate.line))
 
+    def serves(self) -> bool:
+        """Whether the pools can serve as the cluster is shaped (GET /health): each pool has an
+        active worker, or, disaggregated, the decode pool has and the prefill pool has none by
+        choice (the controller's mixed role: decode workers serve whole requests), not by loss."""
+        if self.mode == COLOCATED:
+            return bool(self.pools.active(COLOCATED))
+        return bool(self.pools.active(DECODE)) and bool(self.pools.active(PREFILL)
+                                                        or not self.pools.count(PREFILL, (DEAD,)))
+
     def _gate_view(self) -> tuple[dict, int]:
         """What the gate decides on: the decode workers' reports, the prefill pool's size."""
         return {m.worker_id: m.report for m in self.pools.active(DECODE)}, len(self.pools.active(PREFILL))

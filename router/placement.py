@@ -5,7 +5,9 @@ view of the pools (`PoolView`), so that what the simulator predicts is what the 
     start:   a prompt's blocks, and which workers hold how many of them (the prefix index)
     first:   the worker that computes it: a prefill (or colocated) worker by the picking policy,
              or, disaggregated, the decode worker picked for it when it computes few enough
-             tokens there (local prefill: no handoff)
+             tokens there (local prefill: no handoff), or, disaggregated with no active prefill
+             worker (the controller's mixed role: splitting did not pay; or the prefill pool
+             lost), a decode worker, which serves the request whole
     decode:  the decode worker a prefilled request goes to
 
 Plain Python (no torch, no Ray): tests/test_policy_imports.py guards it.
@@ -82,9 +84,11 @@ class Placement:
         return Start(self.prefix_index, token_ids)
 
     def roles_needed(self) -> tuple[str, ...]:
-        """The pools `first` picks from (a caller may wait for one of them to have a worker)."""
+        """The pools a caller waits for while none of their workers is active but one is coming
+        (`first` picks from them). Disaggregated, only the decode pool: its workers serve whole
+        requests while the prefill pool has no active worker."""
         role = first_role(self.mode)
-        return (DECODE, role) if self.local_prefill_max_tokens and role == PREFILL else (role,)
+        return (DECODE,) if role == PREFILL else (role,)
 
     def first(self, start: Start, view: PoolView) -> tuple[str, bool]:
         """(the worker that computes the prompt, whether it is a decode worker computing it
@@ -92,7 +96,9 @@ class Placement:
         a pool it needs has no active worker."""
         role = first_role(self.mode)
         chosen, local = None, False
-        if self.local_prefill_max_tokens and role == PREFILL:
+        if role == PREFILL and not view.active(PREFILL) and view.active(DECODE):
+            chosen, local = self._whole(start, view), True
+        elif self.local_prefill_max_tokens and role == PREFILL:
             d = self.decode(view)
             if self.prefill_locally(d, start.uncached_on(d), view):
                 chosen, local = d, True
@@ -107,6 +113,16 @@ class Placement:
         if not ids:
             raise LookupError(f"no live {DECODE} worker")
         return self.decode_picker.choose(ids, view.decode_load)
+
+    def _whole(self, start: Start, view: PoolView) -> str:
+        """The decode worker that serves a request whole (no prefill pool): by the picking policy
+        on its queued prompt tokens, then, on a tie (the common case at light load, nothing
+        queued), its decode load."""
+        ids = view.active(DECODE)
+        if self.prefill_picker.policy == PREFIX:
+            return self.prefill_picker.choose_prefix(ids, view.prefill_load, start.matched, start.num_tokens,
+                                                     self.prefix_index.block_size)
+        return self.prefill_picker.choose(ids, lambda w: (view.prefill_load(w), view.decode_load(w)))
 
     def _prefill(self, role: str, start: Start, view: PoolView) -> str:
         ids = view.active(role)

@@ -13,7 +13,8 @@ import pytest
 
 from cluster.run.forecast import Forecast, Holt, LongScale, floor_sizes, interval_summary
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
-                                TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, needs, window_start)
+                                TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, mixed_stall, needs,
+                                observe, window_start)
 
 CFG = ControllerConfig(max_workers=4, cooldown_s=30)
 MOVES = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD_DECODE: (0, 1), REMOVE_PREFILL: (-1, 0),
@@ -254,11 +255,12 @@ def test_over_the_budget_sheds_what_a_pool_can_spare():
 
 @pytest.mark.parametrize("budget", [2, 4, 8, 32])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic, mixed):
     rng = random.Random(budget)
-    cfg = ControllerConfig(max_workers=budget, min_workers=max(2, budget // 2) if elastic else None)
+    cfg = ControllerConfig(max_workers=budget, min_workers=max(2, budget // 2) if elastic else None, mixed=mixed)
     for _ in range(2000):
-        n_p = rng.randint(1, budget + 2)
+        n_p = rng.randint(0 if mixed else 1, budget + 2)
         n_d = rng.randint(1, budget + 3 - n_p) if budget + 3 - n_p >= 1 else 1
         s = signals(n_p, n_d, rate=rng.uniform(0, 3 * budget), prompt=rng.choice((100, 1000, 3000)),
                     output=rng.choice((10, 100, 500)), queued_prefill_tokens=rng.choice((0, 0, 5000, 50_000)),
@@ -266,14 +268,20 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic):
                     ttft_attainment=rng.choice((math.nan, 0.5, 0.95)), tpot_attainment=rng.choice((math.nan, 0.5, 0.95)),
                     floor_prefill=rng.choice((0, 1, budget // 2, budget)), floor_decode=rng.choice((0, 1, budget)),
                     keep_prefill=rng.choice((0, 2, budget)), keep_decode=rng.choice((0, 1, budget // 2)),
-                    prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)))
+                    prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)),
+                    mixed_stall=rng.choice((math.inf, 0.2, 0.7, 1.5)))
         d = decide(s, cfg)
         after = apply(s, d)
         assert d.code in CODES and (d.count == 0) == (d.action == NONE), d
-        assert after.num_prefill >= 1 and after.num_decode >= 1, (s, d)
+        # the prefill pool empties only by the mixed move, and only under a load the rest carries
+        assert after.num_decode >= 1 and (after.num_prefill >= 1 or s.num_prefill == 0 or d.code == "mixed"), (s, d)
+        if d.code == "mixed":
+            assert mixed and after.num_prefill == 0 and sum(needs(s)) / (s.num_prefill + s.num_decode) <= 0.75
+        if s.num_prefill == 0:
+            continue                                 # mixed: one pool (the rules' own test above)
         total, new_total = s.num_prefill + s.num_decode, after.num_prefill + after.num_decode
         assert new_total <= max(budget, total) and (total <= budget or new_total < total or d.action == NONE), (s, d)
-        if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
+        if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE) and d.code != "mixed":
             donor = 0 if d.action in (TO_DECODE, REMOVE_PREFILL) else 1
             assert loads(after)[donor] < cfg.shrink_below, (s, d)
         if d.code == "shrink":                      # never below the minimum, a floor, or a recent growth
@@ -291,6 +299,97 @@ def test_config_keeps_its_hysteresis():
         ControllerConfig(max_workers=4, prefill_target_load=0.9)       # above shrink_below
     with pytest.raises(ValueError):
         ControllerConfig(max_workers=4, shrink_below=1.0)              # not under grow_at
+
+
+# -- the mixed role --------------------------------------------------------------------------------
+MIXED = ControllerConfig(max_workers=4, cooldown_s=30, mixed=True)
+
+
+def test_a_light_load_of_short_prompts_goes_mixed_and_long_prompts_split_it_again():
+    s = signals(1, 1, rate=0.3, mixed_stall=0.1)            # the whole load is 0.3 of the two workers
+    d = decide(s, MIXED)
+    assert (d.action, d.count, d.code) == (TO_DECODE, 1, "mixed"), d
+    mixed = apply(s, d)
+    assert (mixed.num_prefill, mixed.num_decode) == (0, 2)
+    assert (decide(mixed, MIXED).action, decide(mixed, MIXED).code) == (NONE, "balanced")
+    # Long prompts: a step with one of their chunks takes 1.5x the TPOT target. One prefill
+    # worker carries the prompts (0.3 of one at 1 req/s x 1,000 tokens / 1,000 per s x 0.3).
+    d = decide(dataclasses.replace(mixed, mixed_stall=1.5), MIXED)
+    assert (d.action, d.count, d.code) == (TO_PREFILL, 1, "split_stall"), d
+    # Prompts that need three prefill workers at their target split three of four off.
+    many = signals(0, 4, rate=1.6, mixed_stall=1.5)
+    d = decide(many, MIXED)
+    assert (d.action, d.count) == (TO_PREFILL, 3), d
+
+
+def test_between_its_two_stalls_neither_shape_changes():
+    for stall in (0.6, 0.9):                            # above mixed_stall_ok, not past split_stall
+        assert decide(signals(1, 1, rate=0.3, mixed_stall=stall), MIXED).action == NONE
+        assert decide(signals(0, 2, rate=0.3, mixed_stall=stall), MIXED).action == NONE
+
+
+def test_mixed_only_when_the_whole_load_fits_attainment_holds_and_no_split_is_recent_and_asked_for():
+    assert decide(signals(1, 1, rate=0.3, mixed_stall=0.1), CFG).action == NONE                # not asked for
+    assert decide(signals(1, 1, rate=0.3), MIXED).action == NONE                # not priced (inf stall)
+    # 0.7 req/s: each pool at 0.7 of one worker; the whole load 1.4 over 2 = 0.7 <= 0.75 goes, 0.8 does not
+    assert decide(signals(1, 1, rate=0.7, mixed_stall=0.1), MIXED).code == "mixed"
+    assert decide(signals(1, 1, rate=0.8, mixed_stall=0.1), MIXED).action == NONE
+    assert decide(signals(1, 1, rate=0.3, mixed_stall=0.1, tpot_attainment=0.5), MIXED).action == NONE
+    split = Decision(TO_PREFILL, "split", count=1, code="split_stall")
+    s = signals(1, 1, rate=0.3, mixed_stall=0.1)
+    assert decide(s, MIXED, last_change_at=s.now - 200, last=split).action == NONE      # within shrink_hold_s
+    assert decide(s, MIXED, last_change_at=s.now - 400, last=split).code == "mixed"
+
+
+def test_mixed_attainment_short_under_load_splits_and_at_low_load_does_not():
+    busy = signals(0, 2, rate=0.7, mixed_stall=0.3, tpot_attainment=0.6)     # mixed load 0.7 >= 0.9 x 0.75
+    d = decide(busy, MIXED)
+    assert (d.action, d.code) == (TO_PREFILL, "split_slo"), d
+    idle = signals(0, 2, rate=0.2, mixed_stall=0.3, tpot_attainment=0.6)
+    assert decide(idle, MIXED).code == "slo_not_capacity"
+    assert decide(busy, MIXED, last_change_at=busy.now - 31).action == TO_PREFILL
+    assert decide(busy, MIXED, last_change_at=busy.now - 29).code == "cooldown"
+
+
+def test_mixed_workers_grow_shrink_and_keep_the_floor_as_one_pool():
+    cfg = ControllerConfig(max_workers=8, cooldown_s=30, min_workers=2, mixed=True, shrink_hold_s=300)
+    d = decide(signals(0, 2, rate=1.0, mixed_stall=0.2), cfg)                 # mixed load 1.0 > 0.85
+    # the whole need is 2 workers' worth; at the decode target (0.75 elastic: 0.85 from sized) -> 3
+    assert (d.action, d.code, d.count) == (ADD_DECODE, "mixed_short", 1), d
+    d = decide(signals(0, 8, rate=0.5, mixed_stall=0.2), cfg)                 # 1.0 over 8: a quarter leave
+    assert (d.action, d.code, d.count) == (REMOVE_DECODE, "shrink", 2), d
+    d = decide(signals(0, 8, rate=0.5, mixed_stall=0.2, decode_grew_at=900.0), cfg)
+    assert d.action == NONE                                                    # grew 100 s ago
+    d = decide(signals(0, 3, rate=0.1, mixed_stall=0.2, floor_prefill=2, floor_decode=3), cfg)
+    assert (d.action, d.code, d.count) == (ADD_DECODE, "forecast_floor", 2), d
+    d = decide(signals(0, 4, rate=0.1, mixed_stall=0.2, keep_prefill=2, keep_decode=1), cfg)
+    assert (d.action, d.count) == (REMOVE_DECODE, 1), d                        # keeps 3 for the recent peak
+
+
+def test_mixed_stall_is_a_step_of_the_mixed_batch_with_one_long_chunk_over_the_target():
+    from workers.cost_model import CostModel, LinearStepModel, Link
+    step = LinearStepModel(p0=0.01, p1=1e-5, p2=0.0, d0=0.004, d1=1e-6, d2=1e-4)
+    cost = CostModel(step, kv_bytes_per_token=1, kv_capacity_tokens=10**6, link=Link("test", 1e9, 1e-6))
+    # 4 req/s over 2 workers, 100 output tokens at 0.05 s: 2 x 100 x 0.05 = 10 rows of 500 + 50 context;
+    # the long prompt 3,000 tokens, cut to the budget of 2,048: 0.01 + 2048e-5 + 10 x 550e-6 + 10 x 1e-4
+    s = signals(1, 1, rate=4.0, prompt=500, output=100, long_prompt_tokens=3000)
+    want = (0.01 + 2048e-5 + 10 * 550e-6 + 10 * 1e-4) / 0.05
+    assert mixed_stall(cost, s, 0.05, 2048) == pytest.approx(want)
+
+
+def test_observe_reads_the_90th_percentile_prompt():
+    from router.slo import RequestLog
+    log = RequestLog(60.0, clock=lambda: 100.0)
+    for n in range(1, 101):
+        log.arrivals.append((90.0, n * 10, 50))
+    o = observe(log, 100.0, 10.0, 30.0)
+    assert o.mean_prompt_tokens == pytest.approx(505.0)
+    assert o.long_prompt_tokens == 910                       # the 91st of 100 sorted, 0-based 90
+
+
+def test_mixed_config_keeps_its_hysteresis():
+    with pytest.raises(ValueError):
+        ControllerConfig(max_workers=4, mixed=True, mixed_stall_ok=1.0, split_stall=1.0)
 
 
 # -- elastic size ---------------------------------------------------------------------------------
@@ -466,7 +565,7 @@ def _controlled(num_prefill, num_decode, budget, **control):
     cost = roofline("llama-3-8b", "h100-sxm", 1)
     cluster = SimCluster(num_prefill=num_prefill, num_decode=num_decode, prefill_cost=cost, decode_cost=cost,
                          engine=engine(), max_pending=4096)
-    cfg = ControllerConfig(budget, cooldown_s=control.pop("cooldown_s", 30))
+    cfg = ControllerConfig(budget, cooldown_s=control.pop("cooldown_s", 30), mixed=control.pop("mixed", False))
     return ControlledSimulator(cluster, SimControl(cfg, **{"interval_s": 10, "window_s": 30, "slo_ttft_s": 1.0,
                                                            "slo_tpot_s": 0.025, **control}), record_itl=False)
 
@@ -520,3 +619,32 @@ def test_simulated_stationary_load_from_a_wrong_split_settles_then_stays():
     assert all(r.success for r in results)
     assert sim.decisions and all(d["t"] <= 120 for d in sim.decisions), sim.decisions
     assert len({d["action"] for d in sim.decisions}) == 1, sim.decisions
+
+
+def test_simulated_short_prompts_run_mixed_and_long_prompts_split_again():
+    """1 prefill + 1 decode H100 worker (Llama-3-8B roofline), the mixed role allowed: a light
+    load of short prompts empties the prefill pool (both workers serve whole requests, the
+    router's placement code as served), long prompts after it split the pools again; every
+    request served, every block back, and the mixed minutes' TPOT within the target."""
+    from cluster.capacity.simulate import SimRequest
+    from tests.test_simulator import assert_pools_clean
+
+    rng = random.Random(1)
+    requests, t = [], 0.0
+    for until, rate, prompt, output in ((240.0, 4.0, 200, 100), (480.0, 2.0, 6000, 50)):
+        while t < until:
+            t += rng.expovariate(rate)
+            requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
+                                                 rng.randint(output // 2, output * 3 // 2), len(requests)))
+    sim = _controlled(1, 1, 2, mixed=True, cooldown_s=20)
+    results, _ = sim.run(requests)
+    assert all(r.success for r in results)
+    moves = [(d["t"], d["action"], d["prefill"], d["decode"]) for d in sim.decisions]
+    mixed_at = next(t for t, a, p, d in moves if a == TO_DECODE and p == 1)
+    split_at = next(t for t, a, p, d in moves if a == TO_PREFILL and p == 0)
+    assert mixed_at < 240 < split_at < 300, moves
+    assert any(p == 0 and d == 2 for t, p, d, _ in sim.sizes if mixed_at <= t < split_at), sim.sizes
+    whole = [r for q, r in zip(requests, results) if mixed_at + 5 < q.arrival_s < 240]
+    assert whole and all(r.tpot <= 0.025 for r in whole if r.output_len > 1)
+    assert not sim.draining
+    assert_pools_clean(sim)

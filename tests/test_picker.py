@@ -59,3 +59,41 @@ def test_load_signals_count_unreported_work():
     assert decode_load(report, 1) > decode_load(report, 0) > decode_load(None, 0)
     busier = dataclasses.replace(report, pending=3)     # waiting for KV room counts as load
     assert decode_load(busier, 0) > decode_load(report, 0)
+
+
+class _View:
+    """Pools as router/placement.py's PoolView: members by role, loads by worker."""
+
+    def __init__(self, pools: dict[str, list[str]], queued: dict[str, float], decoding: dict[str, float]):
+        self.pools, self.queued, self.decoding_load = pools, queued, decoding
+
+    def active(self, role):
+        return self.pools.get(role, [])
+
+    def prefill_load(self, w):
+        return self.queued.get(w, 0)
+
+    def decode_load(self, w):
+        return self.decoding_load.get(w, 0)
+
+    def decoding(self, w):
+        return (0, 0)
+
+
+def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
+    """The mixed role: disaggregated with no active prefill worker, every request goes whole to a
+    decode worker (least queued prompt tokens, then least decode load); with one, it hands off."""
+    from router.placement import Placement
+    for local in (0, 64):
+        p = Placement("disaggregated", "p2c", seed=0, block_size=16, local_prefill_max_tokens=local)
+        assert p.roles_needed() == ("decode",)
+        view = _View({"decode": ["d0", "d1"]}, queued={"d0": 0, "d1": 0}, decoding={"d0": 0.5, "d1": 0.1})
+        for _ in range(20):
+            assert p.first(p.start(list(range(500))), view) == ("d1", True)
+        view.queued["d1"] = 300
+        assert p.first(p.start(list(range(500))), view) == ("d0", True)
+        view.pools["prefill"] = ["p0"]
+        fresh = list(range(1000, 1500))             # 500 tokens cached nowhere: past any local limit
+        assert p.first(p.start(fresh), view) == ("p0", False)
+    with pytest.raises(LookupError):
+        p.first(p.start([1, 2]), _View({}, {}, {}))

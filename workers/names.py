@@ -21,11 +21,6 @@ def first_role(mode: str) -> str:
     return COLOCATED if mode == COLOCATED else PREFILL
 
 
-def roles_of(mode: str) -> tuple[str, ...]:
-    """The pools a cluster of this mode has."""
-    return (COLOCATED,) if mode == COLOCATED else (PREFILL, DECODE)
-
-
 # A request id starts with its router's owner tag: "{router id}~{incarnation}/...". Workers route
 # a request's events to its owner, and end its requests when the owner's lease lapses. An id
 # without a tag belongs to no router (tools and tests that poll a worker themselves).

@@ -18,13 +18,14 @@ simulator.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, observe,
-                                with_peaks)
+                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
+                                observe, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -109,8 +110,9 @@ class ElasticSimulator(Simulator):
         self.sizes.append((self.now, len(self.pools[PREFILL]), len(self.pools[DECODE]), self._held))
 
     # -- carrying a change out ------------------------------------------------------------------
-    def change(self, action: str, count: int, reason: str = "", **extra) -> int:
-        """Carry out `action` (controller's verbs) on `count` workers; returns how many it
+    def change(self, action: str, count: int, reason: str = "", keep: int = 1, **extra) -> int:
+        """Carry out `action` (controller's verbs) on `count` workers, leaving at least `keep` in
+        the donor pool (0: the mixed role empties the prefill pool); returns how many it
         changed. A change of a pool's size the other way within `undo_window_s` of an earlier
         change of it counts as undoing that one."""
         if action == NONE or count <= 0:
@@ -120,9 +122,9 @@ class ElasticSimulator(Simulator):
         if action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
             donor = DECODE if action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
             to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(action)
-            # the least loaded leave; one always stays
+            # the least loaded leave
             pool = sorted(self.pools[donor], key=lambda x: len(x.engine._seqs) + len(x.waiting_room) + x.receiving)
-            leaving = pool[:max(0, min(count, len(pool) - 1))]
+            leaving = pool[:max(0, min(count, len(pool) - keep))]
             count = len(leaving)
             delta = {donor: -count, **({to: count} if to else {})}
         else:
@@ -244,19 +246,20 @@ class ControlledSimulator(ElasticSimulator):
         prefill_tps = cost.prefill_tokens_per_s(prompt or 1, sched.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs)
         floor, keep = self._floors(prefill_tps, decode_tps)
-        return Signals(
+        s = Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
-                                      for x in self.pools[PREFILL]),
+                                      for x in self.pools[PREFILL] or self.pools[DECODE]),
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.draining) + len(self.starting),
             waiting_handoffs=sum(len(x.waiting_room) for x in self.workers.values() if x.role == DECODE),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
             floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL],
-            decode_grew_at=self.grew_at[DECODE])
+            decode_grew_at=self.grew_at[DECODE], long_prompt_tokens=o.long_prompt_tokens)
+        return dataclasses.replace(s, mixed_stall=mixed_stall(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
 
     def tick(self) -> None:
         s = with_peaks(self.signals(), self.peaks, self.control.config)
@@ -264,7 +267,7 @@ class ControlledSimulator(ElasticSimulator):
         if d.action != NONE:
             self.last_change = self.now
             self.last_decision = d
-            if self.change(d.action, d.count, d.reason):
+            if self.change(d.action, d.count, d.reason, keep=0 if d.code == "mixed" else 1):
                 for pool, k in zip((PREFILL, DECODE), SIZE_CHANGE[d.action]):
                     if k > 0:
                         self.grew_at[pool] = self.now

@@ -46,9 +46,20 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
   included), a quarter of the pool at most at once, never below the floor nor below what the
   forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`;
+- the mixed role (`mixed` set): when splitting does not pay, every prefill worker moves to the
+  decode pool and, with no prefill pool, the decode workers serve whole requests
+  (router/placement.py); it pays not when the long prompts' chunks would stall a mixed
+  worker's decode batch (`Signals.mixed_stall`: a step of its batch with one chunk of the
+  90th-percentile prompt, over the TPOT target, at most `mixed_stall_ok`), nor when the whole
+  load on one pool would pass its target, nor when attainment is short, nor within
+  `shrink_hold_s` of a split; mixed, the cluster splits again (as many prefill workers as the
+  prompts need at their target) when that stall passes `split_stall` or attainment falls
+  short at a load past the attainment floor, and grows, shrinks and keeps the forecast's
+  floor as one pool;
 - one change per decision, none while a worker is between roles or starting, and none within
   `cooldown_s` of the last;
-- at least one worker per pool, never more workers than the budget;
+- at least one worker per pool (the prefill pool: none, mixed), never more workers than the
+  budget;
 - every decision carries its reason, and `code`, the reason's kind (a metric label).
 """
 from __future__ import annotations
@@ -58,6 +69,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from workers.cost_model import BatchShape
 from workers.names import DECODE, PREFILL
 
 # Actions: move workers between the pools (they drain, flip, rejoin), or grow or shrink a pool.
@@ -69,7 +81,7 @@ SIZE_CHANGE = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "forecast_floor", "shrink",
-         "slo_not_capacity", "balanced")
+         "slo_not_capacity", "balanced", "mixed", "split_stall", "split_slo", "mixed_short")
 POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
@@ -93,6 +105,9 @@ class ControllerConfig:
     min_workers: int | None = None        # elastic: the total shrinks to no fewer (None: it never shrinks)
     shrink_hold_s: float = SHRINK_HOLD_S  # elastic: no pool shrinks within this long of its growth
     elastic_grow_at: float = 0.85         # elastic, below the budget: a pool is short past this load
+    mixed: bool = False                   # the controller may run with no prefill pool (the mixed role)
+    mixed_stall_ok: float = 0.5           # mixed pays only while a long prompt's chunk stalls a step at most this
+    split_stall: float = 1.0              # share of the TPOT target; mixed, past this share the pools split
 
     def __post_init__(self):
         if self.max_workers < 2:
@@ -102,6 +117,9 @@ class ControllerConfig:
                              f"got {self.elastic_grow_at}")
         if self.min_workers is not None and not 2 <= self.min_workers <= self.max_workers:
             raise ValueError(f"min_workers must be within 2..max_workers ({self.max_workers}), got {self.min_workers}")
+        if not 0 < self.mixed_stall_ok < self.split_stall:
+            raise ValueError(f"the mixed role needs 0 < mixed_stall_ok < split_stall (hysteresis), got "
+                             f"{self.mixed_stall_ok}, {self.split_stall}")
         if self.cooldown_s < 0 or self.slo_hold_s < 0 or self.backlog_s <= 0:
             raise ValueError("cooldown_s and slo_hold_s must be >= 0, backlog_s > 0")
         for t in (self.prefill_target_load, self.decode_target_load):
@@ -111,15 +129,15 @@ class ControllerConfig:
 
     @classmethod
     def sized(cls, max_workers: int, cooldown_s: float = COOLDOWN_S, min_workers: int | None = None,
-              shrink_hold_s: float = SHRINK_HOLD_S) -> ControllerConfig:
+              shrink_hold_s: float = SHRINK_HOLD_S, mixed: bool = False) -> ControllerConfig:
         """The defaults for a budget, and, elastic (`min_workers` given), targets nearer capacity:
         there the forecast's floor (bursts at full load) and the recent peak a shrink keeps hold
         the headroom that a fixed size's targets must (measured: BENCHMARKS.md, the controller
         against Dynamo's planner)."""
         if min_workers is None:
-            return cls(max_workers, cooldown_s)
+            return cls(max_workers, cooldown_s, mixed=mixed)
         return cls(max_workers, cooldown_s, prefill_target_load=0.8, decode_target_load=0.85, shrink_below=0.9,
-                   min_workers=min_workers, shrink_hold_s=shrink_hold_s, elastic_grow_at=0.9)
+                   min_workers=min_workers, shrink_hold_s=shrink_hold_s, elastic_grow_at=0.9, mixed=mixed)
 
     def target(self, pool: str) -> float:
         return self.prefill_target_load if pool == PREFILL else self.decode_target_load
@@ -148,6 +166,9 @@ class Signals:
     keep_decode: int = 0                  # the next minutes (a shrink undone soon after costs a start-up)
     prefill_grew_at: float = -math.inf    # when each pool last grew (workers added or moved in)
     decode_grew_at: float = -math.inf
+    long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
+    mixed_stall: float = math.inf         # a mixed worker's step with one long prompt's chunk over the TPOT
+                                          # target (`mixed_stall`; inf: not priced, the mixed role never pays)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +215,7 @@ class Observed:
     mean_output_tokens: float
     ttft_attainment: float
     tpot_attainment: float
+    long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
 
 
 def observe(log, now: float, interval_s: float, window_s: float, since: float = -math.inf,
@@ -218,11 +240,25 @@ def observe(log, now: float, interval_s: float, window_s: float, since: float = 
     used = sum(f[2] for f in lately) / asked if asked else 1.0
     judged = [f for f in finished if f[1] >= settled]
     k = len(judged) if len(judged) >= min_judged else 0
+    prompts = sorted(a[1] for a in recent)
     return Observed(start=start, shifted=start == now - interval_s, arrival_rate=n / max(1e-9, now - start),
-                    mean_prompt_tokens=sum(a[1] for a in recent) / n if n else 0.0,
+                    mean_prompt_tokens=sum(prompts) / n if n else 0.0,
+                    long_prompt_tokens=prompts[min(n - 1, int(0.9 * n))] if n else 0.0,
                     mean_output_tokens=used * sum(a[2] for a in recent) / n if n else 0.0,
                     ttft_attainment=sum(f[4] for f in judged) / k if k else math.nan,
                     tpot_attainment=sum(f[5] for f in judged) / k if k else math.nan)
+
+
+def mixed_stall(cost, s: Signals, tpot_s: float, budget: int) -> float:
+    """A mixed worker's step with one chunk of a long prompt (the 90th percentile, at most the
+    scheduler's `budget`) beside its decode batch, over the TPOT target: the stall such a prompt
+    puts into every sequence the worker decodes. The batch: the cluster's arrivals spread over
+    all its workers, each sequence running for its output at the target pace (Little's law), of
+    a context of the mean prompt and half the mean output. `cost`: workers/cost_model.py CostModel."""
+    n = max(1, min(round(s.long_prompt_tokens or s.mean_prompt_tokens), budget))
+    rows = max(1, math.ceil(s.arrival_rate / max(1, s.num_prefill + s.num_decode) * s.mean_output_tokens * tpot_s))
+    ctx = max(1, round(s.mean_prompt_tokens + s.mean_output_tokens / 2))
+    return cost.step_s(BatchShape(1, n, n * n, 0, rows, rows * ctx)) / tpot_s
 
 
 def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
@@ -276,6 +312,56 @@ class PeakNeeds:
         return math.ceil(p / cfg.prefill_target_load - 1e-9), math.ceil(d / cfg.decode_target_load - 1e-9)
 
 
+def _decide_mixed(s: Signals, cfg: ControllerConfig, last_change_at: float, need: dict,
+                  grow_at: float) -> Decision:
+    """decide() with no prefill pool: the decode workers serve whole requests, one pool carrying
+    both needs at the decode pool's target. It splits again when long prompts stall its steps
+    or attainment falls short under load; else it is sized as one pool (see the module's rules)."""
+    n, total = s.num_decode, s.num_prefill + s.num_decode
+    whole = need[PREFILL] + need[DECODE]
+    load = whole / max(1, n)
+    target = cfg.decode_target_load
+    atts = {"TTFT": s.ttft_attainment, "TPOT": s.tpot_attainment}
+    short_att = [f"{k} attainment {v:.2f}" for k, v in atts.items() if v < cfg.min_attainment]
+    txt = f"mixed load {load:.2f} on {n}"
+
+    def done(action: str, code: str, reason: str, count: int = 0) -> Decision:
+        return Decision(action, reason, need[PREFILL] / max(1, n), need[DECODE] / max(1, n), count, code)
+    split = None
+    if s.mixed_stall > cfg.split_stall:
+        split = ("split_stall", f"long prompts ({s.long_prompt_tokens:.0f} tokens at the 90th percentile) stall a "
+                                f"mixed step {s.mixed_stall:.2f} of the TPOT target")
+    elif (short_att and load >= cfg.slo_load_floor * target and s.now - last_change_at >= cfg.slo_hold_s):
+        split = ("split_slo", f"{', '.join(short_att)} at {txt}")
+    if split is not None and n >= 2:
+        k = min(n - 1, max(1, math.ceil(need[PREFILL] / cfg.prefill_target_load - 1e-9)))
+        return done(TO_PREFILL, split[0], f"{split[1]}: {k} of {n} mixed workers to prefill (split again)", k)
+    if total > cfg.max_workers:
+        k = givable(cfg, DECODE, whole, n, total - cfg.max_workers)
+        if not k:
+            return done(NONE, "over_budget", f"over the budget by {total - cfg.max_workers}, nothing to spare ({txt})")
+        return done(REMOVE_DECODE, "over_budget", f"over the budget: {k} leave ({txt})", k)
+    if load > grow_at:
+        if total < cfg.max_workers:
+            k = min(wanted(whole, n, target) - n, cfg.max_workers - total)
+            return done(ADD_DECODE, "mixed_short", f"mixed workers short ({txt}): {k} more toward load {target:.2f}", k)
+        return done(NONE, "mixed_short", f"mixed workers short ({txt}), at the budget")
+    if cfg.min_workers is not None:
+        floor = s.floor_prefill + s.floor_decode
+        if n < floor and total < cfg.max_workers:
+            k = min(floor - n, cfg.max_workers - total)
+            return done(ADD_DECODE, "forecast_floor", f"below the forecast's floor ({n} < {floor}): {k} more ({txt})", k)
+        if total > cfg.min_workers and s.now - max(s.decode_grew_at, s.prefill_grew_at) >= cfg.shrink_hold_s:
+            room = min(total - cfg.min_workers, n - max(1, floor, s.keep_prefill + s.keep_decode), max(1, n // 4))
+            k = givable(cfg, DECODE, whole, n, room) if room > 0 else 0
+            if k:
+                return done(REMOVE_DECODE, "shrink", f"mixed workers need fewer: {k} leave (load {load:.2f} -> "
+                                                     f"{whole / (n - k):.2f})", k)
+    if short_att:
+        return done(NONE, "slo_not_capacity", f"{', '.join(short_att)} at {txt}: not acted on")
+    return done(NONE, "balanced", f"mixed, balanced ({txt})")
+
+
 def wanted(need: float, size: int, target: float) -> int:
     """The size of a short pool: its load at `target`, and at least one worker more."""
     return max(size + 1, math.ceil(need / target - 1e-9))
@@ -323,6 +409,8 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
     # Elastic, with room to grow: a worker more costs only its GPU-time, and it serves only after
     # its start-up, so a pool grows before its load reaches its capacity.
     grow_at = cfg.elastic_grow_at if cfg.min_workers is not None and total < cfg.max_workers else cfg.grow_at
+    if s.num_prefill == 0:
+        return _decide_mixed(s, cfg, last_change_at, need, grow_at)
 
     def why_short(pool: str) -> tuple[str, str] | None:
         """(code, reason) when `pool` is short, else None."""
@@ -371,6 +459,18 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
                                           "within the budget")
         return done(move, code, f"{why}: {k} from {other} (load {load[other]:.2f} -> "
                                 f"{need[other] / (n[other] - k):.2f}, {pool} -> {need[pool] / (n[pool] + k):.2f})", k)
+
+    if cfg.mixed:
+        whole = (need[PREFILL] + need[DECODE]) / total
+        split_lately = (last is not None and last.code.startswith("split_")
+                        and s.now - last_change_at < cfg.shrink_hold_s)
+        if (s.mixed_stall <= cfg.mixed_stall_ok and whole <= cfg.decode_target_load and not split_lately
+                and not any(att < cfg.min_attainment for _, att in slo.values())):
+            return done(TO_DECODE, "mixed", f"splitting does not pay: the whole load on {total} mixed workers "
+                                            f"is {whole:.2f} of them, a long prompt's chunk stalls a step "
+                                            f"{s.mixed_stall:.2f} of the TPOT target; {s.num_prefill} prefill "
+                                            f"worker(s) to decode, which serve requests whole ({loads_txt})",
+                        s.num_prefill)
 
     # Elastic size: the forecast's floor ahead of demand, then what demand no longer needs.
     if cfg.min_workers is not None:

@@ -18,6 +18,7 @@ serving. Plain Python and asyncio: no Ray, no torch (the launcher's hooks are pa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -26,8 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, observe,
-                                with_peaks)
+                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
+                                observe, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -112,11 +113,12 @@ class PoolController:
         prompt, output = o.mean_prompt_tokens, o.mean_output_tokens
         prefill = [m for m in self.pools if m.role == PREFILL and m.state in (ACTIVE, DRAINING)]
         decode = [m.report for m in self.pools.active(DECODE) if m.report]
-        queued = sum(m.queued_prefill_tokens() for m in prefill)
+        # the prompts waiting: on the prefill pool, or, with none (mixed), on the decode workers
+        queued = sum(m.queued_prefill_tokens() for m in prefill or self.pools.active(DECODE))
         prefill_tps = cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs)
         floor, keep = self._floors(now, prefill_tps, decode_tps)
-        return Signals(
+        s = Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
@@ -126,7 +128,9 @@ class PoolController:
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
-            decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)))
+            decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
+            long_prompt_tokens=o.long_prompt_tokens)
+        return dataclasses.replace(s, mixed_stall=mixed_stall(cost, s, self.slo_tpot_s, self.max_num_batched_tokens))
 
     def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
         """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
@@ -173,7 +177,8 @@ class PoolController:
         if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
             donor = DECODE if d.action in (TO_PREFILL, REMOVE_DECODE) else PREFILL
             to = {TO_PREFILL: PREFILL, TO_DECODE: DECODE}.get(d.action)
-            leaving = self._least_loaded(donor, count)
+            # the mixed role empties the prefill pool; any other change leaves each pool a worker
+            leaving = self._least_loaded(donor, count, keep=0 if d.code == "mixed" else 1)
             for m in leaving:
                 self.pools.drain(m.worker_id, to)
             if to is None and leaving and self.shrunk is not None:
@@ -185,11 +190,11 @@ class PoolController:
                     break
         return d
 
-    def _least_loaded(self, role: str, count: int) -> list[Member]:
-        """Up to `count` active workers of the pool, least loaded first; one always stays."""
+    def _least_loaded(self, role: str, count: int, keep: int = 1) -> list[Member]:
+        """Up to `count` active workers of the pool, least loaded first; `keep` always stay."""
         pool = self.pools.active(role)
 
         def load(m: Member) -> float:
             r = m.report
             return len(m.assigned) + (r.running + r.waiting + r.held + r.pending + r.receiving if r else 0)
-        return sorted(pool, key=load)[:max(0, min(count, len(pool) - 1))]
+        return sorted(pool, key=load)[:max(0, min(count, len(pool) - keep))]
