@@ -114,6 +114,10 @@ CLUSTER_FLAGS = (       # ClusterSpec fields (the engine's come from ENGINE_FLAG
          "next ones' arrivals keeps a floor under each pool ahead of demand (0: no forecast)", float),
     Flag("--controller-shrink-hold-s", "controller_shrink_hold_s", "elastic: no pool shrinks within this long of "
          "its growth (a worker added costs its start-up; a shrink undone costs another)", float),
+    Flag("--controller-mixed", "controller_mixed", "the controller may empty the prefill pool when splitting does "
+         "not pay (short prompts whose chunks barely stall a decode step, a load the workers carry whole): the "
+         "decode workers then serve requests whole, and it splits again when long prompts or missed targets "
+         "call for it", bool),
     Flag("--max-workers", "max_workers", "the worker budget the controller keeps to (default: the launched pools)"),
     Flag("--min-workers", "min_workers", "elastic: the controller also shrinks the total when demand falls, to no "
          "fewer than this (default: it never shrinks)"),

@@ -2,13 +2,15 @@
 `serve --controller`): under prefill-heavy load the prefill pool grows (a decode worker drains
 and flips), under the decode-heavy load that follows it shrinks back; no request fails other
 than with 429, every greedy output equals the offline engine's on the same prompt, and the role
-changes are counted. Elastic (1 + 1, up to 3): advice first, then a worker added and removed. Each phase's rate is a multiple of one worker's capacity as the controller
+changes are counted. Elastic (1 + 1, up to 3): advice first, then a worker added and removed.
+Mixed (1 + 1): both workers serve whole requests under short prompts, and split again under long ones. Each phase's rate is a multiple of one worker's capacity as the controller
 prices it before serving (a fixed rate would overload a slow machine and not a fast one), and
 the phases end on what the pools do (with deadlines), not on a clock, so a slower machine only
 takes longer."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -190,6 +192,70 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
     assert acted and acted[-1] == "remove_decode", decisions
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
     assert len(served) >= 10, f"{len(sent) - len(served)} of {len(sent)} refused"
+    assert_offline(served)
+
+
+def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_long_ones(ray_session, alone):
+    """1 prefill + 1 decode with `--controller-mixed`: under a light load of short prompts the
+    prefill worker drains and flips to decode, and both workers serve requests whole (no prefill
+    pool; /health stays ok); under long prompts, whose chunks stall a mixed decode step past the
+    TPOT target as the cost model prices it, one worker drains and flips back to prefill. The
+    requests sent across both flips are answered, every one equal to the offline engine's
+    answer, and none fails but with 429."""
+    import dataclasses
+    import urllib.request
+
+    from cluster.run.controller import Signals, mixed_stall
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, controller_mixed=True,
+                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
+                       controller=True, controller_interval_s=1.0, controller_window_s=6.0, controller_cooldown_s=3.0)
+    tpot_s = 0.05
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=tpot_s)) as c:
+        pools, ctl = c.pools, c.controller
+        cost = ctl.fit.current()
+
+        def stall(prompt: int, output: int, rate: float) -> float:
+            s = Signals(now=0, num_prefill=0, num_decode=2, arrival_rate=rate, mean_prompt_tokens=prompt,
+                        mean_output_tokens=output, prefill_tokens_per_s=1, decode_tokens_per_s=1,
+                        long_prompt_tokens=prompt)
+            return mixed_stall(cost, s, tpot_s, BATCHED_TOKENS)
+        short, long_ = (16, 24, 2.0), (1800, 4, 2.0)
+        assert stall(*short) <= 0.5 * ctl.control.config.mixed_stall_ok, (stall(*short), cost)
+        assert stall(*long_) > 1.5 * ctl.control.config.split_stall, (stall(*long_), cost)
+
+        def health() -> str:
+            with urllib.request.urlopen(c.base_url.removesuffix("/v1") + "/health", timeout=30) as r:
+                return json.loads(r.read())["status"]
+
+        async def drive():
+            load = Load(c.base_url)
+            load.phase = short
+            sender = asyncio.ensure_future(load.run())
+            try:
+                await wait_until(lambda: pools.count(PREFILL) == 0 and pools.count(DECODE) == 2, PHASE_DEADLINE_S,
+                                 "both workers mixed", lambda: why_not(c))
+                mixed_at = len(load.sent)
+                await wait_until(lambda: len(load.sent) >= mixed_at + 8, PHASE_DEADLINE_S, "requests sent mixed")
+                status = await asyncio.get_running_loop().run_in_executor(None, health)
+                load.phase = long_
+                await wait_until(lambda: pools.count(PREFILL) == 1 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
+                                 "the pools split again", lambda: why_not(c))
+                split_at = len(load.sent)
+                await wait_until(lambda: len(load.sent) >= split_at + 4, PHASE_DEADLINE_S, "requests sent split")
+            finally:
+                load.stop = True
+                await sender
+            return status, mixed_at, load.sent, await load.results()
+        status, mixed_at, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
+        decisions = list(ctl.decisions)
+        whole = c.server.metrics.registry.get_sample_value("pdcluster:local_prefills_total")
+    assert status == "ok"
+    codes = [(d["action"], d["prefill"], d["decode"]) for d in decisions]
+    assert codes[:2] == [("to_decode", 1, 1), ("to_prefill", 0, 2)], decisions
+    assert "splitting does not pay" in decisions[0]["reason"] and "stall" in decisions[1]["reason"], decisions
+    assert whole >= 8, whole                             # the requests served whole while mixed
+    served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
+    assert len(served) >= mixed_at + 8, f"{len(sent) - len(served)} of {len(sent)} refused"
     assert_offline(served)
 
 

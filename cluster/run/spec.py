@@ -42,6 +42,7 @@ class ClusterSpec:
     controller_cooldown_s: float = COOLDOWN_S
     controller_forecast_s: float = 60.0       # its long interval (cluster/run/forecast.py); 0: no forecast
     controller_shrink_hold_s: float = SHRINK_HOLD_S   # elastic: no pool shrinks within this long of its growth
+    controller_mixed: bool = False            # the controller may empty the prefill pool (the mixed role)
     max_workers: int | None = None            # the worker budget (default: the pools' sizes at launch)
     min_workers: int | None = None            # elastic: the controller shrinks the total to no fewer
 
@@ -87,7 +88,7 @@ class ClusterSpec:
     def controller_config(self) -> ControllerConfig:
         """The controller's policy settings (serve's and simulate's alike)."""
         return ControllerConfig.sized(self.budget, self.controller_cooldown_s, self.min_workers,
-                                      self.controller_shrink_hold_s)
+                                      self.controller_shrink_hold_s, self.controller_mixed)
 
     @property
     def controls(self) -> bool:
