@@ -4,12 +4,14 @@ trace under an hour-scale rise and fall of its rate.
 
     .venv/bin/python benchmarks/bench_planner_sim.py [--trace azure-conv] [--model llama-3-8b] \\
         [--low-rate 100] [--peak-rate 400] [--period-s 3600] [--duration-s 3600] [--max-workers 32] \\
-        [--fixed 6+10,8+14] [--rows controller,dynamo-constant,dynamo-kalman,dynamo-load,fixed]
+        [--fixed 6+10,8+14] [--colocated 16,20] \
+        [--rows controller,controller-mixed,dynamo-constant,dynamo-kalman,dynamo-load,fixed]
 
 The requests: the trace's own rows (arrival gaps and lengths) replayed in order under
 `cluster.loadtest.bench_data.rise_and_fall` (rate low -> peak at half the period -> low). The
 same requests go to every row: pdcluster's controller with an elastic size (2 to
---max-workers workers, a forecast floor every --forecast-s), Dynamo's throughput planner with
+--max-workers workers, a forecast floor every --forecast-s), the same with the mixed role
+allowed (`--controller-mixed`: no prefill pool while splitting does not pay), Dynamo's throughput planner with
 its constant and its Kalman predictor, its load-based planner (cluster/capacity/dynamo_baseline.py,
 from its published design, with its defaults), and fixed clusters. Every elastic row starts at
 --start and pays --startup-s for each worker it adds (its GPUs held from the ask). Each row:
@@ -35,8 +37,9 @@ from cluster.loadtest.bench_data import load_trace, rise_and_fall  # noqa: E402
 from cluster.run.controller import ControllerConfig  # noqa: E402
 from workers.config import CacheConfig, EngineConfig  # noqa: E402
 from workers.cost_model import roofline  # noqa: E402
+from workers.names import COLOCATED  # noqa: E402
 
-ROWS = ("controller", "dynamo-constant", "dynamo-kalman", "dynamo-load", "fixed")
+ROWS = ("controller", "controller-mixed", "dynamo-constant", "dynamo-kalman", "dynamo-load", "fixed")
 
 
 def split(text: str) -> tuple[int, int]:
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--cooldown-s", type=float, default=30.0)
     ap.add_argument("--forecast-s", type=float, default=180.0, help="pdcluster's long interval (0: no forecast)")
     ap.add_argument("--fixed", default="", help="fixed clusters, P+D, comma-separated")
+    ap.add_argument("--colocated", default="", help="fixed colocated clusters, workers, comma-separated")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="a PNG of the pools over time")
@@ -118,8 +122,8 @@ def main() -> None:
         if name == "fixed":
             continue
         t = time.perf_counter()
-        if name == "controller":
-            cfg = ControllerConfig.sized(a.max_workers, a.cooldown_s, min_workers=2)
+        if name.startswith("controller"):
+            cfg = ControllerConfig.sized(a.max_workers, a.cooldown_s, min_workers=2, mixed=name == "controller-mixed")
             control = SimControl(cfg, a.interval_s, a.window_s, slos["ttft"], slos["tpot"], a.startup_s, a.forecast_s)
             sim = ControlledSimulator(cluster(start_p, start_d), control, record_itl=False)
         else:
@@ -136,13 +140,21 @@ def main() -> None:
             results, end = sim.run(requests)
             report(summary(f"fixed {p}P+{d}D", results, a.duration_s, (p + d) * a.tp * max(end, a.duration_s) / 3600,
                            slos), time.perf_counter() - t)
+        for n in (int(x) for x in a.colocated.split(",") if x.strip()):
+            t = time.perf_counter()
+            sim = Simulator(SimCluster(mode=COLOCATED, num_colocated=n, prefill_cost=cost, engine=engine,
+                                       max_pending=a.max_pending), record_itl=False)
+            results, end = sim.run(requests)
+            report(summary(f"fixed {n} colocated", results, a.duration_s, n * a.tp * max(end, a.duration_s) / 3600,
+                           slos), time.perf_counter() - t)
     elastic = {r["row"]: r for r in out if "changes" in r}
     fixed = [r for r in out if r["row"].startswith("fixed")]
-    ours = elastic.get("controller")
-    if ours:
+    for ours in (elastic.get("controller"), elastic.get("controller-mixed")):
+        if ours is None:
+            continue
         for r in out:
             if r is not ours:
-                print(f"controller / {r['row']}: good per GPU-hour {ours['good_per_gpu_hour'] / r['good_per_gpu_hour']:.2f}x, "
+                print(f"{ours['row']} / {r['row']}: good per GPU-hour {ours['good_per_gpu_hour'] / r['good_per_gpu_hour']:.2f}x, "
                       f"goodput {ours['goodput'] / max(1e-9, r['goodput']):.2f}x, attainment "
                       f"{ours['attainment']:.3f} vs {r['attainment']:.3f}")
         if fixed:
