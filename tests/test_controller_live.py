@@ -202,7 +202,6 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
     TPOT target as the cost model prices it, one worker drains and flips back to prefill. The
     requests sent across both flips are answered, every one equal to the offline engine's
     answer, and none fails but with 429."""
-    import dataclasses
     import urllib.request
 
     from cluster.run.controller import Signals, mixed_stall
