@@ -14,7 +14,7 @@ import pytest
 from cluster.run.forecast import Forecast, Holt, LongScale, floor_sizes, interval_summary
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, mixed_stall, needs,
-                                observe, window_start)
+                                observe, prefill_rate, window_start)
 
 CFG = ControllerConfig(max_workers=4, cooldown_s=30)
 MOVES = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD_DECODE: (0, 1), REMOVE_PREFILL: (-1, 0),
@@ -385,6 +385,30 @@ def test_observe_reads_the_90th_percentile_prompt():
     o = observe(log, 100.0, 10.0, 30.0)
     assert o.mean_prompt_tokens == pytest.approx(505.0)
     assert o.long_prompt_tokens == 910                       # the 91st of 100 sorted, 0-based 90
+
+
+def test_prefill_capacity_prices_the_lengths_as_they_come_not_their_mean():
+    """Half the prompts 100 tokens, half 4,000: one worker's capacity is their tokens over their
+    time, each length in steps full of it (budget 8,192: 81 of 100 tokens a step, 2 of 4,000),
+    by hand from the step model's coefficients; the mean's rate (2,050 tokens) overstates it."""
+    from workers.cost_model import CostModel, LinearStepModel, Link
+    p0, p1, p2 = 0.01, 5e-5, 2e-8
+    cost = CostModel(LinearStepModel(p0=p0, p1=p1, p2=p2, d0=0.004, d1=1e-6, d2=1e-4), kv_bytes_per_token=1,
+                     kv_capacity_tokens=10**6, link=Link("test", 1e9, 1e-6))
+
+    def by_hand(n: int) -> float:                    # tokens per second in steps of k prompts of n
+        k = 8192 // n
+        return k * n / (p0 + p1 * k * n + p2 * k * n * n)
+    want = 4100 / (100 / by_hand(100) + 4000 / by_hand(4000))
+    rate = prefill_rate(cost, (100,) * 10 + (4000,) * 10, 2050, 8192)
+    assert rate == pytest.approx(want)
+    assert rate < 0.8 * by_hand(2050)
+    assert prefill_rate(cost, (), 2050, 8192) == pytest.approx(by_hand(2050))     # no lengths: the mean's
+    from router.slo import RequestLog                                              # observe gives the quantiles
+    log = RequestLog(60.0, clock=lambda: 100.0)
+    for n in (100, 4000) * 50:
+        log.arrivals.append((90.0, n, 50))
+    assert sorted(observe(log, 100.0, 10.0, 30.0).prompt_quantiles) == [100] * 10 + [4000] * 10
 
 
 def test_mixed_config_keeps_its_hysteresis():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
-                                observe, with_peaks)
+                                observe, prefill_rate, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -243,7 +243,7 @@ class ControlledSimulator(ElasticSimulator):
         prompt, output = o.mean_prompt_tokens, o.mean_output_tokens
         cost, sched = self.c.prefill_cost, self.c.engine.scheduler
         decode = [x.engine.load_report(x.worker_id, x.role, 0) for x in self.pools[DECODE]]
-        prefill_tps = cost.prefill_tokens_per_s(prompt or 1, sched.max_num_batched_tokens)
+        prefill_tps = prefill_rate(cost, o.prompt_quantiles, prompt, sched.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs)
         floor, keep = self._floors(prefill_tps, decode_tps)
         s = Signals(

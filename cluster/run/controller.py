@@ -87,6 +87,7 @@ COOLDOWN_S = 30.0       # the default: no change within this long of the last on
 SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
 BACKLOG_S = 30.0
 MIN_JUDGED = 20         # finished requests an attainment needs to count
+QUANTILES = tuple((i + 0.5) / 20 for i in range(20))   # the prompt lengths a capacity is priced at
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +217,7 @@ class Observed:
     ttft_attainment: float
     tpot_attainment: float
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
+    prompt_quantiles: tuple = ()          # the window's prompt tokens at QUANTILES (prefill_rate prices them)
 
 
 def observe(log, now: float, interval_s: float, window_s: float, since: float = -math.inf,
@@ -244,9 +246,23 @@ def observe(log, now: float, interval_s: float, window_s: float, since: float = 
     return Observed(start=start, shifted=start == now - interval_s, arrival_rate=n / max(1e-9, now - start),
                     mean_prompt_tokens=sum(prompts) / n if n else 0.0,
                     long_prompt_tokens=prompts[min(n - 1, int(0.9 * n))] if n else 0.0,
+                    prompt_quantiles=tuple(prompts[int(q * n)] for q in QUANTILES) if n else (),
                     mean_output_tokens=used * sum(a[2] for a in recent) / n if n else 0.0,
                     ttft_attainment=sum(f[4] for f in judged) / k if k else math.nan,
                     tpot_attainment=sum(f[5] for f in judged) / k if k else math.nan)
+
+
+def prefill_rate(cost, quantiles, mean_prompt: float, budget: int) -> float:
+    """One worker's prompt tokens per second over the window's prompt lengths rather than at
+    their mean: each length at its own pace (steps full of it, `budget` tokens a step; a long
+    prompt's attention grows with its square, a short one shares a step's fixed cost with
+    fewer tokens), so the capacity is the tokens over the time of the lengths as they come:
+    sum(n) / sum(n / rate(n)) over `quantiles` (equally likely lengths; `Observed`), or the
+    mean's rate without them. `cost`: workers/cost_model.py CostModel."""
+    qs = [max(1, round(n)) for n in quantiles]
+    if not qs:
+        return cost.prefill_tokens_per_s(mean_prompt or 1, budget)
+    return sum(qs) / sum(n / cost.prefill_tokens_per_s(n, budget) for n in qs)
 
 
 def mixed_stall(cost, s: Signals, tpot_s: float, budget: int) -> float:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
-                                observe, with_peaks)
+                                observe, prefill_rate, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -115,7 +115,7 @@ class PoolController:
         decode = [m.report for m in self.pools.active(DECODE) if m.report]
         # the prompts waiting: on the prefill pool, or, with none (mixed), on the decode workers
         queued = sum(m.queued_prefill_tokens() for m in prefill or self.pools.active(DECODE))
-        prefill_tps = cost.prefill_tokens_per_s(prompt or 1, self.max_num_batched_tokens)
+        prefill_tps = prefill_rate(cost, o.prompt_quantiles, prompt, self.max_num_batched_tokens)
         decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs)
         floor, keep = self._floors(now, prefill_tps, decode_tps)
         s = Signals(
