@@ -13,7 +13,7 @@ import pytest
 
 from cluster.run.forecast import Forecast, Holt, LongScale, floor_sizes, interval_summary
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, CODES, NONE, REMOVE_DECODE, REMOVE_PREFILL, TO_DECODE,
-                                TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, mixed_stall, needs,
+                                TO_PREFILL, ControllerConfig, Decision, Signals, decide, loads, mixed_tpot, needs,
                                 observe, prefill_rate, window_start)
 
 CFG = ControllerConfig(max_workers=4, cooldown_s=30)
@@ -269,7 +269,7 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic, mi
                     floor_prefill=rng.choice((0, 1, budget // 2, budget)), floor_decode=rng.choice((0, 1, budget)),
                     keep_prefill=rng.choice((0, 2, budget)), keep_decode=rng.choice((0, 1, budget // 2)),
                     prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)),
-                    mixed_stall=rng.choice((math.inf, 0.2, 0.7, 1.5)))
+                    mixed_tpot=rng.choice((math.inf, 0.2, 0.7, 1.5)))
         d = decide(s, cfg)
         after = apply(s, d)
         assert d.code in CODES and (d.count == 0) == (d.action == NONE), d
@@ -306,46 +306,46 @@ MIXED = ControllerConfig(max_workers=4, cooldown_s=30, mixed=True)
 
 
 def test_a_light_load_of_short_prompts_goes_mixed_and_long_prompts_split_it_again():
-    s = signals(1, 1, rate=0.3, mixed_stall=0.1)            # the whole load is 0.3 of the two workers
+    s = signals(1, 1, rate=0.3, mixed_tpot=0.1)            # the whole load is 0.3 of the two workers
     d = decide(s, MIXED)
     assert (d.action, d.count, d.code) == (TO_DECODE, 1, "mixed"), d
     mixed = apply(s, d)
     assert (mixed.num_prefill, mixed.num_decode) == (0, 2)
     assert (decide(mixed, MIXED).action, decide(mixed, MIXED).code) == (NONE, "balanced")
-    # Long prompts: a step with one of their chunks takes 1.5x the TPOT target. One prefill
+    # Long prompts: the TPOT predicted mixed is 1.5x the target. One prefill
     # worker carries the prompts (0.3 of one at 1 req/s x 1,000 tokens / 1,000 per s x 0.3).
-    d = decide(dataclasses.replace(mixed, mixed_stall=1.5), MIXED)
-    assert (d.action, d.count, d.code) == (TO_PREFILL, 1, "split_stall"), d
+    d = decide(dataclasses.replace(mixed, mixed_tpot=1.5), MIXED)
+    assert (d.action, d.count, d.code) == (TO_PREFILL, 1, "split_tpot"), d
     # Prompts that need three prefill workers at their target split three of four off.
-    many = signals(0, 4, rate=1.6, mixed_stall=1.5)
+    many = signals(0, 4, rate=1.6, mixed_tpot=1.5)
     d = decide(many, MIXED)
     assert (d.action, d.count) == (TO_PREFILL, 3), d
 
 
 def test_between_its_two_stalls_neither_shape_changes():
-    for stall in (0.6, 0.9):                            # above mixed_stall_ok, not past split_stall
-        assert decide(signals(1, 1, rate=0.3, mixed_stall=stall), MIXED).action == NONE
-        assert decide(signals(0, 2, rate=0.3, mixed_stall=stall), MIXED).action == NONE
+    for stall in (0.8, 0.95):                           # above mixed_ok, not past split_at
+        assert decide(signals(1, 1, rate=0.3, mixed_tpot=stall), MIXED).action == NONE
+        assert decide(signals(0, 2, rate=0.3, mixed_tpot=stall), MIXED).action == NONE
 
 
 def test_mixed_only_when_the_whole_load_fits_attainment_holds_and_no_split_is_recent_and_asked_for():
-    assert decide(signals(1, 1, rate=0.3, mixed_stall=0.1), CFG).action == NONE                # not asked for
+    assert decide(signals(1, 1, rate=0.3, mixed_tpot=0.1), CFG).action == NONE                # not asked for
     assert decide(signals(1, 1, rate=0.3), MIXED).action == NONE                # not priced (inf stall)
     # 0.7 req/s: each pool at 0.7 of one worker; the whole load 1.4 over 2 = 0.7 <= 0.75 goes, 0.8 does not
-    assert decide(signals(1, 1, rate=0.7, mixed_stall=0.1), MIXED).code == "mixed"
-    assert decide(signals(1, 1, rate=0.8, mixed_stall=0.1), MIXED).action == NONE
-    assert decide(signals(1, 1, rate=0.3, mixed_stall=0.1, tpot_attainment=0.5), MIXED).action == NONE
-    split = Decision(TO_PREFILL, "split", count=1, code="split_stall")
-    s = signals(1, 1, rate=0.3, mixed_stall=0.1)
+    assert decide(signals(1, 1, rate=0.7, mixed_tpot=0.1), MIXED).code == "mixed"
+    assert decide(signals(1, 1, rate=0.8, mixed_tpot=0.1), MIXED).action == NONE
+    assert decide(signals(1, 1, rate=0.3, mixed_tpot=0.1, tpot_attainment=0.5), MIXED).action == NONE
+    split = Decision(TO_PREFILL, "split", count=1, code="split_tpot")
+    s = signals(1, 1, rate=0.3, mixed_tpot=0.1)
     assert decide(s, MIXED, last_change_at=s.now - 200, last=split).action == NONE      # within shrink_hold_s
     assert decide(s, MIXED, last_change_at=s.now - 400, last=split).code == "mixed"
 
 
 def test_mixed_attainment_short_under_load_splits_and_at_low_load_does_not():
-    busy = signals(0, 2, rate=0.7, mixed_stall=0.3, tpot_attainment=0.6)     # mixed load 0.7 >= 0.9 x 0.75
+    busy = signals(0, 2, rate=0.7, mixed_tpot=0.3, tpot_attainment=0.6)     # mixed load 0.7 >= 0.9 x 0.75
     d = decide(busy, MIXED)
     assert (d.action, d.code) == (TO_PREFILL, "split_slo"), d
-    idle = signals(0, 2, rate=0.2, mixed_stall=0.3, tpot_attainment=0.6)
+    idle = signals(0, 2, rate=0.2, mixed_tpot=0.3, tpot_attainment=0.6)
     assert decide(idle, MIXED).code == "slo_not_capacity"
     assert decide(busy, MIXED, last_change_at=busy.now - 31).action == TO_PREFILL
     assert decide(busy, MIXED, last_change_at=busy.now - 29).code == "cooldown"
@@ -353,28 +353,34 @@ def test_mixed_attainment_short_under_load_splits_and_at_low_load_does_not():
 
 def test_mixed_workers_grow_shrink_and_keep_the_floor_as_one_pool():
     cfg = ControllerConfig(max_workers=8, cooldown_s=30, min_workers=2, mixed=True, shrink_hold_s=300)
-    d = decide(signals(0, 2, rate=1.0, mixed_stall=0.2), cfg)                 # mixed load 1.0 > 0.85
+    d = decide(signals(0, 2, rate=1.0, mixed_tpot=0.2), cfg)                 # mixed load 1.0 > 0.85
     # the whole need is 2 workers' worth; at the decode target (0.75 elastic: 0.85 from sized) -> 3
     assert (d.action, d.code, d.count) == (ADD_DECODE, "mixed_short", 1), d
-    d = decide(signals(0, 8, rate=0.5, mixed_stall=0.2), cfg)                 # 1.0 over 8: a quarter leave
+    d = decide(signals(0, 8, rate=0.5, mixed_tpot=0.2), cfg)                 # 1.0 over 8: a quarter leave
     assert (d.action, d.code, d.count) == (REMOVE_DECODE, "shrink", 2), d
-    d = decide(signals(0, 8, rate=0.5, mixed_stall=0.2, decode_grew_at=900.0), cfg)
+    d = decide(signals(0, 8, rate=0.5, mixed_tpot=0.2, decode_grew_at=900.0), cfg)
     assert d.action == NONE                                                    # grew 100 s ago
-    d = decide(signals(0, 3, rate=0.1, mixed_stall=0.2, floor_prefill=2, floor_decode=3), cfg)
+    d = decide(signals(0, 3, rate=0.1, mixed_tpot=0.2, floor_prefill=2, floor_decode=3), cfg)
     assert (d.action, d.code, d.count) == (ADD_DECODE, "forecast_floor", 2), d
-    d = decide(signals(0, 4, rate=0.1, mixed_stall=0.2, keep_prefill=2, keep_decode=1), cfg)
+    d = decide(signals(0, 4, rate=0.1, mixed_tpot=0.2, keep_prefill=2, keep_decode=1), cfg)
     assert (d.action, d.count) == (REMOVE_DECODE, 1), d                        # keeps 3 for the recent peak
 
 
-def test_mixed_stall_is_a_step_of_the_mixed_batch_with_one_long_chunk_over_the_target():
+def test_mixed_tpot_is_the_decode_step_stretched_by_the_prompts_plus_a_long_stall_per_reply():
     from workers.cost_model import CostModel, LinearStepModel, Link
     step = LinearStepModel(p0=0.01, p1=1e-5, p2=0.0, d0=0.004, d1=1e-6, d2=1e-4)
     cost = CostModel(step, kv_bytes_per_token=1, kv_capacity_tokens=10**6, link=Link("test", 1e9, 1e-6))
-    # 4 req/s over 2 workers, 100 output tokens at 0.05 s: 2 x 100 x 0.05 = 10 rows of 500 + 50 context;
-    # the long prompt 3,000 tokens, cut to the budget of 2,048: 0.01 + 2048e-5 + 10 x 550e-6 + 10 x 1e-4
-    s = signals(1, 1, rate=4.0, prompt=500, output=100, long_prompt_tokens=3000)
-    want = (0.01 + 2048e-5 + 10 * 550e-6 + 10 * 1e-4) / 0.05
-    assert mixed_stall(cost, s, 0.05, 2048) == pytest.approx(want)
+    # 4 req/s over 2 workers, 500-token prompts at 10,000 tokens/s: the prompts take 0.1 of each
+    # worker's time. 100 output tokens at 0.05 s: 2 x 100 x 0.05 = 10 rows of 500 + 50 context,
+    # a decode step of 0.004 + 10 x 550e-6 + 10 x 1e-4. The long prompt, 3,000 tokens in chunks of
+    # 2,048 and 952, adds (0.01 - 0.004) + 2048e-5 to one step and 0.006 + 952e-5 to the next
+    # (no attention price: p2 = 0), spread over 99 tokens.
+    s = dataclasses.replace(signals(1, 1, rate=4.0, prompt=500, output=100, long_prompt_tokens=3000),
+                            prefill_tokens_per_s=10_000.0)
+    decode = 0.004 + 10 * 550e-6 + 10 * 1e-4
+    want = (decode / 0.9 + (0.006 + 2048e-5 + 0.006 + 952e-5) / 99) / 0.05
+    assert mixed_tpot(cost, s, 0.05, 2048) == pytest.approx(want)
+    assert mixed_tpot(cost, dataclasses.replace(s, arrival_rate=40.0), 0.05, 2048) == math.inf   # prompts fill it
 
 
 def test_observe_reads_the_90th_percentile_prompt():
@@ -413,7 +419,7 @@ def test_prefill_capacity_prices_the_lengths_as_they_come_not_their_mean():
 
 def test_mixed_config_keeps_its_hysteresis():
     with pytest.raises(ValueError):
-        ControllerConfig(max_workers=4, mixed=True, mixed_stall_ok=1.0, split_stall=1.0)
+        ControllerConfig(max_workers=4, mixed=True, mixed_ok=1.0, split_at=1.0)
 
 
 # -- elastic size ---------------------------------------------------------------------------------
@@ -648,14 +654,15 @@ def test_simulated_stationary_load_from_a_wrong_split_settles_then_stays():
 def test_simulated_short_prompts_run_mixed_and_long_prompts_split_again():
     """1 prefill + 1 decode H100 worker (Llama-3-8B roofline), the mixed role allowed: a light
     load of short prompts empties the prefill pool (both workers serve whole requests, the
-    router's placement code as served), long prompts after it split the pools again; every
+    router's placement code as served), long prompts with replies of a few tokens (whose TPOT
+    a long prompt's steps would break) after it split the pools again; every
     request served, every block back, and the mixed minutes' TPOT within the target."""
     from cluster.capacity.simulate import SimRequest
     from tests.test_simulator import assert_pools_clean
 
     rng = random.Random(1)
     requests, t = [], 0.0
-    for until, rate, prompt, output in ((240.0, 4.0, 200, 100), (480.0, 2.0, 6000, 50)):
+    for until, rate, prompt, output in ((240.0, 4.0, 200, 100), (480.0, 2.0, 6000, 4)):
         while t < until:
             t += rng.expovariate(rate)
             requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),

@@ -198,13 +198,14 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
 def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_long_ones(ray_session, alone):
     """1 prefill + 1 decode with `--controller-mixed`: under a light load of short prompts the
     prefill worker drains and flips to decode, and both workers serve requests whole (no prefill
-    pool; /health stays ok); under long prompts, whose chunks stall a mixed decode step past the
-    TPOT target as the cost model prices it, one worker drains and flips back to prefill. The
+    pool; /health stays ok); under long prompts with short replies, for which the cost model
+    predicts a mixed TPOT past the target (a long prompt's step falls within a reply of a token
+    or two), one worker drains and flips back to prefill. The
     requests sent across both flips are answered, every one equal to the offline engine's
     answer, and none fails but with 429."""
     import urllib.request
 
-    from cluster.run.controller import Signals, mixed_stall
+    from cluster.run.controller import Signals, mixed_tpot, prefill_rate
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, controller_mixed=True,
                        engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
                        controller=True, controller_interval_s=1.0, controller_window_s=6.0, controller_cooldown_s=3.0)
@@ -213,14 +214,14 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
         pools, ctl = c.pools, c.controller
         cost = ctl.fit.current()
 
-        def stall(prompt: int, output: int, rate: float) -> float:
+        def predicted(prompt: int, output: int, rate: float) -> float:    # the TPOT mixed, over the target
             s = Signals(now=0, num_prefill=0, num_decode=2, arrival_rate=rate, mean_prompt_tokens=prompt,
-                        mean_output_tokens=output, prefill_tokens_per_s=1, decode_tokens_per_s=1,
-                        long_prompt_tokens=prompt)
-            return mixed_stall(cost, s, tpot_s, BATCHED_TOKENS)
-        short, long_ = (16, 24, 2.0), (1800, 4, 2.0)
-        assert stall(*short) <= 0.5 * ctl.control.config.mixed_stall_ok, (stall(*short), cost)
-        assert stall(*long_) > 1.5 * ctl.control.config.split_stall, (stall(*long_), cost)
+                        mean_output_tokens=output, decode_tokens_per_s=1, long_prompt_tokens=prompt,
+                        prefill_tokens_per_s=prefill_rate(cost, (prompt,), prompt, BATCHED_TOKENS))
+            return mixed_tpot(cost, s, tpot_s, BATCHED_TOKENS)
+        short, long_ = (16, 24, 2.0), (1800, 2, 2.0)
+        assert predicted(*short) <= 0.5 * ctl.control.config.mixed_ok, (predicted(*short), cost)
+        assert predicted(*long_) > 1.5 * ctl.control.config.split_at, (predicted(*long_), cost)
 
         def health() -> str:
             with urllib.request.urlopen(c.base_url.removesuffix("/v1") + "/health", timeout=30) as r:
@@ -251,7 +252,7 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
     assert status == "ok"
     codes = [(d["action"], d["prefill"], d["decode"]) for d in decisions]
     assert codes[:2] == [("to_decode", 1, 1), ("to_prefill", 0, 2)], decisions
-    assert "splitting does not pay" in decisions[0]["reason"] and "stall" in decisions[1]["reason"], decisions
+    assert "splitting does not pay" in decisions[0]["reason"] and "predicted" in decisions[1]["reason"], decisions
     assert whole >= 8, whole                             # the requests served whole while mixed
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
     assert len(served) >= mixed_at + 8, f"{len(sent) - len(served)} of {len(sent)} refused"

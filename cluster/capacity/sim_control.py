@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
+                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
                                 observe, prefill_rate, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
@@ -259,7 +259,7 @@ class ControlledSimulator(ElasticSimulator):
             floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL],
             decode_grew_at=self.grew_at[DECODE], long_prompt_tokens=o.long_prompt_tokens)
-        return dataclasses.replace(s, mixed_stall=mixed_stall(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
+        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
 
     def tick(self) -> None:
         s = with_peaks(self.signals(), self.peaks, self.control.config)

@@ -48,14 +48,14 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`;
 - the mixed role (`mixed` set): when splitting does not pay, every prefill worker moves to the
   decode pool and, with no prefill pool, the decode workers serve whole requests
-  (router/placement.py); it pays not when the long prompts' chunks would stall a mixed
-  worker's decode batch (`Signals.mixed_stall`: a step of its batch with one chunk of the
-  90th-percentile prompt, over the TPOT target, at most `mixed_stall_ok`), nor when the whole
-  load on one pool would pass its target, nor when attainment is short, nor within
-  `shrink_hold_s` of a split; mixed, the cluster splits again (as many prefill workers as the
-  prompts need at their target) when that stall passes `split_stall` or attainment falls
-  short at a load past the attainment floor, and grows, shrinks and keeps the forecast's
-  floor as one pool;
+  (router/placement.py); it pays when the TPOT predicted on mixed workers
+  (`Signals.mixed_tpot`: their decode step stretched by the time their prompts take, plus a
+  long prompt's stall spread over a reply) is at most `mixed_ok` of the target, the whole
+  load on one pool stays within the decode pool's target, no attainment is short, and no
+  split was made within `shrink_hold_s`; mixed, the cluster splits again (as many prefill
+  workers as the prompts need at their target) when that prediction passes `split_at` of the
+  target or attainment falls short at a load past the attainment floor, and grows, shrinks
+  and keeps the forecast's floor as one pool;
 - one change per decision, none while a worker is between roles or starting, and none within
   `cooldown_s` of the last;
 - at least one worker per pool (the prefill pool: none, mixed), never more workers than the
@@ -81,7 +81,7 @@ SIZE_CHANGE = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "forecast_floor", "shrink",
-         "slo_not_capacity", "balanced", "mixed", "split_stall", "split_slo", "mixed_short")
+         "slo_not_capacity", "balanced", "mixed", "split_tpot", "split_slo", "mixed_short")
 POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
@@ -107,8 +107,8 @@ class ControllerConfig:
     shrink_hold_s: float = SHRINK_HOLD_S  # elastic: no pool shrinks within this long of its growth
     elastic_grow_at: float = 0.85         # elastic, below the budget: a pool is short past this load
     mixed: bool = False                   # the controller may run with no prefill pool (the mixed role)
-    mixed_stall_ok: float = 0.5           # mixed pays only while a long prompt's chunk stalls a step at most this
-    split_stall: float = 1.0              # share of the TPOT target; mixed, past this share the pools split
+    mixed_ok: float = 0.7                 # mixed pays while the TPOT predicted for it is at most this share of
+    split_at: float = 1.0                 # the target; mixed, past this share the pools split again
 
     def __post_init__(self):
         if self.max_workers < 2:
@@ -118,9 +118,9 @@ class ControllerConfig:
                              f"got {self.elastic_grow_at}")
         if self.min_workers is not None and not 2 <= self.min_workers <= self.max_workers:
             raise ValueError(f"min_workers must be within 2..max_workers ({self.max_workers}), got {self.min_workers}")
-        if not 0 < self.mixed_stall_ok < self.split_stall:
-            raise ValueError(f"the mixed role needs 0 < mixed_stall_ok < split_stall (hysteresis), got "
-                             f"{self.mixed_stall_ok}, {self.split_stall}")
+        if not 0 < self.mixed_ok < self.split_at:
+            raise ValueError(f"the mixed role needs 0 < mixed_ok < split_at (hysteresis), got "
+                             f"{self.mixed_ok}, {self.split_at}")
         if self.cooldown_s < 0 or self.slo_hold_s < 0 or self.backlog_s <= 0:
             raise ValueError("cooldown_s and slo_hold_s must be >= 0, backlog_s > 0")
         for t in (self.prefill_target_load, self.decode_target_load):
@@ -168,8 +168,8 @@ class Signals:
     prefill_grew_at: float = -math.inf    # when each pool last grew (workers added or moved in)
     decode_grew_at: float = -math.inf
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
-    mixed_stall: float = math.inf         # a mixed worker's step with one long prompt's chunk over the TPOT
-                                          # target (`mixed_stall`; inf: not priced, the mixed role never pays)
+    mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
+                                          # inf: not priced, the mixed role never pays)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,16 +265,29 @@ def prefill_rate(cost, quantiles, mean_prompt: float, budget: int) -> float:
     return sum(qs) / sum(n / cost.prefill_tokens_per_s(n, budget) for n in qs)
 
 
-def mixed_stall(cost, s: Signals, tpot_s: float, budget: int) -> float:
-    """A mixed worker's step with one chunk of a long prompt (the 90th percentile, at most the
-    scheduler's `budget`) beside its decode batch, over the TPOT target: the stall such a prompt
-    puts into every sequence the worker decodes. The batch: the cluster's arrivals spread over
-    all its workers, each sequence running for its output at the target pace (Little's law), of
-    a context of the mean prompt and half the mean output. `cost`: workers/cost_model.py CostModel."""
-    n = max(1, min(round(s.long_prompt_tokens or s.mean_prompt_tokens), budget))
-    rows = max(1, math.ceil(s.arrival_rate / max(1, s.num_prefill + s.num_decode) * s.mean_output_tokens * tpot_s))
+def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
+    """The TPOT a request would see on mixed workers, over the target: the decode step of a
+    mixed worker's batch, stretched by the share of its time its prompts take (the whole load
+    spread over all the cluster's workers), plus one long prompt's stall spread over a reply
+    (what the 90th-percentile prompt's chunks, of at most the scheduler's `budget` tokens, add
+    to the steps they ride in, over the mean reply's tokens after the first). The batch: each worker's
+    arrivals running for their output at the target pace (Little's law), at a context of the
+    mean prompt and half the mean output; the prompts priced at `s.prefill_tokens_per_s`
+    (the window's lengths, `prefill_rate`). Infinite when the prompts alone take every worker's
+    time. `cost`: workers/cost_model.py CostModel."""
+    workers = max(1, s.num_prefill + s.num_decode)
+    share = s.arrival_rate * s.mean_prompt_tokens / max(1e-9, s.prefill_tokens_per_s) / workers
+    if share >= 1:
+        return math.inf
+    rows = max(1, math.ceil(s.arrival_rate / workers * s.mean_output_tokens * tpot_s))
     ctx = max(1, round(s.mean_prompt_tokens + s.mean_output_tokens / 2))
-    return cost.step_s(BatchShape(1, n, n * n, 0, rows, rows * ctx)) / tpot_s
+    decode = BatchShape(num_decode=rows, decode_context=rows * ctx)
+    n = max(1, round(s.long_prompt_tokens or s.mean_prompt_tokens))
+    step, stall = cost.step_s(decode), 0.0
+    for done in range(0, n, budget):
+        k = min(budget, n - done)
+        stall += cost.step_s(decode + BatchShape(1, k, k * k, k * done)) - step
+    return (step / (1 - share) + stall / max(1.0, s.mean_output_tokens - 1)) / tpot_s
 
 
 def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
@@ -344,9 +357,10 @@ def _decide_mixed(s: Signals, cfg: ControllerConfig, last_change_at: float, need
     def done(action: str, code: str, reason: str, count: int = 0) -> Decision:
         return Decision(action, reason, need[PREFILL] / max(1, n), need[DECODE] / max(1, n), count, code)
     split = None
-    if s.mixed_stall > cfg.split_stall:
-        split = ("split_stall", f"long prompts ({s.long_prompt_tokens:.0f} tokens at the 90th percentile) stall a "
-                                f"mixed step {s.mixed_stall:.2f} of the TPOT target")
+    if s.mixed_tpot > cfg.split_at:
+        split = ("split_tpot", f"the TPOT predicted mixed is {s.mixed_tpot:.2f} of the target (prompts "
+                               f"{s.mean_prompt_tokens:.0f} tokens on average, {s.long_prompt_tokens:.0f} at the 90th "
+                               f"percentile)")
     elif (short_att and load >= cfg.slo_load_floor * target and s.now - last_change_at >= cfg.slo_hold_s):
         split = ("split_slo", f"{', '.join(short_att)} at {txt}")
     if split is not None and n >= 2:
@@ -480,11 +494,11 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
         whole = (need[PREFILL] + need[DECODE]) / total
         split_lately = (last is not None and last.code.startswith("split_")
                         and s.now - last_change_at < cfg.shrink_hold_s)
-        if (s.mixed_stall <= cfg.mixed_stall_ok and whole <= cfg.decode_target_load and not split_lately
+        if (s.mixed_tpot <= cfg.mixed_ok and whole <= cfg.decode_target_load and not split_lately
                 and not any(att < cfg.min_attainment for _, att in slo.values())):
             return done(TO_DECODE, "mixed", f"splitting does not pay: the whole load on {total} mixed workers "
-                                            f"is {whole:.2f} of them, a long prompt's chunk stalls a step "
-                                            f"{s.mixed_stall:.2f} of the TPOT target; {s.num_prefill} prefill "
+                                            f"is {whole:.2f} of them, the TPOT predicted for them "
+                                            f"{s.mixed_tpot:.2f} of the target; {s.num_prefill} prefill "
                                             f"worker(s) to decode, which serve requests whole ({loads_txt})",
                         s.num_prefill)
 

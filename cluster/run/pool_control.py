@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_stall,
+                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
                                 observe, prefill_rate, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
@@ -130,7 +130,7 @@ class PoolController:
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
             long_prompt_tokens=o.long_prompt_tokens)
-        return dataclasses.replace(s, mixed_stall=mixed_stall(cost, s, self.slo_tpot_s, self.max_num_batched_tokens))
+        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, self.slo_tpot_s, self.max_num_batched_tokens))
 
     def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
         """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
