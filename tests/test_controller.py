@@ -269,7 +269,8 @@ def test_no_decision_ever_leaves_the_budget_or_an_empty_pool(budget, elastic, mi
                     floor_prefill=rng.choice((0, 1, budget // 2, budget)), floor_decode=rng.choice((0, 1, budget)),
                     keep_prefill=rng.choice((0, 2, budget)), keep_decode=rng.choice((0, 1, budget // 2)),
                     prefill_grew_at=rng.choice((-math.inf, 900.0)), decode_grew_at=rng.choice((-math.inf, 900.0)),
-                    mixed_tpot=rng.choice((math.inf, 0.2, 0.7, 1.5)))
+                    mixed_tpot=rng.choice((math.inf, 0.2, 0.7, 1.5)),
+                    prefill_shrank_at=rng.choice((-math.inf, 990.0)), decode_shrank_at=rng.choice((-math.inf, 990.0)))
         d = decide(s, cfg)
         after = apply(s, d)
         assert d.code in CODES and (d.count == 0) == (d.action == NONE), d
@@ -440,6 +441,25 @@ def test_a_pool_below_the_forecasts_floor_grows_to_it_ahead_of_demand():
     assert (d.action, d.count) == (ADD_PREFILL, 1)
     d = decide(signals(2, 6, rate=0.5, floor_prefill=4), ELASTIC)       # at the budget: nothing to add
     assert d.action != ADD_PREFILL
+
+
+def test_the_floor_does_not_undo_a_recent_shrink_of_a_pool_under_its_target():
+    """The code trace's two changes undone: a prefill worker removed at load 0.55, then the
+    forecast's floor, recomputed at the next long interval, one above the pool: added back."""
+    shrank = dict(prefill_shrank_at=990.0, floor_prefill=4)                   # 10 s ago
+    d = decide(signals(3, 3, rate=1.5, **shrank), ELASTIC)                     # prefill load 0.5 < 0.65
+    assert d.code != "forecast_floor", d
+    d = decide(signals(3, 3, rate=2.1, **shrank), ELASTIC)                     # 0.7: past its target
+    assert (d.action, d.code) == (ADD_PREFILL, "forecast_floor"), d
+    d = decide(signals(3, 3, rate=1.5, floor_prefill=4, prefill_shrank_at=600.0), ELASTIC)   # 400 s ago
+    assert (d.action, d.code) == (ADD_PREFILL, "forecast_floor"), d
+    d = decide(signals(3, 3, rate=1.5, floor_prefill=4, decode_shrank_at=990.0), ELASTIC)    # the other pool
+    assert (d.action, d.code) == (ADD_PREFILL, "forecast_floor"), d
+    mixed = ControllerConfig(max_workers=8, cooldown_s=30, min_workers=2, mixed=True)
+    d = decide(signals(0, 4, rate=1.0, mixed_tpot=0.3, floor_prefill=3, floor_decode=3, decode_shrank_at=990.0), mixed)
+    assert d.code != "forecast_floor", d                                       # mixed load 0.5 < 0.85
+    d = decide(signals(0, 4, rate=1.0, mixed_tpot=0.3, floor_prefill=3, floor_decode=3), mixed)
+    assert (d.action, d.code, d.count) == (ADD_DECODE, "forecast_floor", 2), d
 
 
 def test_a_pool_that_demand_no_longer_needs_shrinks_gradually_to_what_its_survivors_carry():

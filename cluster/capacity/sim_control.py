@@ -214,6 +214,7 @@ class ControlledSimulator(ElasticSimulator):
         self.last_decision: Decision | None = None
         self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
         self.grew_at = {PREFILL: 0.0, DECODE: 0.0}      # when each pool last grew (the start counts)
+        self.shrank_at = {PREFILL: -math.inf, DECODE: -math.inf}   # and last shrank
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         # the long time scale: far enough ahead that a worker asked for now has started by then
         f = control.forecast_interval_s
@@ -258,7 +259,8 @@ class ControlledSimulator(ElasticSimulator):
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
             floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL],
-            decode_grew_at=self.grew_at[DECODE], long_prompt_tokens=o.long_prompt_tokens)
+            decode_grew_at=self.grew_at[DECODE], prefill_shrank_at=self.shrank_at[PREFILL],
+            decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens)
         return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
 
     def tick(self) -> None:
@@ -269,8 +271,8 @@ class ControlledSimulator(ElasticSimulator):
             self.last_decision = d
             if self.change(d.action, d.count, d.reason, keep=0 if d.code == "mixed" else 1):
                 for pool, k in zip((PREFILL, DECODE), SIZE_CHANGE[d.action]):
-                    if k > 0:
-                        self.grew_at[pool] = self.now
+                    if k:
+                        (self.grew_at if k > 0 else self.shrank_at)[pool] = self.now
 
 
 class PlannedSimulator(ElasticSimulator):

@@ -41,7 +41,8 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   steady load the moves stop);
 - elastic size (`min_workers` set): a pool below the forecast's floor (`Signals.floor_*`: what
   the next long interval's forecast arrivals need at its target load, cluster/run/forecast.py)
-  grows to it ahead of demand; and when nothing is short, the pool furthest under its target
+  grows to it ahead of demand (unless it shrank within `shrink_hold_s` and is under its target:
+  a floor recomputed after a shrink does not undo it); and when nothing is short, the pool furthest under its target
   that has not grown for `shrink_hold_s` gives the workers its survivors can do without (the
   same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
   included), a quarter of the pool at most at once, never below the floor nor below what the
@@ -167,6 +168,8 @@ class Signals:
     keep_decode: int = 0                  # the next minutes (a shrink undone soon after costs a start-up)
     prefill_grew_at: float = -math.inf    # when each pool last grew (workers added or moved in)
     decode_grew_at: float = -math.inf
+    prefill_shrank_at: float = -math.inf  # when each pool last shrank (workers removed or moved out)
+    decode_shrank_at: float = -math.inf
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
     mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
                                           # inf: not priced, the mixed role never pays)
@@ -378,7 +381,8 @@ def _decide_mixed(s: Signals, cfg: ControllerConfig, last_change_at: float, need
         return done(NONE, "mixed_short", f"mixed workers short ({txt}), at the budget")
     if cfg.min_workers is not None:
         floor = s.floor_prefill + s.floor_decode
-        if n < floor and total < cfg.max_workers:
+        recent = s.now - max(s.prefill_shrank_at, s.decode_shrank_at) < cfg.shrink_hold_s
+        if n < floor and total < cfg.max_workers and (not recent or load >= target):
             k = min(floor - n, cfg.max_workers - total)
             return done(ADD_DECODE, "forecast_floor", f"below the forecast's floor ({n} < {floor}): {k} more ({txt})", k)
         if total > cfg.min_workers and s.now - max(s.decode_grew_at, s.prefill_grew_at) >= cfg.shrink_hold_s:
@@ -505,7 +509,11 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
     # Elastic size: the forecast's floor ahead of demand, then what demand no longer needs.
     if cfg.min_workers is not None:
         floor = {PREFILL: s.floor_prefill, DECODE: s.floor_decode}
-        under = [pool for pool in POOLS if n[pool] < floor[pool]]
+        shrank = {PREFILL: s.prefill_shrank_at, DECODE: s.decode_shrank_at}
+        # A pool that shrank lately under its target is falling demand's: the floor (recomputed
+        # each long interval) does not undo that shrink; only a load past grow_at does.
+        under = [pool for pool in POOLS if n[pool] < floor[pool]
+                 and (s.now - shrank[pool] >= cfg.shrink_hold_s or load[pool] >= cfg.target(pool))]
         if under and total < cfg.max_workers:
             pool = max(under, key=lambda k: floor[k] - n[k])
             k = min(floor[pool] - n[pool], cfg.max_workers - total)

@@ -68,6 +68,7 @@ class PoolController:
         self.shift_at = -math.inf             # where the load last shifted (the window starts there)
         self.decisions: deque[dict] = deque(maxlen=10_000)   # the latest actions taken (or advised), with why
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
+        self.shrank_at = {PREFILL: -math.inf, DECODE: -math.inf}   # and last shrank
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s,
                                slo_ttft_s)
@@ -125,6 +126,7 @@ class PoolController:
             queued_prefill_tokens=queued, floor_prefill=floor[0], floor_decode=floor[1],
             keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL], decode_grew_at=self.grew_at[DECODE],
+            prefill_shrank_at=self.shrank_at[PREFILL], decode_shrank_at=self.shrank_at[DECODE],
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
@@ -170,8 +172,8 @@ class PoolController:
         self.last_change = self.settled = s.now
         self.last_decision = d
         for pool, k in ((PREFILL, dp), (DECODE, dd)):
-            if k > 0:
-                self.grew_at[pool] = s.now
+            if k:
+                (self.grew_at if k > 0 else self.shrank_at)[pool] = s.now
         log.warning("controller: %s x%d at %d prefill + %d decode: %s", d.action, count, s.num_prefill,
                     s.num_decode, d.reason)
         if d.action in (TO_PREFILL, TO_DECODE, REMOVE_PREFILL, REMOVE_DECODE):
