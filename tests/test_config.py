@@ -135,6 +135,8 @@ def test_simulate_reads_the_controller_flags_as_serve_does():
     c = control_from_args(p.parse_args(["--controller", "--controller-interval-s", "2", "--max-workers", "8",
                                         "--slo-tpot-ms", "40"]), pools)
     assert (c.interval_s, c.config.max_workers, c.slo_tpot_s) == (2.0, 8, 0.04)
+    assert not c.config.mixed
+    assert control_from_args(p.parse_args(["--controller", "--controller-mixed"]), pools).config.mixed
     with pytest.raises(ValueError, match="controller_interval_s"):
         control_from_args(p.parse_args(["--controller", "--controller-interval-s", "0"]), pools)
     with pytest.raises(ValueError, match="tpot_s"):

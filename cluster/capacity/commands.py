@@ -66,7 +66,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 CONTROLLER_FLAGS = ("--controller", "--controller-interval-s", "--controller-window-s", "--controller-cooldown-s",
-                    "--controller-forecast-s", "--controller-shrink-hold-s", "--max-workers", "--min-workers")
+                    "--controller-forecast-s", "--controller-shrink-hold-s", "--controller-mixed", "--max-workers",
+                    "--min-workers")
 CONTROLLER_SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
 
 
