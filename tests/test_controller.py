@@ -329,17 +329,20 @@ def test_between_its_two_stalls_neither_shape_changes():
         assert decide(signals(0, 2, rate=0.3, mixed_tpot=stall), MIXED).action == NONE
 
 
-def test_mixed_only_when_the_whole_load_fits_attainment_holds_and_no_split_is_recent_and_asked_for():
+def test_mixed_only_when_the_whole_load_fits_attainment_holds_demand_is_not_rising_and_asked_for():
     assert decide(signals(1, 1, rate=0.3, mixed_tpot=0.1), CFG).action == NONE                # not asked for
     assert decide(signals(1, 1, rate=0.3), MIXED).action == NONE                # not priced (inf stall)
     # 0.7 req/s: each pool at 0.7 of one worker; the whole load 1.4 over 2 = 0.7 <= 0.75 goes, 0.8 does not
     assert decide(signals(1, 1, rate=0.7, mixed_tpot=0.1), MIXED).code == "mixed"
     assert decide(signals(1, 1, rate=0.8, mixed_tpot=0.1), MIXED).action == NONE
     assert decide(signals(1, 1, rate=0.3, mixed_tpot=0.1, tpot_attainment=0.5), MIXED).action == NONE
-    split = Decision(TO_PREFILL, "split", count=1, code="split_tpot")
-    s = signals(1, 1, rate=0.3, mixed_tpot=0.1)
-    assert decide(s, MIXED, last_change_at=s.now - 200, last=split).action == NONE      # within shrink_hold_s
-    assert decide(s, MIXED, last_change_at=s.now - 400, last=split).code == "mixed"
+    s = signals(1, 1, rate=0.3, mixed_tpot=0.1)      # demand rising: the last change grew the prefill pool,
+    grew = Decision(ADD_PREFILL, "floor", count=1, code="forecast_floor")
+    assert decide(s, MIXED, last_change_at=s.now - 200, last=grew).action == NONE
+    assert decide(dataclasses.replace(s, floor_prefill=2), MIXED).action == NONE          # or the forecast wants more
+    assert decide(dataclasses.replace(s, floor_prefill=1), MIXED, last_change_at=s.now - 400, last=grew).code == "mixed"
+    shrank = Decision(REMOVE_DECODE, "shrink", count=1, code="shrink")
+    assert decide(s, MIXED, last_change_at=s.now - 200, last=shrank).code == "mixed"
 
 
 def test_mixed_attainment_short_under_load_splits_and_at_low_load_does_not():

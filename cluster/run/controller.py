@@ -52,8 +52,9 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   (router/placement.py); it pays when the TPOT predicted on mixed workers
   (`Signals.mixed_tpot`: their decode step stretched by the time their prompts take, plus a
   long prompt's stall spread over a reply) is at most `mixed_ok` of the target, the whole
-  load on one pool stays within the decode pool's target, no attainment is short, and no
-  split was made within `shrink_hold_s`; mixed, the cluster splits again (as many prefill
+  load on one pool stays within the decode pool's target, no attainment is short, and demand
+  is not rising (the last change grew the prefill pool within `shrink_hold_s`, or the
+  forecast's floor is above it); mixed, the cluster splits again (as many prefill
   workers as the prompts need at their target) when that prediction passes `split_at` of the
   target or attainment falls short at a load past the attainment floor, and grows, shrinks
   and keeps the forecast's floor as one pool;
@@ -496,9 +497,12 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
 
     if cfg.mixed:
         whole = (need[PREFILL] + need[DECODE]) / total
-        split_lately = (last is not None and last.code.startswith("split_")
-                        and s.now - last_change_at < cfg.shrink_hold_s)
-        if (s.mixed_tpot <= cfg.mixed_ok and whole <= cfg.decode_target_load and not split_lately
+        # not while demand rises (the last change grew the prefill pool within the shrink hold, or
+        # the forecast wants it larger): a rise would split it again within minutes, each time
+        # draining the workers it moves
+        rising = ((last is not None and SIZE_CHANGE[last.action][0] > 0 and s.now - last_change_at < cfg.shrink_hold_s)
+                  or s.floor_prefill > s.num_prefill)
+        if (s.mixed_tpot <= cfg.mixed_ok and whole <= cfg.decode_target_load and not rising
                 and not any(att < cfg.min_attainment for _, att in slo.values())):
             return done(TO_DECODE, "mixed", f"splitting does not pay: the whole load on {total} mixed workers "
                                             f"is {whole:.2f} of them, the TPOT predicted for them "
