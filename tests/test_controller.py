@@ -343,6 +343,9 @@ def test_mixed_only_when_the_whole_load_fits_attainment_holds_demand_is_not_risi
     assert decide(dataclasses.replace(s, floor_prefill=1), MIXED, last_change_at=s.now - 400, last=grew).code == "mixed"
     shrank = Decision(REMOVE_DECODE, "shrink", count=1, code="shrink")
     assert decide(s, MIXED, last_change_at=s.now - 200, last=shrank).code == "mixed"
+    # mixed workers split at a whole need of 0.7 workers' worth: 0.6 now is not a fifth under it; under 0.76, it is
+    assert decide(dataclasses.replace(s, split_need=0.7), MIXED).action == NONE
+    assert decide(dataclasses.replace(s, split_need=0.76), MIXED).code == "mixed"
 
 
 def test_mixed_attainment_short_under_load_splits_and_at_low_load_does_not():

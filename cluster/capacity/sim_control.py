@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
-                                observe, prefill_rate, with_peaks)
+                                needs, observe, prefill_rate, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -215,6 +215,7 @@ class ControlledSimulator(ElasticSimulator):
         self.shift_at = -math.inf                       # where the load last shifted (the window starts there)
         self.grew_at = {PREFILL: 0.0, DECODE: 0.0}      # when each pool last grew (the start counts)
         self.shrank_at = {PREFILL: -math.inf, DECODE: -math.inf}   # and last shrank
+        self.split_need = math.inf                      # the whole need when mixed workers last split
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         # the long time scale: far enough ahead that a worker asked for now has started by then
         f = control.forecast_interval_s
@@ -260,7 +261,8 @@ class ControlledSimulator(ElasticSimulator):
             floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL],
             decode_grew_at=self.grew_at[DECODE], prefill_shrank_at=self.shrank_at[PREFILL],
-            decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens)
+            decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens,
+            split_need=self.split_need)
         return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
 
     def tick(self) -> None:
@@ -269,6 +271,8 @@ class ControlledSimulator(ElasticSimulator):
         if d.action != NONE:
             self.last_change = self.now
             self.last_decision = d
+            if d.code.startswith("split_"):
+                self.split_need = sum(needs(s, self.control.config.backlog_s))
             if self.change(d.action, d.count, d.reason, keep=0 if d.code == "mixed" else 1):
                 for pool, k in zip((PREFILL, DECODE), SIZE_CHANGE[d.action]):
                     if k:

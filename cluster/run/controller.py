@@ -54,7 +54,9 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   long prompt's stall spread over a reply) is at most `mixed_ok` of the target, the whole
   load on one pool stays within the decode pool's target, no attainment is short, and demand
   is not rising (the last change grew the prefill pool within `shrink_hold_s`, or the
-  forecast's floor is above it); mixed, the cluster splits again (as many prefill
+  forecast's floor is above it) and, once mixed workers had to split, under `MIXED_BELOW` of
+  the demand they split at (`Signals.split_need`: a prediction that failed at a load is not
+  trusted again near it); mixed, the cluster splits again (as many prefill
   workers as the prompts need at their target) when that prediction passes `split_at` of the
   target or attainment falls short at a load past the attainment floor, and grows, shrinks
   and keeps the forecast's floor as one pool;
@@ -88,6 +90,7 @@ POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
 BACKLOG_S = 30.0
+MIXED_BELOW = 0.8       # after a split, the mixed move waits for this share of the demand it split at
 MIN_JUDGED = 20         # finished requests an attainment needs to count
 QUANTILES = tuple((i + 0.5) / 20 for i in range(20))   # the prompt lengths a capacity is priced at
 
@@ -174,6 +177,7 @@ class Signals:
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
     mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
                                           # inf: not priced, the mixed role never pays)
+    split_need: float = math.inf          # the whole need (workers' worth) when mixed workers last split
 
 
 @dataclass(frozen=True, slots=True)
@@ -500,8 +504,9 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
         # not while demand rises (the last change grew the prefill pool within the shrink hold, or
         # the forecast wants it larger): a rise would split it again within minutes, each time
         # draining the workers it moves
+        # and, once mixed workers had to split, only under a fifth less demand than they split at
         rising = ((last is not None and SIZE_CHANGE[last.action][0] > 0 and s.now - last_change_at < cfg.shrink_hold_s)
-                  or s.floor_prefill > s.num_prefill)
+                  or s.floor_prefill > s.num_prefill or need[PREFILL] + need[DECODE] >= MIXED_BELOW * s.split_need)
         if (s.mixed_tpot <= cfg.mixed_ok and whole <= cfg.decode_target_load and not rising
                 and not any(att < cfg.min_attainment for _, att in slo.values())):
             return done(TO_DECODE, "mixed", f"splitting does not pay: the whole load on {total} mixed workers "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
-                                observe, prefill_rate, with_peaks)
+                                needs, observe, prefill_rate, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -69,6 +69,7 @@ class PoolController:
         self.decisions: deque[dict] = deque(maxlen=10_000)   # the latest actions taken (or advised), with why
         self.grew_at = {PREFILL: clock(), DECODE: clock()}   # when each pool last grew (the start counts)
         self.shrank_at = {PREFILL: -math.inf, DECODE: -math.inf}   # and last shrank
+        self.split_need = math.inf            # the whole need when mixed workers last split (Signals.split_need)
         self.peaks = PeakNeeds(control.config.shrink_hold_s)   # each pool's recent peak need (a shrink keeps it)
         self.long = (LongScale(control.forecast_s, self.started_at, FORECAST_AHEAD, control.config.shrink_hold_s,
                                slo_ttft_s)
@@ -127,6 +128,7 @@ class PoolController:
             keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL], decode_grew_at=self.grew_at[DECODE],
             prefill_shrank_at=self.shrank_at[PREFILL], decode_shrank_at=self.shrank_at[DECODE],
+            split_need=self.split_need,
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
@@ -171,6 +173,8 @@ class PoolController:
             return d
         self.last_change = self.settled = s.now
         self.last_decision = d
+        if d.code.startswith("split_"):
+            self.split_need = sum(needs(s, self.control.config.backlog_s))
         for pool, k in ((PREFILL, dp), (DECODE, dd)):
             if k:
                 (self.grew_at if k > 0 else self.shrank_at)[pool] = s.now
