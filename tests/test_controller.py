@@ -388,6 +388,9 @@ def test_mixed_tpot_is_the_decode_step_stretched_by_the_prompts_plus_a_long_stal
     want = (decode / 0.9 + (0.006 + 2048e-5 + 0.006 + 952e-5) / 99) / 0.05
     assert mixed_tpot(cost, s, 0.05, 2048) == pytest.approx(want)
     assert mixed_tpot(cost, dataclasses.replace(s, arrival_rate=40.0), 0.05, 2048) == math.inf   # prompts fill it
+    short = dataclasses.replace(s, short_output_tokens=10.0)      # a short reply's 9 tokens take the stall
+    assert mixed_tpot(cost, short, 0.05, 2048) == pytest.approx((decode / 0.9 + (0.006 + 2048e-5 + 0.006 + 952e-5) / 9)
+                                                                / 0.05)
 
 
 def test_observe_reads_the_90th_percentile_prompt():
@@ -397,6 +400,7 @@ def test_observe_reads_the_90th_percentile_prompt():
         log.arrivals.append((90.0, n * 10, 50))
     o = observe(log, 100.0, 10.0, 30.0)
     assert o.mean_prompt_tokens == pytest.approx(505.0)
+    assert o.short_output_tokens == 50                       # every request asks 50 (none finished: all used)
     assert o.long_prompt_tokens == 910                       # the 91st of 100 sorted, 0-based 90
 
 

@@ -261,7 +261,7 @@ class ControlledSimulator(ElasticSimulator):
             floor_prefill=floor[0], floor_decode=floor[1], keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL],
             decode_grew_at=self.grew_at[DECODE], prefill_shrank_at=self.shrank_at[PREFILL],
-            decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens,
+            decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens,
             split_need=self.split_need)
         return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens))
 

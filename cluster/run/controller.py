@@ -175,6 +175,7 @@ class Signals:
     prefill_shrank_at: float = -math.inf  # when each pool last shrank (workers removed or moved out)
     decode_shrank_at: float = -math.inf
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
+    short_output_tokens: float = 0.0      # the 10th percentile of the window's expected output (0: the mean)
     mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
                                           # inf: not priced, the mixed role never pays)
     split_need: float = math.inf          # the whole need (workers' worth) when mixed workers last split
@@ -226,6 +227,7 @@ class Observed:
     tpot_attainment: float
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
     prompt_quantiles: tuple = ()          # the window's prompt tokens at QUANTILES (prefill_rate prices them)
+    short_output_tokens: float = 0.0      # the 10th percentile of the output expected (asked x the share used)
 
 
 def observe(log, now: float, interval_s: float, window_s: float, since: float = -math.inf,
@@ -256,6 +258,7 @@ def observe(log, now: float, interval_s: float, window_s: float, since: float = 
                     long_prompt_tokens=prompts[min(n - 1, int(0.9 * n))] if n else 0.0,
                     prompt_quantiles=tuple(prompts[int(q * n)] for q in QUANTILES) if n else (),
                     mean_output_tokens=used * sum(a[2] for a in recent) / n if n else 0.0,
+                    short_output_tokens=used * sorted(a[2] for a in recent)[int(0.1 * n)] if n else 0.0,
                     ttft_attainment=sum(f[4] for f in judged) / k if k else math.nan,
                     tpot_attainment=sum(f[5] for f in judged) / k if k else math.nan)
 
@@ -278,7 +281,9 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
     mixed worker's batch, stretched by the share of its time its prompts take (the whole load
     spread over all the cluster's workers), plus one long prompt's stall spread over a reply
     (what the 90th-percentile prompt's chunks, of at most the scheduler's `budget` tokens, add
-    to the steps they ride in, over the mean reply's tokens after the first). The batch: each worker's
+    to the steps they ride in, over a short reply's tokens after the first: the 10th
+    percentile, since attainment is judged request by request and a short reply meets a long
+    prompt's steps with few tokens to spread them over). The batch: each worker's
     arrivals running for their output at the target pace (Little's law), at a context of the
     mean prompt and half the mean output; the prompts priced at `s.prefill_tokens_per_s`
     (the window's lengths, `prefill_rate`). Infinite when the prompts alone take every worker's
@@ -295,7 +300,7 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
     for done in range(0, n, budget):
         k = min(budget, n - done)
         stall += cost.step_s(decode + BatchShape(1, k, k * k, k * done)) - step
-    return (step / (1 - share) + stall / max(1.0, s.mean_output_tokens - 1)) / tpot_s
+    return (step / (1 - share) + stall / max(1.0, (s.short_output_tokens or s.mean_output_tokens) - 1)) / tpot_s
 
 
 def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:

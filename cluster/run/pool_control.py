@@ -133,7 +133,7 @@ class PoolController:
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
-            long_prompt_tokens=o.long_prompt_tokens)
+            long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens)
         return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, self.slo_tpot_s, self.max_num_batched_tokens))
 
     def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
