@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
-                                needs, observe, prefill_rate, with_peaks)
+                                observe, prefill_rate, steady_need, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -272,7 +272,7 @@ class ControlledSimulator(ElasticSimulator):
             self.last_change = self.now
             self.last_decision = d
             if d.code.startswith("split_"):
-                self.split_need = sum(needs(s, self.control.config.backlog_s))
+                self.split_need = steady_need(s, self.control.config.backlog_s)
             if self.change(d.action, d.count, d.reason, keep=0 if d.code == "mixed" else 1):
                 for pool, k in zip((PREFILL, DECODE), SIZE_CHANGE[d.action]):
                     if k:

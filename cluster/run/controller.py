@@ -178,7 +178,8 @@ class Signals:
     short_output_tokens: float = 0.0      # the 10th percentile of the window's expected output (0: the mean)
     mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
                                           # inf: not priced, the mixed role never pays)
-    split_need: float = math.inf          # the whole need (workers' worth) when mixed workers last split
+    split_need: float = math.inf          # the arrivals' whole need (workers' worth, no backlog) when mixed
+                                          # workers last split (`steady_need`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +302,14 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
         k = min(budget, n - done)
         stall += cost.step_s(decode + BatchShape(1, k, k * k, k * done)) - step
     return (step / (1 - share) + stall / max(1.0, (s.short_output_tokens or s.mean_output_tokens) - 1)) / tpot_s
+
+
+def steady_need(s: Signals, backlog_s: float = BACKLOG_S) -> float:
+    """Both pools' need from the arrivals alone (workers' worth, `needs` less the backlogs): what
+    the mixed move compares with the demand mixed workers last split at (a backlog left by
+    mixed workers falling behind clears after the split, and must not make the demand look
+    lower then)."""
+    return sum(needs(s, backlog_s)) - sum(backlog_needs(s, backlog_s))
 
 
 def backlog_needs(s: Signals, backlog_s: float = BACKLOG_S) -> tuple[float, float]:
@@ -511,7 +520,7 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
         # draining the workers it moves
         # and, once mixed workers had to split, only under a fifth less demand than they split at
         rising = ((last is not None and SIZE_CHANGE[last.action][0] > 0 and s.now - last_change_at < cfg.shrink_hold_s)
-                  or s.floor_prefill > s.num_prefill or need[PREFILL] + need[DECODE] >= MIXED_BELOW * s.split_need)
+                  or s.floor_prefill > s.num_prefill or steady[PREFILL] + steady[DECODE] >= MIXED_BELOW * s.split_need)
         if (s.mixed_tpot <= cfg.mixed_ok and whole <= cfg.decode_target_load and not rising
                 and not any(att < cfg.min_attainment for _, att in slo.values())):
             return done(TO_DECODE, "mixed", f"splitting does not pay: the whole load on {total} mixed workers "

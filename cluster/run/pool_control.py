@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
                                 TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
-                                needs, observe, prefill_rate, with_peaks)
+                                observe, prefill_rate, steady_need, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -174,7 +174,7 @@ class PoolController:
         self.last_change = self.settled = s.now
         self.last_decision = d
         if d.code.startswith("split_"):
-            self.split_need = sum(needs(s, self.control.config.backlog_s))
+            self.split_need = steady_need(s, self.control.config.backlog_s)
         for pool, k in ((PREFILL, dp), (DECODE, dd)):
             if k:
                 (self.grew_at if k > 0 else self.shrank_at)[pool] = s.now
