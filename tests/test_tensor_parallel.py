@@ -159,11 +159,15 @@ def test_a_dead_rank_restarts_its_worker_and_its_requests_complete(ray_session, 
         (rank1,) = info.rank_pids
         os.kill(rank1, signal.SIGKILL)
         # The prefill worker's next step finds the group broken and ends; Ray restarts it with
-        # new ranks and the router resumes what it had: nothing lost, nothing changed.
+        # new ranks and the router resumes what it had (on the decode worker, whole, while the
+        # prefill pool has no active worker): nothing lost, nothing changed.
         got = asyncio.run(_send_all(c.base_url, CLUSTER_PROMPTS, CLUSTER_TOKENS))
         assert got == cluster_reference
+        # The restarted worker comes back to its pool and prefills again.
+        wait_for(lambda: [m.worker_id for m in c.pools.active("prefill")], bool, deadline_s=120)
         after = ray.get(prefill.handle.ready.remote())
         assert after.pid != info.pid and rank1 not in after.rank_pids
+        assert asyncio.run(_send_all(c.base_url, CLUSTER_PROMPTS, CLUSTER_TOKENS)) == cluster_reference
         wait_pools_clean(c)
 
 
