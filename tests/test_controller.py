@@ -616,6 +616,20 @@ def _stationary(name: str, rate: float, seconds: float, seed: int = 0, burstines
         out.append(SimRequest.synthetic(t, max(2, r.prompt_len), max(1, r.output_len), len(out)))
 
 
+def _phased(seed: int, phases) -> list:
+    """Poisson arrivals in phases of (until, rate, prompt, output): each request's lengths
+    uniform from half to one and a half times the phase's."""
+    from cluster.capacity.simulate import SimRequest
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    for until, rate, prompt, output in phases:
+        while t < until:
+            t += rng.expovariate(rate)
+            requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
+                                                 rng.randint(output // 2, output * 3 // 2), len(requests)))
+    return requests
+
+
 def _controlled(num_prefill, num_decode, budget, **control):
     from cluster.capacity.sim_control import ControlledSimulator, SimControl
     from cluster.capacity.simulate import SimCluster
@@ -634,16 +648,9 @@ def test_simulated_pools_follow_a_phase_shift():
     """2 prefill + 6 decode H100 workers (Llama-3-8B roofline): a prefill-heavy phase moves
     workers to prefill, the decode-heavy phase after it moves them back; nothing is lost, every
     block comes back, and a change of several workers counts each."""
-    from cluster.capacity.simulate import SimRequest
     from tests.test_simulator import assert_pools_clean
 
-    rng = random.Random(0)
-    requests, t = [], 0.0
-    for until, rate, prompt, output in ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 2000)):
-        while t < until:
-            t += rng.expovariate(rate)
-            requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
-                                                 rng.randint(output // 2, output * 3 // 2), len(requests)))
+    requests = _phased(0, ((200.0, 30.0, 4000, 16), (400.0, 30.0, 200, 2000)))
     sim = _controlled(2, 6, 8, cooldown_s=20, slo_tpot_s=0.05)
     results, _ = sim.run(requests)
     assert all(r.success for r in results)
@@ -687,16 +694,9 @@ def test_simulated_short_prompts_run_mixed_and_long_prompts_split_again():
     router's placement code as served), long prompts with replies of a few tokens (whose TPOT
     a long prompt's steps would break) after it split the pools again; every
     request served, every block back, and the mixed minutes' TPOT within the target."""
-    from cluster.capacity.simulate import SimRequest
     from tests.test_simulator import assert_pools_clean
 
-    rng = random.Random(1)
-    requests, t = [], 0.0
-    for until, rate, prompt, output in ((240.0, 4.0, 200, 100), (480.0, 2.0, 6000, 4)):
-        while t < until:
-            t += rng.expovariate(rate)
-            requests.append(SimRequest.synthetic(t, rng.randint(prompt // 2, prompt * 3 // 2),
-                                                 rng.randint(output // 2, output * 3 // 2), len(requests)))
+    requests = _phased(1, ((240.0, 4.0, 200, 100), (480.0, 2.0, 6000, 4)))
     sim = _controlled(1, 1, 2, mixed=True, cooldown_s=20)
     results, _ = sim.run(requests)
     assert all(r.success for r in results)

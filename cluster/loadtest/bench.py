@@ -924,7 +924,7 @@ def _maybe_launch(a: argparse.Namespace):
         return
     if a.base_url:
         raise ValueError("--launch starts its own server; drop --base-url")
-    from cluster.run.serve import ServingCluster, free_port
+    from cluster.run.serve import ServingCluster
     from cluster.run.spec import ClusterSpec
     spec = ClusterSpec(model=a.model or "tiny", mode=a.launch_mode, num_prefill=a.launch_prefill,
                        num_decode=a.launch_decode, num_colocated=a.launch_workers,
@@ -938,5 +938,7 @@ def _maybe_launch(a: argparse.Namespace):
           + (f"{spec.num_prefill} prefill + {spec.num_decode} decode" if spec.mode == DISAGGREGATED
              else f"{spec.num_colocated} workers") + f") on {spec.model!r}, SLO targets TTFT "
           f"{slo.ttft_s * 1000:g} ms, TPOT {slo.tpot_s * 1000:g} ms", flush=True)
-    with ServingCluster(spec, port=free_port(), api_key=a.api_key, slo=slo) as c:
+    # Port 0: the server's own bind picks a free port. A port picked free before the cluster
+    # started was taken by one of Ray's processes in the seconds between (make run, once).
+    with ServingCluster(spec, port=0, api_key=a.api_key, slo=slo) as c:
         yield f"http://{c.host}:{c.port}"

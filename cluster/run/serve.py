@@ -340,6 +340,8 @@ class ServingCluster:
                 self.close()
                 raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
             time.sleep(0.02)
+        if self.port == 0:          # the kernel chose it as the server bound: no race with another taker
+            self.port = server.servers[0].sockets[0].getsockname()[1]
         return self
 
     def __exit__(self, *exc) -> None:
