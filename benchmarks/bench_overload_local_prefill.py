@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from cluster.run.launcher import ClusterSpec  # noqa: E402
-from cluster.run.serve import ServingCluster, free_port  # noqa: E402
+from cluster.run.serve import ServingCluster  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.names import AUTO  # noqa: E402
 
@@ -59,6 +59,8 @@ async def one(session, url: str, rng: random.Random) -> dict:
                 if chunk["choices"] and chunk["choices"][0]["text"] is not None:
                     times.append(time.perf_counter())
     n = len(times)
+    if n < OUTPUT:                       # ended early (an error event): not a served request
+        return {"status": "cut"}
     return {"status": 200, "ttft": times[0] - t0, "tpot": (times[-1] - times[0]) / (n - 1),
             "gap": times[1] - times[0], "pace": (times[-1] - times[1]) / (n - 2)}
 
@@ -109,7 +111,7 @@ def main() -> None:
     for rnd in range(a.rounds):
         for setting in a.settings.split(","):
             local = setting if setting == AUTO else int(setting)
-            with ServingCluster(spec, port=free_port(), slo=SLO, local_prefill_max_tokens=local) as c:
+            with ServingCluster(spec, port=0, slo=SLO, local_prefill_max_tokens=local) as c:
                 for mult in (1, 3):
                     results = asyncio.run_coroutine_threadsafe(
                         poisson(c.base_url, mult * a.rate, a.seconds, seed=rnd * 10 + mult), c.loop).result(600)
