@@ -326,7 +326,7 @@ def test_the_lead_moves_when_serve_and_then_a_router_die_and_down_removes_the_po
     then removes the pools, and r2 stops on its own. (Runs last in this module: it kills the
     module's serve.)"""
     from cluster.offline import generate
-    long_tokens = 600
+    long_tokens = 1400                 # seconds of decoding: the faults land while it streams, on a fast box too
     want_long = generate([{"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0, "ignore_eos": True}],
                          model="tiny")[0]["token_ids"]
     workers, routers = _workers(cluster), []
