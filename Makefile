@@ -44,7 +44,7 @@ test: $(STAMP) $(PROMETHEUS)
 
 # The tier to iterate with: every test that neither uses Ray nor starts a process of ours or
 # Ray's (the markers come from fixtures: tests/conftest.py).
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(PROMETHEUS)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --durations=10 -m "not ray and not spawns" tests
 

@@ -89,7 +89,7 @@ class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
     __slots__ = ("prompt_tokens", "predicted_ttft_s", "bias", "stage", "first_at", "second_at", "tokens", "load",
-                 "served")
+                 "served", "local")
 
     def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float, load: tuple[int, int] = (0, 0)):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
@@ -98,6 +98,7 @@ class Ticket:
         self.tokens = 0
         self.load = load                  # (requests in flight, their prompt tokens) as its run started
         self.served: list | None = None   # its entry in the ServedRecord, from its first token
+        self.local = False                # prefilled on its decode worker, past the prefill pool's line
 
 
 class Pledge:
@@ -233,6 +234,7 @@ class SLOAdmission:
         self._margins: list[float | None] = [None] * (len(BANDS) + 1)
         self.margin_window_s = margin_window_s
         self.waiting = self.waiting_tokens = self.in_handoff = self.decoding = 0
+        self.local_tokens = 0             # of waiting_tokens: prompts prefilled on their decode workers
         self.past_first_tokens = 0        # prompt tokens of the requests in flight past their first token
         self.record = ServedRecord()
         self.on_record = 0                # requests predicted to miss and let in on the record
@@ -276,6 +278,19 @@ class SLOAdmission:
         p.requests = p.prompt_tokens = 0
         self._emptied()
 
+    def passed_line(self, t: Ticket) -> None:
+        """The request's prompt went to its decode worker (a local prefill), not to the prefill
+        pool's line: its tokens leave the work a new request waits behind (`queued_tokens`), and
+        its first token says nothing of that line, so its TTFT does not correct the predictions.
+        With local prefills counted in the line and learned from, the predictions were a mix of
+        two kinds of request: the line priced as if the prefill pool computed it all, a bias
+        pulled below zero by the fast local ones, and a margin, the 95th percentile of the mix,
+        that let in requests whose line then ran past the target (106-155 of the 700-740 served
+        at 3x capacity missed their TTFT)."""
+        if t.stage == WAITING and not t.local:
+            t.local = True
+            self.local_tokens += t.prompt_tokens
+
     def progress(self, t: Ticket, tokens_out: int, ttft_s: float = math.nan) -> None:
         """The request has `tokens_out` tokens out (call after each token event)."""
         t.tokens = max(t.tokens, tokens_out)
@@ -286,7 +301,8 @@ class SLOAdmission:
             self.past_first_tokens += t.prompt_tokens
             self.in_handoff += 1
             self.drain.first(t.first_at, t.prompt_tokens)
-            self._learn(t.predicted_ttft_s, t.bias, ttft_s)
+            if not t.local:
+                self._learn(t.predicted_ttft_s, t.bias, ttft_s)
             if ttft_s >= 0:
                 t.served = self.record.first(t.first_at, t.load, ttft_s)
         if t.stage == HANDOFF and tokens_out >= 2:
@@ -322,6 +338,8 @@ class SLOAdmission:
             self.drain.line(self.clock(), self.waiting)
             self.waiting -= 1
             self.waiting_tokens -= t.prompt_tokens
+            if t.local:
+                self.local_tokens -= t.prompt_tokens
         elif t.stage == HANDOFF:
             self.in_handoff -= 1
         elif t.stage == DECODING:
@@ -483,10 +501,11 @@ class SLOAdmission:
 
     def queued_tokens(self) -> int:
         """Prompt tokens ahead of a new request: this router's admitted prompts without a first
-        token, or, when more, what the prefill workers report queued (other routers send there
-        too; the reports lag this router's own sends, which its count has at once)."""
+        token (but those prefilled on their decode workers, `passed_line`), or, when more, what
+        the prefill workers report queued (other routers send there too; the reports lag this
+        router's own sends, which its count has at once)."""
         reported = sum(m.report.queued_prefill_tokens for m in self._prefilling() if m.report is not None)
-        return max(self.waiting_tokens, reported)
+        return max(self.waiting_tokens - self.local_tokens, reported)
 
     def handoff_wait(self) -> float:
         """Seconds between first and second token lately: the median over the requests that had

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -454,6 +455,7 @@ class Server:
         if self.admission is not None:
             self.admission.redeem(req.pledge)
             ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s)
+            req.on_local_prefill = functools.partial(self.admission.passed_line, ticket)
         events: asyncio.Queue = asyncio.Queue()
         # One timer at the deadline, not one per event: it puts _DEADLINE among the events.
         deadline = (None if req.deadline is None else

@@ -41,7 +41,7 @@ from router.placement import Placement
 from router.pools import DEAD, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
 from workers import messages as msg
-from workers.cost_model import StepFit
+from workers.cost_model import BatchShape, StepFit
 from workers.names import (COLOCATED, DECODE, DISAGGREGATED, MODES, OWNER_SEP, P2C, PREFILL, owner_tag)
 from workers.sequence import SamplingParams
 
@@ -118,6 +118,7 @@ class Dispatcher:
                 self.prefix_index.forget(m.worker_id)
             if self.gate is not None:
                 self.gate.forget(m.worker_id)
+            self.placement.forget(m.worker_id)
         self._open_gate()                                # a decode worker more or less
 
     def take_frame(self, w: Member, reply: msg.PollReply) -> None:
@@ -129,6 +130,10 @@ class Dispatcher:
             self.prefix_index.add(w.worker_id, reply.cache_stored)
         for ev in reply.events:
             self._deliver(ev)
+        if w.role == DECODE and self.placement.tpot_s is not None:
+            for step_s, *shape in reply.samples.get("step_shape", ()):
+                if BatchShape(*shape).num_decode:
+                    self.placement.observe_decode_steps(w.worker_id, step_s)
         if w.role == DECODE and self.gate is not None:
             self.gate.observe(w.worker_id, reply.load)
             self._open_gate()
@@ -201,10 +206,11 @@ class Dispatcher:
         except LookupError as e:
             raise RequestFailed(str(e)) from None
 
-    def price_local_prefill(self, fit: StepFit, max_chunk: int) -> None:
+    def price_local_prefill(self, fit: StepFit, max_chunk: int, tpot_s: float | None = None) -> None:
         """With --local-prefill-max-tokens auto: decide with the step cost model `fit` (prompt
-        chunks of at most `max_chunk` tokens, the scheduler's budget)."""
-        self.placement.price_local_prefill(fit.current, max_chunk)
+        chunks of at most `max_chunk` tokens, the scheduler's budget), keeping the decode
+        workers' pace, as their steps report it, within the TPOT target `tpot_s`."""
+        self.placement.price_local_prefill(fit.current, max_chunk, tpot_s)
 
     async def _pick_start(self, rid: str, token_ids: list[int]) -> tuple[Member, type]:
         """Where a request (or a resumed one: prompt + delivered tokens) computes its prompt, and
@@ -324,6 +330,9 @@ class Dispatcher:
         silence = _Silence(q, self.request_silence_s)
         try:
             w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
+            if (not outputs and req.on_local_prefill is not None and op is msg.GenerateOp and self.mode != COLOCATED
+                    and self.pools.active(PREFILL)):
+                req.on_local_prefill()
             (involve if op is msg.GenerateOp else involved.append)(w)
             if trace is not None:
                 trace.submitted(rid)

@@ -19,8 +19,14 @@ from typing import Protocol
 
 from router.picker import Picker
 from router.prefix_index import PrefixIndex
-from workers.cost_model import CostModel, local_prefill_limit
+from workers.cost_model import BatchShape, CostModel, local_prefill_limit
 from workers.names import AUTO, COLOCATED, DECODE, PREFILL, PREFIX, first_role
+
+# Local prefill AUTO keeps a decode worker's pace (its steps with decoding rows, a moving
+# average over about PACE_STEPS of them: the seconds per token of the sequences it runs) within
+# PACE_SHARE of the TPOT target, counting the prompt tokens it would take on.
+PACE_STEPS = 8
+PACE_SHARE = 0.7
 
 
 class PoolView(Protocol):
@@ -66,16 +72,30 @@ class Placement:
         self.decode_picker = Picker(policy, None if seed is None else seed + 1)
         self.local_prefill_max_tokens = local_prefill_max_tokens if mode != COLOCATED else 0
         self._local_cost: tuple[Callable[[], CostModel | None], int] | None = None   # auto: the model, a chunk
+        self.tpot_s: float | None = None         # auto: the TPOT target local prefills keep to
+        self.paces: dict[str, float] = {}        # decode worker -> its seconds per decoding step, lately
         self.handoff_s: float | None = None      # a handoff as seen (held -> first decode token), smoothed
         # The workers' prefix caches as the caller sees them, kept when picking uses them:
         # prefix-aware picking, or local prefills counting cached tokens.
         self.prefix_index = (PrefixIndex(block_size) if policy == PREFIX or self.local_prefill_max_tokens
                              else None)
 
-    def price_local_prefill(self, cost: Callable[[], CostModel | None], max_chunk: int) -> None:
+    def price_local_prefill(self, cost: Callable[[], CostModel | None], max_chunk: int,
+                            tpot_s: float | None = None) -> None:
         """With local prefill AUTO: decide with the step cost model `cost()` (None while there is
-        none) for prompt chunks of at most `max_chunk` tokens (the scheduler's budget)."""
+        none) for prompt chunks of at most `max_chunk` tokens (the scheduler's budget), keeping
+        each decode worker's pace within PACE_SHARE of `tpot_s` (None: no TPOT target)."""
         self._local_cost = (cost, max_chunk)
+        self.tpot_s = tpot_s
+
+    def observe_decode_steps(self, worker_id: str, step_s: float, count: int = 1) -> None:
+        """`count` steps of `step_s` seconds each that decoding rows took on `worker_id`."""
+        old = self.paces.get(worker_id)
+        keep = (1 - 1 / PACE_STEPS) ** count
+        self.paces[worker_id] = step_s if old is None else step_s + (old - step_s) * keep
+
+    def forget(self, worker_id: str) -> None:
+        self.paces.pop(worker_id, None)
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = seconds if self.handoff_s is None else self.handoff_s + 0.1 * (seconds - self.handoff_s)
@@ -138,9 +158,10 @@ class Placement:
         up to it. AUTO (workers/cost_model.py `local_prefill_limit`): while the prefill pool has
         a queue (a burst: a closed loop's clients all come back when a batch ends together), when
         what it delays the sequences `d` decodes costs less than that queue plus the handoff as
-        measured would cost the request; never beyond one chunk, and not before there is a cost
-        model. With no queue the prefill pool computes it at once, and the decode batch's steps
-        stay undisturbed: disaggregated."""
+        measured would cost the request, and (with a TPOT target) while the worker's pace with
+        the prompt tokens queued there and these stays within PACE_SHARE of the target (`paced`);
+        never beyond one chunk, and not before there is a cost model. With no queue the prefill
+        pool computes it at once, and the decode batch's steps stay undisturbed: disaggregated."""
         limit = self.local_prefill_max_tokens
         if limit != AUTO:
             return uncached <= limit
@@ -152,4 +173,18 @@ class Placement:
             return False
         num_decode, context = view.decoding(d)
         remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
-        return local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
+        return (local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
+                and self.paced(cost, d, num_decode, context, view.prefill_load(d) + uncached))
+
+    def paced(self, cost: CostModel, d: str, num_decode: int, context: int, tokens: int) -> bool:
+        """Whether decode worker `d` keeps its sequences' pace within PACE_SHARE of the TPOT
+        target with `tokens` more prompt tokens to compute: its pace lately plus what they add to
+        a step, spread over PACE_STEPS steps. A sustained overload keeps the prefill pool's queue
+        long, and without this bound the decode worker would take a prompt every step and its
+        sequences miss their TPOT (0.1-0.15 s a token at a 0.1 s target, here); a closed loop's
+        wave to a worker whose steps are fast still goes there. Nobody decoding: nobody delayed."""
+        if self.tpot_s is None or num_decode == 0:
+            return True
+        decode = BatchShape(num_decode=num_decode, decode_context=context)
+        added = cost.step_s(decode + BatchShape(1, tokens, tokens * tokens, 0)) - cost.step_s(decode)
+        return self.paces.get(d, 0.0) + added / PACE_STEPS <= PACE_SHARE * self.tpot_s

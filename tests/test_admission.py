@@ -310,6 +310,30 @@ def test_measured_ttft_corrects_the_predictions_by_adding_what_they_miss():
     assert a.bias == pytest.approx(0.3, rel=0.02)
 
 
+def test_a_prompt_prefilled_on_its_decode_worker_leaves_the_line_and_teaches_the_predictions_nothing():
+    """A local prefill passes the prefill pool's line: its prompt no longer counts in the work a
+    new request waits behind, and its first token (fast: no line) does not move the bias; the
+    line's own requests still do, and the prompt leaves the counts as any other when it ends."""
+    a = cluster(prefill=1)
+    line = admitted(a, 10, 512)
+    local = admitted(a, 10, 512)
+    for t in local:
+        a.passed_line(t)
+        a.passed_line(t)                           # told twice: counted once
+    assert a.queued_tokens() == 10 * 512 and a.waiting == 20
+    assert a.predict_ttft(256)[0] == pytest.approx(10 * 512 / prefill_rate(512) + 256 / prefill_rate(256), rel=0.02)
+    for t in local:                                # each far faster than its prediction
+        a.progress(t, 1, ttft_s=0.01)
+    assert a.bias == 0.0 and a.queued_tokens() == 10 * 512 and a.waiting == 10
+    predicted, _ = a.predict_ttft(512)
+    late = a.started(512, predicted)
+    a.progress(late, 1, ttft_s=predicted + 0.5)    # the line's request, later than predicted
+    assert a.bias > 0.0
+    for t in line + local + [late]:
+        a.ended(t)
+    assert (a.waiting, a.waiting_tokens, a.local_tokens, a.in_flight) == (0, 0, 0, 0)
+
+
 def test_the_drain_rate_counts_only_time_the_line_was_not_empty():
     clock = Clock()
     a = cluster(fit=StepFit(1024, 1 << 20), clock=clock)

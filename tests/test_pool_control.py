@@ -14,13 +14,14 @@ from common import Clock
 from cluster.run.controller import ControllerConfig
 from cluster.run.pool_control import LiveControl, PoolController
 from router.dispatch import Dispatcher, DispatchSettings
+from router.placement import PACE_SHARE, PACE_STEPS
 from router.leadership import Leadership
 from router.metrics import Metrics
 from router.pools import ACTIVE, DRAINING, Member, PoolRegistry
 from router.slo import RequestLog, SLOTargets, judge
 from router.supervisor import Supervisor
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
-from workers.messages import LoadReport, TransferTotals
+from workers.messages import LoadReport, PollReply, TransferTotals
 from workers.names import AUTO, DECODE, DISAGGREGATED, PREFILL
 
 TRUE = LinearStepModel(p0=0.004, p1=2e-5, p2=1e-9, d0=0.003, d1=2e-7, d2=1e-4)
@@ -111,6 +112,41 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     queue_s = 4096 / (2048 / TRUE.step_s(BatchShape(16, 2048, 16 * 128 * 128)))
     assert delay > 4 * queue_s
     assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
+
+
+def test_auto_local_prefill_keeps_the_decode_workers_pace_within_its_share_of_the_tpot_target():
+    """With a TPOT target, a decode worker whose batch the chunk would be worth delaying takes
+    the prompt only while its pace, as its steps report it, plus the chunk's extra step time
+    spread over PACE_STEPS steps stays within PACE_SHARE of the target; a worker with nothing
+    decoding delays nobody; the pace of a worker that leaves is forgotten."""
+    p, d = Member("prefill-0", PREFILL, "hp0", ACTIVE), Member("decode-0", DECODE, "hd0", ACTIVE)
+    p.report, d.report = report(p.worker_id, PREFILL, queued=1 << 20), report(d.worker_id, DECODE, running=4)
+    pools = PoolRegistry.of([p, d])
+    disp = Dispatcher(pools, DISAGGREGATED, Metrics(workers=False), DispatchSettings(local_prefill_max_tokens=AUTO))
+    tpot_s = 0.1
+    disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048, tpot_s)
+    placement = disp.placement
+    decode = BatchShape(num_decode=4, decode_context=0)
+    added = TRUE.step_s(decode + BatchShape(1, 128, 128 * 128, 0)) - TRUE.step_s(decode)
+    edge = PACE_SHARE * tpot_s - added / PACE_STEPS          # the fastest pace at which the prompt stays
+    assert 0 < edge < PACE_SHARE * tpot_s
+    placement.observe_decode_steps(d.worker_id, 0.9 * edge)
+    assert placement.prefill_locally(d.worker_id, 128, disp.view)
+    _take_steps(disp, d, 1.1 * edge, PACE_STEPS * 8)         # reported as served: the pace settles there
+    assert placement.paces[d.worker_id] == pytest.approx(1.1 * edge, rel=0.01)
+    assert not placement.prefill_locally(d.worker_id, 128, disp.view)
+    d.report = report(d.worker_id, DECODE, running=0)
+    assert placement.prefill_locally(d.worker_id, 128, disp.view)      # nobody to delay
+    pools.lost(d.worker_id)
+    assert d.worker_id not in placement.paces
+
+
+def _take_steps(disp: Dispatcher, w: Member, step_s: float, n: int) -> None:
+    """`n` decode steps of `step_s` seconds in `w`'s frame, as its poll reply brings them."""
+    shape = [step_s, 0, 0, 0, 0, 4, 4 * 64]                 # four decoding rows
+    prefill = [step_s, 1, 64, 64 * 64, 0, 0, 0]             # a step without one: not its pace
+    reply = PollReply([], w.report, {"step_shape": [shape] * n + [[10.0, *prefill[1:]]]})
+    disp.take_frame(w, reply)
 
 
 def controller(clock, num_prefill=1, num_decode=2, live: dict | None = None, **cfg):

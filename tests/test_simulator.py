@@ -4,11 +4,14 @@ block comes back), and the arithmetic of a rate search."""
 from __future__ import annotations
 
 import dataclasses
+import random
+import statistics
 
 import pytest
 
 import cluster.capacity.simulate as S
 from cluster.capacity.plan import Placement, at_rate, placements, search
+from router.slo import SLOTargets
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link, roofline
 
@@ -139,6 +142,28 @@ def test_local_prefill_takes_exactly_the_prompts_within_its_limit(limit):
     assert all(r.success for r in results)
     assert sim.num_handoffs == sum(r.prompt_len > limit and r.output_len > 1 for r in requests) > 0
     assert_pools_clean(sim)
+
+
+def test_auto_local_prefill_under_a_sustained_overload_keeps_every_tpot_within_the_target():
+    """Twice what the prefill worker serves, sustained: the prefill pool's queue never empties, so
+    local prefill "auto" would give the decode worker a prompt nearly every step (its sequences'
+    TPOT then several times the target: the run without a TPOT target shows it); with the
+    target, the router's pace bound keeps every request's TPOT within it."""
+    rng = random.Random(0)
+    t, requests = 0.0, []
+    for i in range(400):
+        t += rng.expovariate(40.0)
+        requests.append(req(t, 512, 32, first=i + 2))
+    tpot_s = 0.03
+
+    def tpots(target: float) -> list[float]:
+        sim, results, _ = run(requests, num_prefill=1, num_decode=1, local_prefill_max_tokens="auto",
+                              slo=SLOTargets(ttft_s=1e6, tpot_s=target))
+        assert all(r.success and r.output_len == 32 for r in results)
+        assert_pools_clean(sim)
+        return sorted((r.latency - r.ttft) / (r.output_len - 1) for r in results)
+    assert tpots(tpot_s)[-1] <= tpot_s
+    assert statistics.median(tpots(1e6)) > 2 * tpot_s
 
 
 def test_every_request_completes_and_every_block_returns_under_memory_pressure():

@@ -307,7 +307,7 @@ class Simulator:
         self.placement = Placement(cluster.mode, cluster.policy, cluster.seed, bs, cluster.local_prefill_max_tokens)
         if self.placement.local_prefill_max_tokens == AUTO:
             self.placement.price_local_prefill(lambda: cluster.decode_cost,
-                                               cluster.engine.scheduler.max_num_batched_tokens)
+                                               cluster.engine.scheduler.max_num_batched_tokens, cluster.slo.tpot_s)
         self.view = _SimView(self.workers, self.pool_ids, bs)
         self.prefix_index = self.placement.prefix_index
         if self.prefix_index is not None:
@@ -499,6 +499,8 @@ class Simulator:
             return
         dt = w.cost.step_s(engine.last_shape)
         dt *= self._slowdown(w, engine.last_shape.batch_size, dt)
+        if w.role == DECODE and engine.last_shape.num_decode and self.placement.tpot_s is not None:
+            self.placement.observe_decode_steps(w.worker_id, dt)     # (the router hears of it as it ends)
         w.steps += 1
         w.busy_s += dt
         w.step_end = self.now + dt
@@ -548,6 +550,8 @@ class Simulator:
         for end in ends:                                # each step timed, as a step taken alone is
             observe(rows, end - start, rows)
             start = end
+        if w.role == DECODE and self.placement.tpot_s is not None:
+            self.placement.observe_decode_steps(w.worker_id, (ends[-1] - w.run_start) / len(ends), len(ends))
         tracked, first, last = self._tracked, ends[0], ends[-1]
         for rid, finished in w.engine.advance(len(ends)):
             tr = tracked[rid]                           # _tokens, inline: per sequence per run

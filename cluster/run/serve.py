@@ -236,7 +236,7 @@ class ServingCluster:
         local_auto = cfg.local_prefill_max_tokens == AUTO and self.spec.mode != COLOCATED
         fit = self._step_fit(infos) if self.spec.controls or cfg.admission == SLO or local_auto else None
         if local_auto:
-            dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens)
+            dispatcher.price_local_prefill(fit, sched.max_num_batched_tokens, cfg.slo.tpot_s)
         self.controller = self._controller(dispatcher, infos, fit) if self.spec.controls else None
         if self.controller is not None:
             self.leadership.subscribe(lambda resume: self.controller.start(), self.controller.stop)
