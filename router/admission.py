@@ -83,6 +83,8 @@ QUIET_S = 1.0           # nothing in flight this long: the next request starts a
 BURST_S = 0.5           # for this long, the decode workers idle at its start share its prefill (local prefill)
 RECORD_MISS_SHARE = 1 / 20   # ServedRecord: misses at a lighter load, against those met at a heavier one
 RECORD_STRETCH = 1.125       # ServedRecord: a load this much heavier than one met counts as served
+REFUSAL_SHARE = 2.0          # RefusalPace: refusals a second at most this many times the requests served,
+REFUSAL_FLOOR_PER_S = 20.0   # and never fewer than this
 
 
 class Ticket:
@@ -518,6 +520,15 @@ class SLOAdmission:
             self._gap = statistics.median(g for _, g in self.gaps) if len(self.gaps) >= 5 else 0.0
         return self._gap
 
+    def served_per_s(self) -> float | None:
+        """Requests that had a first token ended per second lately (None with fewer than the line's
+        drain needs to count)."""
+        now = self.clock()
+        while self.completions and self.completions[0] < now - self.drain.window_s:
+            self.completions.popleft()
+        n = len(self.completions)
+        return n / self.drain.window_s if n >= self.drain.min_events else None
+
     def decode_pace(self) -> float | None:
         """Seconds per token after the second, lately: the median over the requests that ended in
         the window with more than two tokens (None with fewer than 5)."""
@@ -597,12 +608,21 @@ class RefusalPace:
         self.gap_s, self.max_hold_s = 1 / per_s, max_hold_s
         self.next = -math.inf             # when the next refusal may go out
 
-    def hold(self, now: float) -> float:
-        """Seconds a refusal made at `now` waits for its turn (0: it goes at once)."""
+    def hold(self, now: float, served_per_s: float | None = None) -> float:
+        """Seconds a refusal made at `now` waits for its turn (0: it goes at once). With the rate
+        requests are served lately (`served_per_s`), the pace is at most REFUSAL_SHARE times it
+        (at least REFUSAL_FLOOR_PER_S): a closed loop's refused clients come back at once, so each
+        of their refusals sheds nothing, and at the fixed pace alone a 32-client loop of
+        512-token prompts was refused 500 times a second, the router's work on them slowing the
+        workers until the predictions refused the whole loop (3,992 of 4,036 requests in 8 s
+        beside a busy core)."""
+        gap_s = self.gap_s
+        if served_per_s is not None:
+            gap_s = max(gap_s, 1 / max(REFUSAL_FLOOR_PER_S, REFUSAL_SHARE * served_per_s))
         at = max(now, self.next)
         if at - now > self.max_hold_s:
             return 0.0
-        self.next = at + self.gap_s
+        self.next = at + gap_s
         return at - now
 
 

@@ -358,7 +358,8 @@ class Server:
 
     async def _paced(self) -> None:
         """Holds a 429 of a full server until its turn (router/admission.py RefusalPace)."""
-        hold = self.refusal_pace.hold(asyncio.get_running_loop().time())
+        hold = self.refusal_pace.hold(asyncio.get_running_loop().time(),
+                                      self.admission.served_per_s() if self.admission is not None else None)
         if hold > 0:
             await asyncio.sleep(hold)
 

@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from common import Clock
-from router.admission import BURST_S, QUIET_S, RefusalPace, ServedRecord, SLOAdmission, Verdict
+from router.admission import (BURST_S, QUIET_S, REFUSAL_FLOOR_PER_S, REFUSAL_SHARE, RefusalPace, ServedRecord,
+                              SLOAdmission, Verdict)
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -714,3 +715,37 @@ def test_refusals_go_out_at_their_pace_and_none_waits_past_its_bound():
     assert pace.hold(20.0) == 0.0
     with pytest.raises(ValueError):
         RefusalPace(0.0)
+
+
+def test_refusals_go_out_at_most_at_twice_the_served_rate_and_no_slower_than_the_floor():
+    """Told how many requests a second are served, the pace is the lower of its own and
+    REFUSAL_SHARE times that rate, but never under REFUSAL_FLOOR_PER_S; with no rate known, its
+    own pace."""
+    pace = RefusalPace(500.0, max_hold_s=0.5)
+    assert [pace.hold(10.0, served_per_s=25.0) for _ in range(4)] == pytest.approx(
+        [k / (REFUSAL_SHARE * 25.0) for k in range(4)])
+    pace = RefusalPace(500.0, max_hold_s=0.5)
+    assert [pace.hold(10.0, served_per_s=1.0) for _ in range(3)] == pytest.approx(
+        [k / REFUSAL_FLOOR_PER_S for k in range(3)])
+    pace = RefusalPace(500.0, max_hold_s=0.5)
+    assert [pace.hold(10.0, served_per_s=1000.0) for _ in range(3)] == pytest.approx([0.0, 0.002, 0.004])
+    assert [pace.hold(20.0) for _ in range(3)] == pytest.approx([0.0, 0.002, 0.004])
+
+
+def test_the_served_rate_counts_requests_that_ended_after_a_first_token_within_the_window():
+    clock = Clock()
+    a = cluster(prefill=1, clock=clock)
+    ended = []
+    for _ in range(20):
+        t = a.started(64)
+        a.progress(t, 1, ttft_s=0.01)
+        clock.t += 0.1
+        a.ended(t)
+        ended.append(clock.t)
+    refused = a.started(64)                        # ended before a first token: not served
+    a.ended(refused)
+    assert a.served_per_s() == pytest.approx(20 / a.drain.window_s)
+    clock.t = ended[9] + a.drain.window_s + 1e-6   # the first ten age out
+    assert a.served_per_s() == pytest.approx(10 / a.drain.window_s)
+    clock.t += a.drain.window_s
+    assert a.served_per_s() is None
