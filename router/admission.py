@@ -438,9 +438,7 @@ class SLOAdmission:
         ends them at that pace too, and the short prompts after it do not)."""
         now = self.clock()
         rate = self.drain.per_s(now, self.waiting)
-        while self.completions and self.completions[0] < now - self.drain.window_s:
-            self.completions.popleft()
-        n = len(self.completions)
+        n = self._recent_completions(now)
         if rate is not None and n >= self.drain.min_events and self.drain.busy_share >= SATURATED:
             rate = min(rate, (n - 1) / max(now - self.completions[0], 1e-3))
         if rate is not None and prompt_tokens is not None and self.drain.prompt > 0:
@@ -523,11 +521,15 @@ class SLOAdmission:
     def served_per_s(self) -> float | None:
         """Requests that had a first token ended per second lately (None with fewer than the line's
         drain needs to count)."""
-        now = self.clock()
+        n = self._recent_completions(self.clock())
+        return n / self.drain.window_s if n >= self.drain.min_events else None
+
+    def _recent_completions(self, now: float) -> int:
+        """How many requests that had a first token ended within the drain's window (older ends
+        leave `completions`)."""
         while self.completions and self.completions[0] < now - self.drain.window_s:
             self.completions.popleft()
-        n = len(self.completions)
-        return n / self.drain.window_s if n >= self.drain.min_events else None
+        return len(self.completions)
 
     def decode_pace(self) -> float | None:
         """Seconds per token after the second, lately: the median over the requests that ended in
