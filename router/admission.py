@@ -93,12 +93,13 @@ class Ticket:
     __slots__ = ("prompt_tokens", "predicted_ttft_s", "bias", "stage", "first_at", "second_at", "tokens", "load",
                  "served", "local")
 
-    def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float, load: tuple[int, int] = (0, 0)):
+    def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float,
+                 load: tuple[int, int, int] = (0, 0, 0)):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
         self.bias = bias                  # the bias in its prediction (it has moved by its first token)
         self.first_at = self.second_at = math.nan
         self.tokens = 0
-        self.load = load                  # (requests in flight, their prompt tokens) as its run started
+        self.load = load                  # ServedRecord's load as its run started
         self.served: list | None = None   # its entry in the ServedRecord, from its first token
         self.local = False                # prefilled on its decode worker, past the prefill pool's line
 
@@ -172,16 +173,25 @@ class DrainRate:
 
 class ServedRecord:
     """What the router saw served lately, by load: a check on the predictions that needs no
-    model. A load is (requests in flight, their prompt tokens), each counted with the request
-    itself, as its run starts; an outcome is the request's TTFT (when its first token comes) and
-    whether its TPOT met the target (when it ends).
+    model. A load is (requests in flight, their prompt tokens, the prompt tokens in the prefill
+    pool's line), each counted with the request itself, as its run starts; an outcome is the
+    request's TTFT (when its first token comes) and whether its TPOT met the target (when it
+    ends). Requests prefilled on their decode workers are not recorded (`passed_line`).
 
     The record says a load is served when lately at least `min_met` requests met their targets
-    under a load as heavy in both counts, or within RECORD_STRETCH of it (so that a closed loop
-    held back by the predictions climbs to its size round by round, not only by probes), and
-    those that missed under a load as light or lighter are at most RECORD_MISS_SHARE of them (a
-    stray miss, a pause, does not undo a loop's hundreds; a load heavier than any served, or one
-    that lighter loads missed at, is the predictions' to judge). A request the predictions
+    under a load as heavy in all three counts, or within RECORD_STRETCH of it (so that a closed
+    loop held back by the predictions climbs to its size round by round, not only by probes),
+    and those that missed under a load about as light or lighter (within RECORD_STRETCH above
+    it) are at most RECORD_MISS_SHARE of them (a stray miss, a pause, does not undo a loop's
+    hundreds; a load heavier than any served, or one that loads about as light missed at, is
+    the predictions' to judge). A TTFT miss counts by the line alone, what a first token waits
+    behind; a TPOT miss by the requests in flight and their tokens, what a decode step carries.
+    Misses counted only when lighter in every count, and the load without the line, let a
+    sustained overload in on the record: met requests about as heavy outnumbered the misses
+    that were lighter in every count, the line requests let in on the record at the edge of
+    what the line serves missed there, and at 3x the served rate on the live cluster the record
+    let in 228-304 of the 419-599 requests served, which made most of the 38-60 TTFT misses
+    (fast local prefills, recorded then, added met ones at every load). A request the predictions
     would refuse is let in when the record says its load is served: a closed loop of clients
     never carries more than its first round did, so once the server has served a round within
     its targets, nothing of that loop is refused whatever the predictions say (in
@@ -191,24 +201,27 @@ class ServedRecord:
 
     def __init__(self, window_s: float = 20.0, size: int = 512, min_met: int = 3):
         self.window_s, self.min_met = window_s, min_met
-        self.entries: deque[list] = deque(maxlen=size)   # [when, in flight, their prompt tokens, ttft, tpot met or None]
+        self.entries: deque[list] = deque(maxlen=size)   # [when, *load, ttft, tpot met or None]
 
-    def first(self, now: float, load: tuple[int, int], ttft_s: float) -> list:
-        entry = [now, load[0], load[1], ttft_s, None]
+    def first(self, now: float, load: tuple[int, int, int], ttft_s: float) -> list:
+        """A first token: its entry, whose last item the router sets when the request ends."""
+        entry = [now, *load, ttft_s, None]
         self.entries.append(entry)
         return entry
 
-    def serves(self, now: float, in_flight: int, tokens: int, ttft_limit_s: float) -> bool:
+    def serves(self, now: float, load: tuple[int, int, int], ttft_limit_s: float) -> bool:
         entries = self.entries
         while entries and entries[0][0] < now - self.window_s:
             entries.popleft()
         met = missed = 0
-        reach_n, reach_tokens = in_flight / RECORD_STRETCH, tokens / RECORD_STRETCH
-        for _, n, k, ttft, tpot_met in entries:
-            if ttft > ttft_limit_s or tpot_met is False:
-                missed += n <= in_flight and k <= tokens
-            elif tpot_met:
-                met += n >= reach_n and k >= reach_tokens
+        in_flight, tokens, line = load
+        reach = (in_flight / RECORD_STRETCH, tokens / RECORD_STRETCH, line / RECORD_STRETCH)
+        near = (in_flight * RECORD_STRETCH, tokens * RECORD_STRETCH, line * RECORD_STRETCH)
+        for _, n, k, q, ttft, tpot_met in entries:
+            if ttft > ttft_limit_s and q <= near[2] or tpot_met is False and n <= near[0] and k <= near[1]:
+                missed += 1
+            elif ttft <= ttft_limit_s and tpot_met:
+                met += n >= reach[0] and k >= reach[1] and q >= reach[2]
         return met >= self.min_met and missed <= RECORD_MISS_SHARE * met
 
 
@@ -253,7 +266,7 @@ class SLOAdmission:
         self.drain.line(self.clock(), self.waiting)
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
-        return Ticket(prompt_tokens, predicted_ttft_s, self.bias, (self.in_flight, self.in_flight_tokens))
+        return Ticket(prompt_tokens, predicted_ttft_s, self.bias, self._load())
 
     @property
     def in_flight(self) -> int:
@@ -262,6 +275,13 @@ class SLOAdmission:
     @property
     def in_flight_tokens(self) -> int:
         return self.waiting_tokens + self.past_first_tokens
+
+    def _load(self, arriving_tokens: int | None = None) -> tuple[int, int, int]:
+        """The load ServedRecord judges: with a request of `arriving_tokens` about to come, or as
+        it stands (a request just counted in)."""
+        if arriving_tokens is None:
+            return self.in_flight, self.in_flight_tokens, self.queued_tokens()
+        return self.in_flight + 1, self.in_flight_tokens + arriving_tokens, self.queued_tokens() + arriving_tokens
 
     def pledge(self, prompt_tokens: int, requests: int = 1) -> Pledge:
         """Requests just let in, in the line until their runs start (Pledge)."""
@@ -305,8 +325,8 @@ class SLOAdmission:
             self.drain.first(t.first_at, t.prompt_tokens)
             if not t.local:
                 self._learn(t.predicted_ttft_s, t.bias, ttft_s)
-            if ttft_s >= 0:
-                t.served = self.record.first(t.first_at, t.load, ttft_s)
+                if ttft_s >= 0:
+                    t.served = self.record.first(t.first_at, t.load, ttft_s)
         if t.stage == HANDOFF and tokens_out >= 2:
             self._leave(t)
             t.stage = DECODING
@@ -321,7 +341,7 @@ class SLOAdmission:
             self.completions.append(self.clock())
             self.past_first_tokens -= t.prompt_tokens
         if t.served is not None:            # its TPOT (none with one token: met)
-            t.served[4] = t.tokens < 2 or (self.clock() - t.first_at) / (t.tokens - 1) <= self.slo.tpot_s
+            t.served[-1] = t.tokens < 2 or (self.clock() - t.first_at) / (t.tokens - 1) <= self.slo.tpot_s
         if t.stage == DECODING and t.tokens > 2:
             now = self.clock()
             self.paces.append((now, (now - t.second_at) / (t.tokens - 2)))
@@ -582,7 +602,7 @@ class SLOAdmission:
         probe when the credit allows, so that probes stay within `explore_share` of the requests
         let in (a closed loop's clients retry at once: a share of the refusals would fill the
         server with probes)."""
-        if self.record.serves(self.clock(), self.in_flight + 1, self.in_flight_tokens + prompt_tokens, v.ttft_limit_s):
+        if self.record.serves(self.clock(), self._load(prompt_tokens), v.ttft_limit_s):
             self.on_record += 1
             return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, ttft_limit_s=v.ttft_limit_s,
                            on_record=True)
