@@ -428,6 +428,61 @@ def test_prefill_capacity_prices_the_lengths_as_they_come_not_their_mean():
     assert sorted(observe(log, 100.0, 10.0, 30.0).prompt_quantiles) == [100] * 10 + [4000] * 10
 
 
+def test_the_decode_context_is_what_the_engines_decode_steps_carry_not_the_means(monkeypatch):
+    """Prompts of 100 tokens, half the replies 10 tokens and half 1,000: the engine's scheduler,
+    stepping a decode worker of the simulator one step at a time, carries rows at a mean context
+    (the sum of its decode steps' contexts over their rows, in the run's steady middle) of about
+    what `decode_context` computes from the arrivals, 595 tokens; the means' prompt plus half
+    the mean reply (353) is a long reply's context early in its life, not the batch's. A decode
+    worker's capacity priced at the means overstates what it serves at the TPOT target."""
+    import cluster.capacity.simulate as S
+    from cluster.run.controller import decode_context
+    from router.slo import RequestLog
+    from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+    from workers.cost_model import BatchShape, CostModel, LinearStepModel, Link
+    rng = random.Random(7)
+    step = LinearStepModel(p0=0.002, p1=1e-5, p2=0.0, d0=0.005, d1=1e-7, d2=1e-4)
+    cost = CostModel(step, kv_bytes_per_token=1, kv_capacity_tokens=10**7, link=Link("test", 1e9, 1e-6))
+    rows, t = [], 0.0
+    for _ in range(1200):
+        t += rng.expovariate(4.0)
+        rows.append((t, 100, rng.choice((10, 1000))))
+    requests = [S.SimRequest(t, [i % 50 + 1, 7] + [0] * (p - 2), o) for i, (t, p, o) in enumerate(rows)]
+    carried = [0, 0]                                     # context, rows of the decode steps in the steady middle
+
+    class Carried:
+        """The step model, adding up the decode steps' shapes in the run's steady middle."""
+        def __getattr__(self, name):
+            return getattr(step, name)
+
+        def step_s(self, shape: BatchShape) -> float:
+            if shape.num_decode and not shape.num_prefill and 30.0 <= sim.now <= rows[-1][0] - 30.0:
+                carried[0] += shape.decode_context
+                carried[1] += shape.num_decode
+            return step.step_s(shape)
+    monkeypatch.setattr(S, "MAX_RUN", 1)                 # every step through the scheduler
+    c = S.SimCluster(num_prefill=1, num_decode=1, prefill_cost=cost,
+                     decode_cost=dataclasses.replace(cost, step=Carried()),
+                     engine=EngineConfig(cache=CacheConfig(enable_prefix_caching=False),
+                                         scheduler=SchedulerConfig(max_num_seqs=1024)))
+    sim = S.Simulator(c)
+    results, _ = sim.run(requests)
+    assert all(r.success for r in results) and carried[1] > 10_000, ({r.error for r in results if not r.success}, carried)
+    measured = carried[0] / carried[1]
+    expected = decode_context(((p, o) for _, p, o in rows), 1.0)
+    assert expected == pytest.approx(100 + (500 * 10 * 5 + 500 * 1000 * 500) / (500 * 1010), rel=0.05)
+    assert measured == pytest.approx(expected, rel=0.1)
+    means = 100 + sum(o for *_, o in rows) / len(rows) / 2
+    assert measured > 1.4 * means
+    log = RequestLog(60.0, clock=lambda: 100.0)                                    # observe gives it
+    for _, p, o in rows[:100]:
+        log.arrivals.append((90.0, p, o))
+    assert observe(log, 100.0, 10.0, 30.0).decode_context == pytest.approx(decode_context(
+        ((p, o) for _, p, o in rows[:100]), 1.0))
+    assert decode_context([(100, 50)] * 4, 1.0) == 125 and decode_context([], 1.0) == 0.0   # one length: the means'
+    assert cost.decode_tokens_per_s(expected, 0.05, 1024) < 0.9 * cost.decode_tokens_per_s(means, 0.05, 1024)
+
+
 def test_mixed_config_keeps_its_hysteresis():
     with pytest.raises(ValueError):
         ControllerConfig(max_workers=4, mixed=True, mixed_ok=1.0, split_at=1.0)

@@ -246,11 +246,12 @@ class ControlledSimulator(ElasticSimulator):
         cost, sched = self.c.prefill_cost, self.c.engine.scheduler
         decode = [x.engine.load_report(x.worker_id, x.role, 0) for x in self.pools[DECODE]]
         prefill_tps = prefill_rate(cost, o.prompt_quantiles, prompt, sched.max_num_batched_tokens)
-        decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, c.slo_tpot_s, sched.max_num_seqs)
+        decode_tps = cost.decode_tokens_per_s(o.decode_context or 1, c.slo_tpot_s, sched.max_num_seqs)
         floor, keep = self._floors(prefill_tps, decode_tps)
         s = Signals(
             now=now, num_prefill=len(self.pools[PREFILL]), num_decode=len(self.pools[DECODE]),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            decode_context=o.decode_context,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             queued_prefill_tokens=sum(x.engine.load_report(x.worker_id, x.role, 0).queued_prefill_tokens
                                       for x in self.pools[PREFILL] or self.pools[DECODE]),

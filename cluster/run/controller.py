@@ -176,6 +176,7 @@ class Signals:
     decode_shrank_at: float = -math.inf
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
     short_output_tokens: float = 0.0      # the 10th percentile of the window's expected output (0: the mean)
+    decode_context: float = 0.0           # a decode step's mean context (`Observed`; 0: prompt + output / 2)
     mixed_tpot: float = math.inf          # the TPOT predicted on mixed workers over the target (`mixed_tpot`;
                                           # inf: not priced, the mixed role never pays)
     split_need: float = math.inf          # the arrivals' whole need (workers' worth, no backlog) when mixed
@@ -229,6 +230,24 @@ class Observed:
     long_prompt_tokens: float = 0.0       # the 90th percentile of the window's prompt tokens
     prompt_quantiles: tuple = ()          # the window's prompt tokens at QUANTILES (prefill_rate prices them)
     short_output_tokens: float = 0.0      # the 10th percentile of the output expected (asked x the share used)
+    decode_context: float = 0.0           # a decode step's mean context (`decode_context`; 0: no arrivals)
+
+
+def decode_context(rows, used: float) -> float:
+    """The mean context of the sequences a decode step carries, from arrivals' (prompt tokens,
+    max_tokens asked) `rows`, each reply expected at `used` of what it asks: a request decodes
+    for as many steps as its reply has tokens, so a step holds each request in proportion to its
+    reply, at its prompt and half its reply on average. Output-weighted: sum(p*o + o*o/2) /
+    sum(o) (the mean prompt plus half the mean reply when every reply is as long; more when
+    replies vary, since the long ones are most of what is decoding: with half the replies at 10
+    tokens and half at 1,000 after 100-token prompts, 595 tokens against the means' 353). 0
+    without rows."""
+    weight = weighted = 0.0
+    for prompt, asked in rows:
+        o = used * asked
+        weight += o
+        weighted += o * (prompt + o / 2)
+    return weighted / weight if weight > 0 else 0.0
 
 
 def observe(log, now: float, interval_s: float, window_s: float, since: float = -math.inf,
@@ -260,6 +279,7 @@ def observe(log, now: float, interval_s: float, window_s: float, since: float = 
                     prompt_quantiles=tuple(prompts[int(q * n)] for q in QUANTILES) if n else (),
                     mean_output_tokens=used * sum(a[2] for a in recent) / n if n else 0.0,
                     short_output_tokens=used * sorted(a[2] for a in recent)[int(0.1 * n)] if n else 0.0,
+                    decode_context=decode_context(((a[1], a[2]) for a in recent), used),
                     ttft_attainment=sum(f[4] for f in judged) / k if k else math.nan,
                     tpot_attainment=sum(f[5] for f in judged) / k if k else math.nan)
 
@@ -285,8 +305,8 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
     to the steps they ride in, over a short reply's tokens after the first: the 10th
     percentile, since attainment is judged request by request and a short reply meets a long
     prompt's steps with few tokens to spread them over). The batch: each worker's
-    arrivals running for their output at the target pace (Little's law), at a context of the
-    mean prompt and half the mean output; the prompts priced at `s.prefill_tokens_per_s`
+    arrivals running for their output at the target pace (Little's law), at the window's decode
+    context (`decode_context`); the prompts priced at `s.prefill_tokens_per_s`
     (the window's lengths, `prefill_rate`). Infinite when the prompts alone take every worker's
     time. `cost`: workers/cost_model.py CostModel."""
     workers = max(1, s.num_prefill + s.num_decode)
@@ -294,7 +314,7 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
     if share >= 1:
         return math.inf
     rows = max(1, math.ceil(s.arrival_rate / workers * s.mean_output_tokens * tpot_s))
-    ctx = max(1, round(s.mean_prompt_tokens + s.mean_output_tokens / 2))
+    ctx = max(1, round(s.decode_context or s.mean_prompt_tokens + s.mean_output_tokens / 2))
     decode = BatchShape(num_decode=rows, decode_context=rows * ctx)
     n = max(1, round(s.long_prompt_tokens or s.mean_prompt_tokens))
     step, stall = cost.step_s(decode), 0.0

@@ -118,11 +118,12 @@ class PoolController:
         # the prompts waiting: on the prefill pool, or, with none (mixed), on the decode workers
         queued = sum(m.queued_prefill_tokens() for m in prefill or self.pools.active(DECODE))
         prefill_tps = prefill_rate(cost, o.prompt_quantiles, prompt, self.max_num_batched_tokens)
-        decode_tps = cost.decode_tokens_per_s(prompt + output / 2 or 1, self.slo_tpot_s, self.max_num_seqs)
+        decode_tps = cost.decode_tokens_per_s(o.decode_context or 1, self.slo_tpot_s, self.max_num_seqs)
         floor, keep = self._floors(now, prefill_tps, decode_tps)
         s = Signals(
             now=now, num_prefill=self.pools.count(PREFILL), num_decode=self.pools.count(DECODE),
             arrival_rate=o.arrival_rate, mean_prompt_tokens=prompt, mean_output_tokens=output,
+            decode_context=o.decode_context,
             prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
             queued_prefill_tokens=queued, floor_prefill=floor[0], floor_decode=floor[1],
             keep_prefill=keep[0], keep_decode=keep[1],
