@@ -164,18 +164,32 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
     with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=TPOT_S),
                         local_prefill_max_tokens=0) as c:
         pools, ctl = c.pools, c.controller
-        cost, max_seqs = ctl.fit.current(), spec.engine.scheduler.max_num_seqs
+        max_seqs = spec.engine.scheduler.max_num_seqs
         dp, do = DECODE_HEAVY
-        decode_heavy = (dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do)
         metrics = c.server.metrics.registry
+
+        def decode_heavy() -> tuple:
+            """OVERLOAD times a decode worker's capacity as the controller prices it now: its cost
+            model starts from the grid timed before serving and then follows the served steps. At
+            a rate fixed from the grid, a fresh clone's full run saw the controller read the
+            decode load at 2.03 and 1.72, then 0.52 for the next 87 s, and no third advice came."""
+            cost = ctl.fit.current()
+            return dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do
 
         def live() -> int:
             return sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools)
 
         async def drive():
             load = Load(c.base_url)
-            load.phase = decode_heavy
+            load.phase = decode_heavy()
             sender = asyncio.ensure_future(load.run())
+            heavy = True
+
+            async def follow():
+                while heavy:
+                    load.phase = decode_heavy()
+                    await asyncio.sleep(0.5)
+            follower = asyncio.ensure_future(follow())
             try:
                 await wait_until(lambda: sum(d["action"] == "add_decode" for d in ctl.decisions) >= 3,
                                  PHASE_DEADLINE_S, "three pieces of advice to add a decode worker", lambda: why_not(c))
@@ -184,10 +198,12 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
                 ctl.control = dataclasses.replace(ctl.control, advise=False)          # now it acts
                 await wait_until(lambda: pools.count(DECODE) == 2, PHASE_DEADLINE_S, "a decode worker added",
                                  lambda: why_not(c))
+                heavy = False
                 load.phase = (dp, 4, 0.5)                                            # the load falls
                 await wait_until(lambda: live() == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
                                  "the decode pool shrinking back", lambda: why_not(c))
             finally:
+                follower.cancel()
                 load.stop = True
                 await sender
             return advised, load.sent, await load.results()
