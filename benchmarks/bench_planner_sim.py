@@ -34,8 +34,8 @@ from cluster.capacity.sim_control import ControlledSimulator, PlannedSimulator, 
 from cluster.capacity.simulate import SimCluster, SimRequest, Simulator  # noqa: E402
 from cluster.loadtest import loadgen  # noqa: E402
 from cluster.loadtest.bench_data import load_trace, rise_and_fall  # noqa: E402
-from router.slo import judge  # noqa: E402
 from cluster.run.controller import ControllerConfig  # noqa: E402
+from router.slo import judge  # noqa: E402
 from workers.config import CacheConfig, EngineConfig  # noqa: E402
 from workers.cost_model import roofline  # noqa: E402
 from workers.names import COLOCATED  # noqa: E402

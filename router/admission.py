@@ -218,7 +218,7 @@ class ServedRecord:
         reach = (in_flight / RECORD_STRETCH, tokens / RECORD_STRETCH, line / RECORD_STRETCH)
         near = (in_flight * RECORD_STRETCH, tokens * RECORD_STRETCH, line * RECORD_STRETCH)
         for _, n, k, q, ttft, tpot_met in entries:
-            if ttft > ttft_limit_s and q <= near[2] or tpot_met is False and n <= near[0] and k <= near[1]:
+            if (ttft > ttft_limit_s and q <= near[2]) or (tpot_met is False and n <= near[0] and k <= near[1]):
                 missed += 1
             elif ttft <= ttft_limit_s and tpot_met:
                 met += n >= reach[0] and k >= reach[1] and q >= reach[2]

@@ -183,10 +183,9 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
             load = Load(c.base_url)
             load.phase = decode_heavy()
             sender = asyncio.ensure_future(load.run())
-            heavy = True
 
             async def follow():
-                while heavy:
+                while True:
                     load.phase = decode_heavy()
                     await asyncio.sleep(0.5)
             follower = asyncio.ensure_future(follow())
@@ -198,7 +197,7 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
                 ctl.control = dataclasses.replace(ctl.control, advise=False)          # now it acts
                 await wait_until(lambda: pools.count(DECODE) == 2, PHASE_DEADLINE_S, "a decode worker added",
                                  lambda: why_not(c))
-                heavy = False
+                follower.cancel()
                 load.phase = (dp, 4, 0.5)                                            # the load falls
                 await wait_until(lambda: live() == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
                                  "the decode pool shrinking back", lambda: why_not(c))
