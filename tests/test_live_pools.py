@@ -4,6 +4,8 @@ the offline single engine on the same prompts)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import ray
@@ -106,11 +108,18 @@ def test_a_worker_killed_while_draining_resumes_its_requests_and_completes_its_f
     which comes back empty and so completes the flip at once."""
     c = cluster
     m = c.pools["decode-0"]
+    pid = ray.get(m.handle.ready.remote(), timeout=60).pid
     restarts = metric(c, "pdcluster:workers_replaced_total", {"role": DECODE})
     fut = asyncio.run_coroutine_threadsafe(send_all(c.base_url, prompts), c.loop)
     wait_for(lambda: m.assigned, bool, 60)
-    on_loop(c, lambda: c.pools.drain("decode-0", PREFILL))
-    ray.kill(m.handle, no_restart=False)
+    # Frozen first, so the requests it holds are still open when it dies (a busy box once let
+    # them finish between the drain and the kill, and the death had nothing to resume).
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        on_loop(c, lambda: c.pools.drain("decode-0", PREFILL))
+        assert on_loop(c, lambda: len(m.assigned)) >= 1
+    finally:
+        os.kill(pid, signal.SIGKILL)             # (never leave a stopped process behind)
     assert fut.result(timeout=300) == reference
     wait_for(lambda: (m.state, m.role), lambda s: s == (ACTIVE, PREFILL), 120)
     assert ray.get(m.handle.ready.remote()).role == PREFILL
