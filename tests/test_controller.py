@@ -393,6 +393,41 @@ def test_mixed_tpot_is_the_decode_step_stretched_by_the_prompts_plus_a_long_stal
                                                                 / 0.05)
 
 
+def test_a_mixed_pool_short_of_workers_grows_and_splits_only_where_growing_would_not_do():
+    """The mixed TPOT is priced at the size the pool would grow to: short prompts at 1.15 of two
+    mixed workers' capacity predict a TPOT past the target on two (1.15) but not on the three
+    that carry it at the decode target (0.78), so the pool grows; at a budget of two it splits."""
+    from cluster.run.controller import mixed_size
+    from workers.cost_model import CostModel, LinearStepModel, Link
+    step = LinearStepModel(p0=0.01, p1=1e-5, p2=0.0, d0=0.004, d1=1e-6, d2=1e-4)
+    cost = CostModel(step, kv_bytes_per_token=1, kv_capacity_tokens=10**6, link=Link("test", 1e9, 1e-6))
+    # 100-token prompts, 100-token replies, 50 ms TPOT: a decode step of n rows at 150 tokens of
+    # context takes 0.004 + n x 2.5e-4 s, so 184 rows fit the target, 3,680 tokens/s; prompts
+    # go 20 to a 2,048-token step (0.01 + 2,000e-5 s), 66,667 tokens/s. At 80 req/s the whole
+    # need is 80 x (100 / 3,680 + 100 / 66,667) = 2.29 workers: 1.15 on two, 3 at 0.85 each.
+    s = dataclasses.replace(signals(0, 2, rate=80.0, prompt=100, output=100, long_prompt_tokens=100),
+                            prefill_tokens_per_s=cost.prefill_tokens_per_s(100, 2048),
+                            decode_tokens_per_s=cost.decode_tokens_per_s(150, 0.05, 256))
+    assert (s.prefill_tokens_per_s, s.decode_tokens_per_s) == pytest.approx((66_666.67, 3_680.0))
+    assert sum(needs(s)) == pytest.approx(2.294, abs=1e-3)
+    elastic = ControllerConfig.sized(8, 30, min_workers=2, mixed=True)
+    assert mixed_size(s, elastic) == 3
+    # Two workers: 200 rows (80 / 2 x 100 x 0.05), a 0.054 s step, prompts 0.06 of the time;
+    # three: 134 rows, 0.0375 s, 0.04. The 100-token prompt's one chunk adds 0.006 + 0.001 to
+    # a step, spread over 99 tokens.
+    stall = (0.006 + 0.001) / 99
+    assert mixed_tpot(cost, s, 0.05, 2048) == pytest.approx((0.054 / 0.94 + stall) / 0.05)               # 1.15
+    assert mixed_tpot(cost, s, 0.05, 2048, 3) == pytest.approx((0.0375 / 0.96 + stall) / 0.05)           # 0.78
+    d = decide(dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, 0.05, 2048, mixed_size(s, elastic))), elastic)
+    assert (d.action, d.code, d.count) == (ADD_DECODE, "mixed_short", 1), d
+    at_budget = ControllerConfig.sized(2, 30, min_workers=2, mixed=True)
+    assert mixed_size(s, at_budget) == 2
+    d = decide(dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, 0.05, 2048, mixed_size(s, at_budget))), at_budget)
+    assert (d.action, d.code, d.count) == (TO_PREFILL, "split_tpot", 1), d
+    # over the budget (it went down), the price stays at the workers there are
+    assert mixed_size(dataclasses.replace(s, num_decode=4), at_budget) == 4
+
+
 def test_observe_reads_the_90th_percentile_prompt():
     from router.slo import RequestLog
     log = RequestLog(60.0, clock=lambda: 100.0)

@@ -31,6 +31,7 @@ PREFILL_HEAVY = (900, 2)             # prompt tokens, output tokens
 # worker half busy once decode steps of few rows got faster (the C++ small-batch kernels), and
 # the controller rightly would not spare it.
 DECODE_HEAVY = (64, 150)
+MIXED_HEAVY = (16, 200)              # short prompts for mixed workers, replies long enough to load them
 OVERLOAD = 1.6                       # each phase's demand over one worker's predicted capacity
 PHASE_DEADLINE_S = 90.0
 BATCHED_TOKENS, TPOT_S = 2048, 0.015
@@ -277,6 +278,71 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
     assert whole >= 8, whole                             # the requests served whole while mixed
     served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
     assert len(served) >= mixed_at + 8, f"{len(sent) - len(served)} of {len(sent)} refused"
+    assert_offline(served)
+
+
+def test_mixed_workers_grow_as_one_pool_under_load_and_shrink_after(ray_session, alone):
+    """1 prefill + 1 decode, `--controller-mixed`, elastic between 2 and 3 workers: a light load
+    of short prompts makes both workers mixed; then short prompts at 1.1 of the two mixed
+    workers' capacity (as the controller prices it) grow the mixed pool to 3 (a new worker that
+    serves requests whole), not split it; when the load falls, one leaves and the two stay
+    mixed. Every answer equals the offline engine's; none fails but with 429."""
+    from cluster.run.controller import prefill_rate
+    spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, controller_mixed=True, max_workers=3, min_workers=2,
+                       engine={"scheduler": {"max_num_batched_tokens": BATCHED_TOKENS}}, num_cpus_per_worker=0.5,
+                       controller=True, controller_interval_s=1.0, controller_window_s=6.0,
+                       controller_cooldown_s=3.0, controller_shrink_hold_s=8.0, controller_forecast_s=0.0)
+    tpot_s, (plen, olen) = 0.05, MIXED_HEAVY
+    with ServingCluster(spec, port=free_port(), slo=SLOTargets(ttft_s=1.0, tpot_s=tpot_s)) as c:
+        pools, ctl = c.pools, c.controller
+        max_seqs = spec.engine.scheduler.max_num_seqs
+
+        def heavy() -> tuple:
+            """1.1 of two mixed workers' capacity for these requests, as the controller prices it now."""
+            cost = ctl.fit.current()
+            per_request = (plen / prefill_rate(cost, (plen,), plen, BATCHED_TOKENS)
+                           + olen / cost.decode_tokens_per_s(plen + olen / 2, tpot_s, max_seqs))
+            return plen, olen, 2 * 1.1 / per_request
+
+        def mixed(n: int) -> bool:
+            return pools.count(PREFILL) == 0 and pools.count(DECODE) == n and \
+                sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools) == n
+
+        async def drive():
+            load = Load(c.base_url)
+            load.phase = (16, 24, 2.0)
+            sender = asyncio.ensure_future(load.run())
+
+            async def follow():
+                while True:
+                    load.phase = heavy()
+                    await asyncio.sleep(0.5)
+            follower = None
+            try:
+                await wait_until(lambda: mixed(2), PHASE_DEADLINE_S, "both workers mixed", lambda: why_not(c))
+                mixed_at = len(load.sent)
+                follower = asyncio.ensure_future(follow())
+                await wait_until(lambda: mixed(3), PHASE_DEADLINE_S, "a third mixed worker", lambda: why_not(c))
+                follower.cancel()
+                load.phase = (16, 4, 0.5)                                             # the load falls
+                await wait_until(lambda: mixed(2), PHASE_DEADLINE_S, "the mixed pool shrinking back",
+                                 lambda: why_not(c))
+            finally:
+                if follower is not None:
+                    follower.cancel()
+                load.stop = True
+                await sender
+            return mixed_at, load.sent, await load.results()
+        mixed_at, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
+        decisions = list(ctl.decisions)
+        whole = c.server.metrics.registry.get_sample_value("pdcluster:local_prefills_total")
+    codes = [(d["action"], d["code"], d["prefill"], d["decode"]) for d in decisions]
+    assert codes[0][:2] == ("to_decode", "mixed"), decisions
+    assert ("add_decode", "mixed_short", 0, 2) in codes and codes[-1][:2] == ("remove_decode", "shrink"), decisions
+    assert not any(a == "to_prefill" for a, *_ in codes), decisions           # it never split
+    served = [(p, n, a) for (p, n, _), a in zip(sent, answers) if a != 429]
+    served_mixed = sum(a != 429 for a in answers[mixed_at:])          # each served whole by one worker
+    assert served_mixed >= 10 and whole >= served_mixed, (served_mixed, len(served), len(sent), whole)
     assert_offline(served)
 
 

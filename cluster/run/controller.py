@@ -297,10 +297,22 @@ def prefill_rate(cost, quantiles, mean_prompt: float, budget: int) -> float:
     return sum(qs) / sum(n / cost.prefill_tokens_per_s(n, budget) for n in qs)
 
 
-def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
+def mixed_size(s: Signals, cfg: ControllerConfig) -> int:
+    """The workers the mixed TPOT is priced on: the cluster's, or, where the whole load asks for
+    more, as many as carry it at the decode target (within the budget). A pool short of workers
+    predicts a TPOT past the target by its load alone, which more mixed workers mend (it grows,
+    `mixed_short`) and a split does not: only a TPOT past it at the size it would grow to splits.
+    Priced at the workers there are, the conversation trace's rise split the mixed pool at 1.05
+    of the target (BENCHMARKS.md, the mixed role)."""
+    total = s.num_prefill + s.num_decode
+    return min(max(total, cfg.max_workers), max(total, math.ceil(sum(needs(s, cfg.backlog_s)) / cfg.decode_target_load
+                                                                  - 1e-9)))
+
+
+def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int, workers: int = 0) -> float:
     """The TPOT a request would see on mixed workers, over the target: the decode step of a
     mixed worker's batch, stretched by the share of its time its prompts take (the whole load
-    spread over all the cluster's workers), plus one long prompt's stall spread over a reply
+    spread over `workers`, 0: all the cluster's; `mixed_size`), plus one long prompt's stall spread over a reply
     (what the 90th-percentile prompt's chunks, of at most the scheduler's `budget` tokens, add
     to the steps they ride in, over a short reply's tokens after the first: the 10th
     percentile, since attainment is judged request by request and a short reply meets a long
@@ -309,7 +321,7 @@ def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int) -> float:
     context (`decode_context`); the prompts priced at `s.prefill_tokens_per_s`
     (the window's lengths, `prefill_rate`). Infinite when the prompts alone take every worker's
     time. `cost`: workers/cost_model.py CostModel."""
-    workers = max(1, s.num_prefill + s.num_decode)
+    workers = max(1, workers or s.num_prefill + s.num_decode)
     share = s.arrival_rate * s.mean_prompt_tokens / max(1e-9, s.prefill_tokens_per_s) / workers
     if share >= 1:
         return math.inf

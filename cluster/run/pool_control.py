@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_tpot,
+                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_size, mixed_tpot,
                                 observe, prefill_rate, steady_need, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
@@ -135,7 +135,8 @@ class PoolController:
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
             long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens)
-        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, self.slo_tpot_s, self.max_num_batched_tokens))
+        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, self.slo_tpot_s, self.max_num_batched_tokens,
+                                                          mixed_size(s, c.config)))
 
     def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
         """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
@@ -166,7 +167,7 @@ class PoolController:
             return d
         count = d.count
         self.decisions.append({"t": s.now - self.started_at, "action": d.action, "count": count, "reason": d.reason,
-                               "prefill": s.num_prefill, "decode": s.num_decode})
+                               "code": d.code, "prefill": s.num_prefill, "decode": s.num_decode})
         if self.control.advise:
             log.warning("controller (advisory, nothing changed): would %s x%d at %d prefill + %d decode -> %d + %d: %s",
                         d.action, count, s.num_prefill, s.num_decode, s.num_prefill + dp * count,
