@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/bench_sim_fidelity.py [--rates 2,12] [--num-prompts 100,300]
 
 1. `pdcluster profile --model tiny` (engine steps, the handoff, the served path's overheads);
-2. per rate: `pdcluster bench --launch` (1 prefill + 1 decode, random 256 -> 48 tokens, range
-   ratio 0.5, ignore_eos) and `pdcluster simulate --profile` with the same dataset flags and
-   seed, so both see the same prompt lengths and send times;
+2. per rate: `pdcluster bench --launch` (serve's defaults, 1 prefill + 1 decode, in a process
+   of its own; random 256 -> 48 tokens, range ratio 0.5, ignore_eos) and `pdcluster simulate
+   --profile` with the same dataset flags and seed, so both see the same prompt lengths and
+   send times;
 3. a table of median and p99 TTFT and TPOT, simulated / measured.
 Runs one thing at a time (the cores are shared: a real run beside anything else is not a
 measurement).

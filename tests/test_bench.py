@@ -419,7 +419,7 @@ def test_bad_bench_input_gets_one_clear_line(capsys, args, message):
     assert rc == 2 and message in err and "Traceback" not in err
 
 
-def test_launch_runs_the_real_cluster(ray_session, tmp_path, capsys):
+def test_launch_runs_the_real_cluster(spawns, tmp_path, capsys):
     rc, out, err = run_bench(
         capsys, "--launch", "--dataset-name", "random", "--num-prompts", "12", "--random-input-len", "40",
         "--random-output-len", "10", "--random-range-ratio", "0.5", "--ignore-eos", "--request-rate", "30",

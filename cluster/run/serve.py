@@ -72,10 +72,13 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Task | None = None
         self._cut: asyncio.Task | None = None
         self._signals = 0
+        self.on_started = None                                 # called once it listens (on its loop)
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)
@@ -387,18 +390,24 @@ def serve_forever(cluster: ServingCluster, more_routers: int = 0, router_args: l
     over these pools, on the next ports (each with `router_args`, the router flags given)."""
     name = "serve" if cluster.owns else "router"
     server = cluster.build(announce=lambda line: print(f"pdcluster {name}: {line}", file=sys.stderr, flush=True))
-    ports = [cluster.port + i for i in range(1, more_routers + 1)]
-    print("\n".join(banner(cluster)), flush=True)
+    children = []
+
+    def started() -> None:
+        """Once it listens: the banner, with the port its bind took where --port 0 let the kernel
+        choose (`bench --launch` reads it there), and the other routers on the ports after it."""
+        if cluster.port == 0:
+            cluster.port = server.servers[0].sockets[0].getsockname()[1]
+        print("\n".join(banner(cluster)), flush=True)
+        for i in range(1, more_routers + 1):
+            children.append(_spawn_router(cluster, f"{cluster.cfg.router_id}-{i}", cluster.port + i, router_args))
+            print(f"  router {cluster.cfg.router_id}-{i}: http://{cluster.host}:{cluster.port + i}/v1", flush=True)
+    server.on_started = started
     # On SIGINT/SIGTERM the server drains (DrainingServer), then uvicorn re-raises the signal
     # with the previous handler: SIGINT becomes KeyboardInterrupt (exit 130), SIGTERM this
     # SystemExit (143); both unwind through the `finally`, so the workers and a local Ray stop
     # with the router.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    children = []
     try:
-        for i, port in enumerate(ports, 1):
-            children.append(_spawn_router(cluster, f"{cluster.cfg.router_id}-{i}", port, router_args))
-            print(f"  router {cluster.cfg.router_id}-{i}: http://{cluster.host}:{port}/v1", flush=True)
         server.run()
     finally:
         _stop_routers(children, cluster.cfg.drain_timeout_s + 15)
