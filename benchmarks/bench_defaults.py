@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.bench_event_path import wait_healthy  # noqa: E402
 from benchmarks.common import Meter, process_cpu_seconds, write_json  # noqa: E402
+from cluster.loadtest.bench import stop_group  # noqa: E402
 from cluster.run.serve import free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
 from workers.checkpoint import export_builtin  # noqa: E402
@@ -70,13 +71,7 @@ def start(a, name: str, ckpt: Path, port: int, log: Path, extra: list[str] = (),
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc, signal.SIGTERM, 60)
 
 
 def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: float | None) -> list[dict]:

@@ -30,6 +30,7 @@ import httpx  # noqa: E402
 
 from benchmarks.bench_routers import pdcluster, wait_healthy  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
+from cluster.loadtest.bench import stop_group  # noqa: E402
 from cluster.run.ports import free_port  # noqa: E402
 
 
@@ -111,11 +112,7 @@ def main() -> int:
             for name, (raw, want) in slow_shapes(size).items():
                 results[name] = {**measure(root_url, raw, a.repeats), "want": want}
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc, signal.SIGTERM, 120)
     ref = results["benign body (one token generated)"]
     print(f"bodies of {size / 2**20:.2f} MiB against a default serve (best of {a.repeats}; /health: slowest)")
     print(f"{'shape':52s} {'status':>7s} {'answer':>8s} {'x benign':>8s} {'/health':>8s}")

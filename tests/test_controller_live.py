@@ -74,6 +74,14 @@ async def wait_until(probe, deadline_s: float, what: str, explain=lambda: ""):
         await asyncio.sleep(0.2)
 
 
+async def follow(load: Load, phase) -> None:
+    """Set the load's phase from `phase()` every 0.5 s, until cancelled: a rate that follows the
+    capacity the controller prices now (its cost model follows the served steps)."""
+    while True:
+        load.phase = phase()
+        await asyncio.sleep(0.5)
+
+
 def assert_offline(served: list) -> None:
     """Every (prompt, max_tokens, answer) served equals the offline engine's greedy output."""
     engine = LLMEngine(EngineConfig(model="tiny"))
@@ -184,12 +192,7 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
             load = Load(c.base_url)
             load.phase = decode_heavy()
             sender = asyncio.ensure_future(load.run())
-
-            async def follow():
-                while True:
-                    load.phase = decode_heavy()
-                    await asyncio.sleep(0.5)
-            follower = asyncio.ensure_future(follow())
+            follower = asyncio.ensure_future(follow(load, decode_heavy))
             try:
                 await wait_until(lambda: sum(d["action"] == "add_decode" for d in ctl.decisions) >= 3,
                                  PHASE_DEADLINE_S, "three pieces of advice to add a decode worker", lambda: why_not(c))
@@ -312,16 +315,11 @@ def test_mixed_workers_grow_as_one_pool_under_load_and_shrink_after(ray_session,
             load = Load(c.base_url)
             load.phase = (16, 24, 2.0)
             sender = asyncio.ensure_future(load.run())
-
-            async def follow():
-                while True:
-                    load.phase = heavy()
-                    await asyncio.sleep(0.5)
             follower = None
             try:
                 await wait_until(lambda: mixed(2), PHASE_DEADLINE_S, "both workers mixed", lambda: why_not(c))
                 mixed_at = len(load.sent)
-                follower = asyncio.ensure_future(follow())
+                follower = asyncio.ensure_future(follow(load, heavy))
                 await wait_until(lambda: mixed(3), PHASE_DEADLINE_S, "a third mixed worker", lambda: why_not(c))
                 follower.cancel()
                 load.phase = (16, 4, 0.5)                                             # the load falls

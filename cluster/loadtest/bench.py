@@ -968,10 +968,16 @@ def _maybe_launch(a: argparse.Namespace):
         threading.Thread(target=proc.stdout.read, daemon=True).start()   # its later output must not fill the pipe
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, signal.SIGINT, 120)
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 60.0) -> None:
+    """Stop a process started in a session (process group) of its own, and all it started: `sig`
+    to the group, then SIGKILL if it has not ended within `wait_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
