@@ -111,11 +111,16 @@ def test_a_worker_killed_while_draining_resumes_its_requests_and_completes_its_f
     pid = ray.get(m.handle.ready.remote(), timeout=60).pid
     restarts = metric(c, "pdcluster:workers_replaced_total", {"role": DECODE})
     fut = asyncio.run_coroutine_threadsafe(send_all(c.base_url, prompts), c.loop)
-    wait_for(lambda: m.assigned, bool, 60)
     # Frozen first, so the requests it holds are still open when it dies (a busy box once let
-    # them finish between the drain and the kill, and the death had nothing to resume).
-    os.kill(pid, signal.SIGSTOP)
+    # them finish between the drain and the kill, and the death had nothing to resume); frozen
+    # again if the last of them ended in the moment before the freeze.
     try:
+        for _ in range(20):
+            wait_for(lambda: m.assigned, bool, 60)
+            os.kill(pid, signal.SIGSTOP)
+            if on_loop(c, lambda: len(m.assigned)):
+                break
+            os.kill(pid, signal.SIGCONT)
         on_loop(c, lambda: c.pools.drain("decode-0", PREFILL))
         assert on_loop(c, lambda: len(m.assigned)) >= 1
     finally:

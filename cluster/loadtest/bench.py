@@ -953,8 +953,9 @@ def _maybe_launch(a: argparse.Namespace):
             else f"{a.launch_workers} workers")
     print(f"pdcluster bench: launching a local cluster ({a.launch_mode}: {what}) on {a.model or 'tiny'!r}, SLO targets "
           f"TTFT {slo.ttft_s * 1000:g} ms, TPOT {slo.tpot_s * 1000:g} ms, in a process of its own", flush=True)
+    from cluster.run.serve import die_with_parent
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent)
     lines: list[str] = []
     try:
         for line in proc.stdout:                 # (the port its own bind picked, from its banner)

@@ -418,12 +418,16 @@ def serve_forever(cluster: ServingCluster, more_routers: int = 0, router_args: l
     return 0
 
 
+def die_with_parent() -> None:
+    """A child's preexec_fn: the kernel SIGKILLs it when the thread that started it ends
+    (PR_SET_PDEATHSIG), so a parent killed outright leaves no child serving behind."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # 1: PR_SET_PDEATHSIG
+
+
 def _spawn_router(cluster: ServingCluster, router_id: str, port: int, router_args: list[str]) -> subprocess.Popen:
     """A `pdcluster router` over this cluster's pools, killed by the kernel when this process
     dies (PR_SET_PDEATHSIG): a SIGKILLed serve leaves no router behind either."""
-    def die_with_parent():
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # 1: PR_SET_PDEATHSIG
     cmd = [sys.executable, "-m", "cluster.cli", "router", "--address", ray.get_runtime_context().gcs_address,
            "--cluster-id", cluster.spec.cluster_id, "--router-id", router_id, "--host", cluster.host, "--port",
            str(port), *router_args]
