@@ -1,4 +1,6 @@
-"""`python -m cluster.cli`: the `pdcluster` command."""
+"""`python -m cluster.cli`: the `pdcluster` command, with its exit status."""
+import sys
+
 from cluster.cli import main
 
-main()
+sys.exit(main())
