@@ -11,10 +11,12 @@ capacity, measured in the same run: a closed loop of 32, completions per second.
 Poisson arrivals at that rate, then at three times it, 15 s each. Last, a burst of eight times
 what the cluster serves within the TTFT target, all at once.
 
-The clients run on the test's own thread and event loop, as a user's client runs apart from
-the server, not on the router's loop: there, at 3x, sending some 100 requests a second and
-reading their answers took the router's own thread, and the requests served at 3x fell below
-those served at capacity (436-535 against 523-589) for a cost no deployment has."""
+The clients run on the test's own thread and event loop, not on the router's loop: there, at
+3x, sending some 100 requests a second and reading their answers took the router's own thread,
+and the requests served at 3x fell below those served at capacity (436-535 against 523-589) for
+a cost no deployment has. They still share this process's interpreter with the router, which a
+user's client does not (served so, `bench --launch` read TPOT about twice what a client in its
+own process reads: BENCHMARKS.md, simulator fidelity)."""
 from __future__ import annotations
 
 import asyncio

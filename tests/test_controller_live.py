@@ -82,6 +82,11 @@ async def follow(load: Load, phase) -> None:
         await asyncio.sleep(0.5)
 
 
+def live(pools) -> int:
+    """The workers the pools hold now, those starting or draining included."""
+    return sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools)
+
+
 def assert_offline(served: list) -> None:
     """Every (prompt, max_tokens, answer) served equals the offline engine's greedy output."""
     engine = LLMEngine(EngineConfig(model="tiny"))
@@ -185,9 +190,6 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
             cost = ctl.fit.current()
             return dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do
 
-        def live() -> int:
-            return sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools)
-
         async def drive():
             load = Load(c.base_url)
             load.phase = decode_heavy()
@@ -196,14 +198,14 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
             try:
                 await wait_until(lambda: sum(d["action"] == "add_decode" for d in ctl.decisions) >= 3,
                                  PHASE_DEADLINE_S, "three pieces of advice to add a decode worker", lambda: why_not(c))
-                advised = (live(), pools.count(PREFILL), pools.count(DECODE),
+                advised = (live(pools), pools.count(PREFILL), pools.count(DECODE),
                            metrics.get_sample_value("pdcluster:controller_recommended_workers", {"role": DECODE}))
                 ctl.control = dataclasses.replace(ctl.control, advise=False)          # now it acts
                 await wait_until(lambda: pools.count(DECODE) == 2, PHASE_DEADLINE_S, "a decode worker added",
                                  lambda: why_not(c))
                 follower.cancel()
                 load.phase = (dp, 4, 0.5)                                            # the load falls
-                await wait_until(lambda: live() == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
+                await wait_until(lambda: live(pools) == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
                                  "the decode pool shrinking back", lambda: why_not(c))
             finally:
                 follower.cancel()
@@ -308,8 +310,7 @@ def test_mixed_workers_grow_as_one_pool_under_load_and_shrink_after(ray_session,
             return plen, olen, 2 * 1.1 / per_request
 
         def mixed(n: int) -> bool:
-            return pools.count(PREFILL) == 0 and pools.count(DECODE) == n and \
-                sum(m.state in (STARTING, ACTIVE, DRAINING) for m in pools) == n
+            return pools.count(PREFILL) == 0 and pools.count(DECODE) == n and live(pools) == n
 
         async def drive():
             load = Load(c.base_url)

@@ -18,14 +18,13 @@ simulator.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 from cluster.capacity import dynamo_baseline as db
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_size, mixed_tpot,
-                                observe, prefill_rate, steady_need, with_peaks)
+                                TO_PREFILL, ControllerConfig, Decision, PeakNeeds, Signals, decide,
+                                observe, prefill_rate, steady_need, with_mixed_tpot, with_peaks)
 from cluster.capacity.simulate import SimCluster, SimEngine, Simulator, SimWorker
 from cluster.run.forecast import LongScale
 from router.slo import RequestLog
@@ -264,8 +263,7 @@ class ControlledSimulator(ElasticSimulator):
             decode_grew_at=self.grew_at[DECODE], prefill_shrank_at=self.shrank_at[PREFILL],
             decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens,
             split_need=self.split_need)
-        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, c.slo_tpot_s, sched.max_num_batched_tokens,
-                                                          mixed_size(s, c.config)))
+        return with_mixed_tpot(cost, s, c.config, c.slo_tpot_s, sched.max_num_batched_tokens)
 
     def tick(self) -> None:
         s = with_peaks(self.signals(), self.peaks, self.control.config)

@@ -966,7 +966,16 @@ def _maybe_launch(a: argparse.Namespace):
         else:
             tail = "".join(lines[-20:]).strip()
             raise RuntimeError(f"the launched server ended before it served (exit {proc.wait()}):\n{tail}")
-        threading.Thread(target=proc.stdout.read, daemon=True).start()   # its later output must not fill the pipe
+
+        def relay():
+            """What it says after its banner (a worker lost, the controller's moves) comes out on
+            our stderr, as it did when it served in this process; read on, so its pipe never fills."""
+            banner = True
+            for said in proc.stdout:
+                banner = banner and said.startswith("  ")          # the banner's indented lines
+                if not banner:
+                    print(f"[serve] {said}", end="", file=sys.stderr, flush=True)
+        threading.Thread(target=relay, daemon=True).start()
         yield url
     finally:
         stop_group(proc, signal.SIGINT, 120)

@@ -305,8 +305,14 @@ def mixed_size(s: Signals, cfg: ControllerConfig) -> int:
     Priced at the workers there are, the conversation trace's rise split the mixed pool at 1.05
     of the target (BENCHMARKS.md, the mixed role)."""
     total = s.num_prefill + s.num_decode
-    return min(max(total, cfg.max_workers), max(total, math.ceil(sum(needs(s, cfg.backlog_s)) / cfg.decode_target_load
-                                                                  - 1e-9)))
+    wanted_now = math.ceil(sum(needs(s, cfg.backlog_s)) / cfg.decode_target_load - 1e-9)
+    return max(total, min(wanted_now, cfg.max_workers))
+
+
+def with_mixed_tpot(cost, s: Signals, cfg: ControllerConfig, tpot_s: float, budget: int) -> Signals:
+    """`s` with its mixed TPOT priced (`mixed_tpot` at `mixed_size`): the last signal serve's
+    loop and the simulator read, from the others."""
+    return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, tpot_s, budget, mixed_size(s, cfg)))
 
 
 def mixed_tpot(cost, s: Signals, tpot_s: float, budget: int, workers: int = 0) -> float:

@@ -18,7 +18,6 @@ serving. Plain Python and asyncio: no Ray, no torch (the launcher's hooks are pa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -27,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.run.controller import (ADD_DECODE, ADD_PREFILL, NONE, REMOVE_DECODE, REMOVE_PREFILL, SIZE_CHANGE, TO_DECODE,
-                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide, mixed_size, mixed_tpot,
-                                observe, prefill_rate, steady_need, with_peaks)
+                                TO_PREFILL, CODES, ControllerConfig, Decision, PeakNeeds, Signals, decide,
+                                observe, prefill_rate, steady_need, with_mixed_tpot, with_peaks)
 from cluster.run.forecast import LongScale
 from router.dispatch import Dispatcher
 from router.pools import ACTIVE, DRAINING, STARTING, Member
@@ -135,8 +134,7 @@ class PoolController:
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
             decode_kv_usage=sum(r.kv_blocks_used for r in decode) / max(1, sum(r.kv_blocks_total for r in decode)),
             long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens)
-        return dataclasses.replace(s, mixed_tpot=mixed_tpot(cost, s, self.slo_tpot_s, self.max_num_batched_tokens,
-                                                          mixed_size(s, c.config)))
+        return with_mixed_tpot(cost, s, c.config, self.slo_tpot_s, self.max_num_batched_tokens)
 
     def _floors(self, now: float, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> tuple:
         """The forecast's floor under each pool, and what a shrink keeps (LongScale.floors; its
