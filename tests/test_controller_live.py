@@ -10,6 +10,7 @@ takes longer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -46,6 +47,7 @@ class Load:
         self.phase = (1, 1, 1.0)      # prompt tokens, output tokens, requests/s
         self.sent: list[tuple[list[int], int, asyncio.Task]] = []
         self.stop = False
+        self._follower: asyncio.Task | None = None
 
     async def one(self, prompt: list[int], n: int):
         try:
@@ -65,6 +67,36 @@ class Load:
     async def results(self) -> list:
         return await asyncio.gather(*(t for _, _, t in self.sent))
 
+    @contextlib.asynccontextmanager
+    async def running(self, phase: tuple):
+        """Sending from `phase` on while the block runs; stopped after it (what was sent is
+        still answered: `results`)."""
+        self.phase = phase
+        sender = asyncio.ensure_future(self.run())
+        try:
+            yield self
+        finally:
+            self.hold(self.phase)
+            self.stop = True
+            await sender
+
+    def follow(self, phase) -> None:
+        """The phase from `phase()` now and every 0.5 s after, until `hold`: a rate that follows
+        the capacity the controller prices now (its cost model follows the served steps)."""
+        async def again():
+            while True:
+                await asyncio.sleep(0.5)
+                self.phase = phase()
+        self.hold(phase())
+        self._follower = asyncio.ensure_future(again())
+
+    def hold(self, phase: tuple) -> None:
+        """This phase, no longer followed."""
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+        self.phase = phase
+
 
 async def wait_until(probe, deadline_s: float, what: str, explain=lambda: ""):
     t0 = time.monotonic()
@@ -72,14 +104,6 @@ async def wait_until(probe, deadline_s: float, what: str, explain=lambda: ""):
         if time.monotonic() - t0 > deadline_s:
             raise AssertionError(f"{what} did not happen within {deadline_s:g}s; {explain()}")
         await asyncio.sleep(0.2)
-
-
-async def follow(load: Load, phase) -> None:
-    """Set the load's phase from `phase()` every 0.5 s, until cancelled: a rate that follows the
-    capacity the controller prices now (its cost model follows the served steps)."""
-    while True:
-        load.phase = phase()
-        await asyncio.sleep(0.5)
 
 
 def live(pools) -> int:
@@ -126,19 +150,13 @@ def test_the_prefill_pool_grows_under_prefill_heavy_load_and_shrinks_back(ray_se
             return dp, do, OVERLOAD * now.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do
 
         async def drive():
-            load = Load(c.base_url)
-            load.phase = prefill_heavy
-            sender = asyncio.ensure_future(load.run())
-            try:
+            async with Load(c.base_url).running(prefill_heavy) as load:
                 await wait_until(lambda: pools.count(PREFILL) >= 2, PHASE_DEADLINE_S, "the prefill pool growing",
                                  lambda: why_not(c))
                 grown = (pools.count(PREFILL), pools.count(DECODE))
                 load.phase = decode_phase = decode_heavy()
                 await wait_until(lambda: pools.count(PREFILL) == 1 and pools.count(DECODE) == 2, PHASE_DEADLINE_S,
                                  "the prefill pool shrinking back", lambda: why_not(c))
-            finally:
-                load.stop = True
-                await sender
             return grown, decode_phase, load.sent, await load.results()
         grown, decode_phase, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
         metrics = c.server.metrics.registry
@@ -191,11 +209,8 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
             return dp, do, OVERLOAD * cost.decode_tokens_per_s(dp + do / 2, TPOT_S, max_seqs) / do
 
         async def drive():
-            load = Load(c.base_url)
-            load.phase = decode_heavy()
-            sender = asyncio.ensure_future(load.run())
-            follower = asyncio.ensure_future(follow(load, decode_heavy))
-            try:
+            async with Load(c.base_url).running(decode_heavy()) as load:
+                load.follow(decode_heavy)
                 await wait_until(lambda: sum(d["action"] == "add_decode" for d in ctl.decisions) >= 3,
                                  PHASE_DEADLINE_S, "three pieces of advice to add a decode worker", lambda: why_not(c))
                 advised = (live(pools), pools.count(PREFILL), pools.count(DECODE),
@@ -203,14 +218,9 @@ def test_an_elastic_controller_advises_first_then_grows_a_pool_under_load_and_sh
                 ctl.control = dataclasses.replace(ctl.control, advise=False)          # now it acts
                 await wait_until(lambda: pools.count(DECODE) == 2, PHASE_DEADLINE_S, "a decode worker added",
                                  lambda: why_not(c))
-                follower.cancel()
-                load.phase = (dp, 4, 0.5)                                            # the load falls
+                load.hold((dp, 4, 0.5))                                              # the load falls
                 await wait_until(lambda: live(pools) == 2 and pools.count(DECODE) == 1, PHASE_DEADLINE_S,
                                  "the decode pool shrinking back", lambda: why_not(c))
-            finally:
-                follower.cancel()
-                load.stop = True
-                await sender
             return advised, load.sent, await load.results()
         advised, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
         decisions = list(ctl.decisions)
@@ -255,10 +265,7 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
                 return json.loads(r.read())["status"]
 
         async def drive():
-            load = Load(c.base_url)
-            load.phase = short
-            sender = asyncio.ensure_future(load.run())
-            try:
+            async with Load(c.base_url).running(short) as load:
                 await wait_until(lambda: pools.count(PREFILL) == 0 and pools.count(DECODE) == 2, PHASE_DEADLINE_S,
                                  "both workers mixed", lambda: why_not(c))
                 mixed_at = len(load.sent)
@@ -269,9 +276,6 @@ def test_the_controller_runs_mixed_under_short_prompts_and_splits_again_under_lo
                                  "the pools split again", lambda: why_not(c))
                 split_at = len(load.sent)
                 await wait_until(lambda: len(load.sent) >= split_at + 4, PHASE_DEADLINE_S, "requests sent split")
-            finally:
-                load.stop = True
-                await sender
             return status, mixed_at, load.sent, await load.results()
         status, mixed_at, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
         decisions = list(ctl.decisions)
@@ -313,24 +317,14 @@ def test_mixed_workers_grow_as_one_pool_under_load_and_shrink_after(ray_session,
             return pools.count(PREFILL) == 0 and pools.count(DECODE) == n and live(pools) == n
 
         async def drive():
-            load = Load(c.base_url)
-            load.phase = (16, 24, 2.0)
-            sender = asyncio.ensure_future(load.run())
-            follower = None
-            try:
+            async with Load(c.base_url).running((16, 24, 2.0)) as load:
                 await wait_until(lambda: mixed(2), PHASE_DEADLINE_S, "both workers mixed", lambda: why_not(c))
                 mixed_at = len(load.sent)
-                follower = asyncio.ensure_future(follow(load, heavy))
+                load.follow(heavy)
                 await wait_until(lambda: mixed(3), PHASE_DEADLINE_S, "a third mixed worker", lambda: why_not(c))
-                follower.cancel()
-                load.phase = (16, 4, 0.5)                                             # the load falls
+                load.hold((16, 4, 0.5))                                               # the load falls
                 await wait_until(lambda: mixed(2), PHASE_DEADLINE_S, "the mixed pool shrinking back",
                                  lambda: why_not(c))
-            finally:
-                if follower is not None:
-                    follower.cancel()
-                load.stop = True
-                await sender
             return mixed_at, load.sent, await load.results()
         mixed_at, sent, answers = asyncio.run_coroutine_threadsafe(drive(), c.loop).result(timeout=600)
         decisions = list(ctl.decisions)
