@@ -3,7 +3,9 @@
 
     .venv/bin/python benchmarks/bench_sim_fidelity.py [--rates 2,12] [--num-prompts 100,300]
 
-1. `pdcluster profile --model tiny` (engine steps, the handoff, the served path's overheads);
+1. `pdcluster profile --model tiny` (engine steps, the handoff, the served path's overheads),
+   again before each rate unless --profile is given: this box's speed drifts by a third and more
+   over minutes, so a profile taken next to the run it is compared with is the fair calibration;
 2. per rate: `pdcluster bench --launch` (serve's defaults, 1 prefill + 1 decode, in a process
    of its own; random 256 -> 48 tokens, range ratio 0.5, ignore_eos) and `pdcluster simulate
    --profile` with the same dataset flags and seed, so both see the same prompt lengths and
@@ -46,14 +48,14 @@ def main() -> None:
     rates = [float(r) for r in a.rates.split(",")]
     counts = [int(n) for n in a.num_prompts.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="simfid-"))
-    profile = a.profile or str(tmp / "profile.json")
-    if not a.profile:
-        print("profiling tiny on this machine ...", flush=True)
-        run(["profile", "--model", "tiny", "--output", profile])
-    served = json.loads(Path(profile).read_text())["profile"].get("served", {})
-    print(f"profile: {profile}; served path: {json.dumps({k: round(v, 5) for k, v in served.items()})}")
     rows = []
     for rate, n in zip(rates, counts):
+        profile = a.profile or str(tmp / f"profile-{rate:g}.json")
+        if not a.profile:
+            print(f"rate {rate:g}: profiling tiny on this machine ...", flush=True)
+            run(["profile", "--model", "tiny", "--output", profile])
+        served = json.loads(Path(profile).read_text())["profile"].get("served", {})
+        print(f"profile: {profile}; served path: {json.dumps({k: round(v, 5) for k, v in served.items()})}")
         common = [*WORKLOAD, "--num-prompts", str(n), "--request-rate", f"{rate:g}", "--save-result",
                   "--result-dir", str(tmp), "--no-plots"]
         print(f"rate {rate:g}: measuring ...", flush=True)
@@ -61,7 +63,7 @@ def main() -> None:
         run(["simulate", "--profile", profile, *common, "--result-filename", f"sim-{rate:g}.json"])
         real = json.loads((tmp / f"real-{rate:g}.json").read_text())
         sim = json.loads((tmp / f"sim-{rate:g}.json").read_text())
-        rows.append({"rate": rate, "num_prompts": n, "real": {m: real[m] for m in METRICS},
+        rows.append({"rate": rate, "num_prompts": n, "profile_served": served, "real": {m: real[m] for m in METRICS},
                      "sim": {m: sim[m] for m in METRICS}})
     print(f"\n{'rate':>6} {'metric':<16} {'measured ms':>12} {'simulated ms':>13} {'sim / real':>10}")
     for r in rows:
@@ -69,7 +71,7 @@ def main() -> None:
             x, y = r["real"][m], r["sim"][m]
             print(f"{r['rate']:>6g} {m:<16} {x:>12.2f} {y:>13.2f} {y / x:>10.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"profile_served": served, "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

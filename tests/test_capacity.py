@@ -138,6 +138,9 @@ def test_profile_of_this_machine_feeds_simulate(tmp_path, spawns, alone):
     served = p["served"]
     assert 0.5 < served["prefill_step_factor"] < 3 and 0.5 < served["decode_step_factor"] < 3
     assert served["requests"] == 30 and served["request_overhead_s"] >= 0
+    # The router's and client's CPU per streamed token, alone and under a closed loop (the
+    # simulator's figure): each thread's own clock, so Ray's threads and idle polls stay out.
+    assert 0 < served["router_cpu_per_token_s"] < 0.05 and 0 < served["router_cpu_per_token_alone_s"] < 0.05
     sim = subprocess.run(pdcluster_cmd("simulate", "--profile", str(out), *SMALL), env=subprocess_env(),
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr[-3000:]

@@ -84,6 +84,23 @@ def test_colocated_request_decodes_where_it_prefilled():
     assert_pools_clean(sim)
 
 
+@pytest.mark.parametrize("per_token,itl", [(0.05, [0.0066, 0.0072, 0.0078]),   # the share: 0.1, 0.2, 0.3
+                                            (1.0, [0.012, 0.012, 0.012])])    # at most one core
+def test_the_routers_share_of_shared_cores_follows_the_tokens_it_streamed(monkeypatch, per_token, itl):
+    """One colocated worker on one shared core; the router pays `per_token` CPU-seconds per
+    streamed token and its share is the tokens of the last half second (STREAM_WINDOW_S) times
+    that, at most one core: each decode step (6 ms alone) runs (1 + share) times slower. The
+    prefill (15 ms) starts with nothing streamed; a second request two seconds later finds the
+    first's tokens aged out of the window, so its prefill runs at full speed again."""
+    monkeypatch.setattr(S, "MAX_RUN", 1)                 # step by step: each step priced as it starts
+    assert S.STREAM_WINDOW_S == 0.5
+    sim, (a, b), _ = run([req(0.0, 50, 4), req(2.0, 50, 1, first=2)], mode="colocated", num_colocated=1,
+                         shared_cores=1, router_cpu_per_token_s=per_token)
+    assert a.ttft == pytest.approx(0.015) and a.itl == pytest.approx(itl)
+    assert b.ttft == pytest.approx(0.015)
+    assert_pools_clean(sim)
+
+
 def workload(n=400, rate=40.0, seed=3):
     import random
     rng = random.Random(seed)

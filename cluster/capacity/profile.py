@@ -94,6 +94,8 @@ def profile_handoff(layout: tuple[int, int, int, int], repeats: int = 5,
 # -- the served path: what a request pays beyond the engine's steps --------------------------------
 SERVED_PROMPTS = (32, 128, 256, 384, 512)
 SERVED_OUTPUT = 24
+LOADED_CLIENTS = 8                  # the closed loop that measures the router's CPU under load
+IDLE_WINDOW_S = 1.0                 # the router's idle CPU, measured before the requests
 
 
 def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_token: int, repeats: int = 6,
@@ -102,7 +104,10 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     the fitted step costs: each decode step's loop overhead (streamed token gaps beyond the step),
     the handoff as served (the gap before the second token beyond one decode step), and what
     a request pays before its prefill (TTFT beyond the prefill step): HTTP, tokenizing, picking,
-    the worker's inbox, the event's way back."""
+    the worker's inbox, the event's way back. Then the same number of other prompts from a
+    closed loop of LOADED_CLIENTS: the router's and the client's CPU per streamed token under
+    load (`router_cpu_per_token_s`, what the simulator charges on shared cores; one at a time
+    a token costs about twice that, its events unbatched: `router_cpu_per_token_alone_s`)."""
     import asyncio
 
     import aiohttp
@@ -116,29 +121,57 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     if tokenizer is None:
         raise ValueError(f"model {engine_cfg.model!r} has no tokenizer: the served calibration sends text")
     text = RandomText(tokenizer, random.Random(1))
-    requests = []
-    for n in SERVED_PROMPTS:
-        for _ in range(repeats):
-            prompt, got = text.text(n)
-            requests.append(BenchRequest(prompt, got, SERVED_OUTPUT))
-    random.Random(2).shuffle(requests)            # lengths interleaved: drift hits them alike
+
+    def some_requests(seed: int) -> list[BenchRequest]:
+        out = [BenchRequest(*text.text(n), SERVED_OUTPUT) for n in SERVED_PROMPTS for _ in range(repeats)]
+        random.Random(seed).shuffle(out)          # lengths interleaved: drift hits them alike
+        return out
+    # Two sets of prompts, none a prefix of another's: one at a time, then under load.
+    requests, loaded_requests = some_requests(2), some_requests(3)
     spec = ClusterSpec(model=engine_cfg.model, num_prefill=1, num_decode=1, engine=engine_cfg)
-    progress(f"  launching 1 prefill + 1 decode on {engine_cfg.model} for {len(requests)} requests, one at a time")
+    progress(f"  launching 1 prefill + 1 decode on {engine_cfg.model} for {len(requests)} requests one at a time, "
+             f"{len(loaded_requests)} by {LOADED_CLIENTS} clients")
     with ServingCluster(spec, port=free_port()) as c:
         target = loadgen.Target(f"http://{c.host}:{c.port}", model=engine_cfg.model, ignore_eos=True, timeout_s=120)
 
         base = f"http://{c.host}:{c.port}"
 
-        async def one_at_a_time():
+        async def measured():
             async with aiohttp.ClientSession() as session:
                 await loadgen.send(session, target, requests[0])          # warm-up: connections, caches
-                before = promtext.scrape(base + "/metrics")
-                cpu0 = time.process_time()                # this process: the router and the client
-                out = [await loadgen.send(session, target, r) for r in requests]
-                return out, time.process_time() - cpu0, before
-        results, cpu_s, before = asyncio.run(one_at_a_time())
-        after = promtext.scrape(base + "/metrics")
-    failed = [r.error for r in results if not r.success]
+                # What the router's thread spends with nothing to serve (its polls of the workers):
+                # a time-bound cost, taken out of the per-token figures below.
+                idle0, t0 = c.router_cpu_s(), time.monotonic()
+                await asyncio.sleep(IDLE_WINDOW_S)
+                idle_per_s = (c.router_cpu_s() - idle0) / (time.monotonic() - t0)
+
+                async def cpu_per_token(send_all) -> tuple[list, float]:
+                    """Run `send_all` and say what the router's thread and this (the client's)
+                    thread spent per streamed token, each by its own CPU clock: the process's
+                    other threads (Ray's, the supervisor's) cost by time, not by token."""
+                    router0, client0, t0 = c.router_cpu_s(), time.thread_time(), time.monotonic()
+                    out = await send_all()
+                    router_s = c.router_cpu_s() - router0 - idle_per_s * (time.monotonic() - t0)
+                    return out, (max(0.0, router_s) + time.thread_time() - client0) / max(1, sum(r.output_len for r in out))
+
+                async def one_at_a_time():
+                    return [await loadgen.send(session, target, r) for r in requests]
+
+                async def closed_loop():        # LOADED_CLIENTS at a time: the router's events batch
+                    todo, out = list(loaded_requests), []
+
+                    async def client():
+                        while todo:
+                            out.append(await loadgen.send(session, target, todo.pop()))
+                    await asyncio.gather(*(client() for _ in range(LOADED_CLIENTS)))
+                    return out
+                before = promtext.scrape(base + "/metrics")      # the step factors: one at a time
+                out, alone = await cpu_per_token(one_at_a_time)
+                after = promtext.scrape(base + "/metrics")
+                loaded_results, loaded = await cpu_per_token(closed_loop)
+                return out, loaded_results, alone, loaded, before, after
+        results, loaded_results, cpu_alone, cpu_loaded, before, after = asyncio.run(measured())
+    failed = [r.error for r in results + loaded_results if not r.success]
     if failed:
         raise RuntimeError(f"served calibration: {len(failed)} requests failed, e.g. {failed[0]}")
 
@@ -168,7 +201,7 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     return {"prefill_step_factor": p_factor, "decode_step_factor": d_factor, "token_overhead_s": loop,
             "handoff_latency_s": max(link.latency_s, handoff - wire), "request_overhead_s": fixed,
             "request_overhead_per_token_s": per_token, "requests": len(results),
-            "router_cpu_per_token_s": cpu_s / sum(r.output_len for r in results)}
+            "router_cpu_per_token_s": cpu_loaded, "router_cpu_per_token_alone_s": cpu_alone}
 
 
 def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:

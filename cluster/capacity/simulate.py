@@ -220,10 +220,29 @@ def sampled(out: SchedulerOutput) -> list[Sequence]:
     return [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
 
 
+class _Rate:
+    """Events per second over the last `window_s` of simulated time: counts stamped with their
+    time, forgotten as they age out (in stamp order; a steady run stamps a little ahead)."""
+    __slots__ = ("window_s", "_stamps", "_total")
+
+    def __init__(self, window_s: float):
+        self.window_s, self._stamps, self._total = window_s, deque(), 0
+
+    def add(self, at: float, n: int) -> None:
+        self._stamps.append((at, n))
+        self._total += n
+
+    def rate(self, now: float) -> float:
+        stamps, start = self._stamps, now - self.window_s
+        while stamps and stamps[0][0] < start:
+            self._total -= stamps.popleft()[1]
+        return self._total / self.window_s
+
+
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
                  "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
-                 "token_rate", "step_end", "run_left", "run_slow")
+                 "step_end", "run_left", "run_slow")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -240,7 +259,6 @@ class SimWorker:
         self.run_start = 0.0
         self.run_left = 0                     # steps of the run whose times are not worked out yet
         self.run_slow = 1.0                   # the run's slowdown on shared cores
-        self.token_rate = 0.0                 # tokens/s of its current step (for shared cores)
         self.step_end = 0.0                   # when its current single step ends
 
     def report(self) -> msg.LoadReport:
@@ -275,6 +293,9 @@ class _Tracked:
 
 MAX_RUN = 4096          # steps of one steady run at most (a run is cut anyway when work arrives)
 RUN_CHUNK = 64          # a run's step times are worked out this many at a time (most runs are cut early)
+# The router's share of shared cores follows the tokens it streamed over this much time before
+# (its CPU goes per token out and per request, not per step).
+STREAM_WINDOW_S = 0.5
 
 
 class Simulator:
@@ -319,6 +340,7 @@ class Simulator:
         self._tracked: dict[str, _Tracked] = {}
         self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
+        self._streamed = _Rate(STREAM_WINDOW_S)     # tokens out to clients: the router's CPU follows them
         # The router's decode gate: new requests held before their prefill while decode is full.
         self.gate = (DecodeGate(cluster.engine.scheduler.max_num_seqs, clock=clock)
                      if cluster.mode == DISAGGREGATED and cluster.decode_gate else None)
@@ -454,6 +476,7 @@ class Simulator:
                 self._leave_gate(rid, reached_decode=True)
         tr.count += len(times)
         tr.last_s = times[-1]
+        self._streamed.add(times[-1], len(times))
         if tr.times is not None:
             tr.times.extend(times)
         if finished:
@@ -484,7 +507,7 @@ class Simulator:
         if k:
             first = min(k, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context, first)
-            w.run_slow = slow = self._slowdown(w, rows, times[0])
+            w.run_slow = slow = self._slowdown()
             ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
             w.run, w.run_left = ends, k - first
@@ -498,7 +521,7 @@ class Simulator:
             self._idle(w)
             return
         dt = w.cost.step_s(engine.last_shape)
-        dt *= self._slowdown(w, engine.last_shape.batch_size, dt)
+        dt *= self._slowdown()
         if w.role == DECODE and engine.last_shape.num_decode and self.placement.tpot_s is not None:
             self.placement.observe_decode_steps(w.worker_id, dt)     # (the router hears of it as it ends)
         w.steps += 1
@@ -509,16 +532,15 @@ class Simulator:
     def _idle(self, w: SimWorker) -> None:
         """`w` has nothing to step (a hook for the controlled simulator)."""
 
-    def _slowdown(self, w: SimWorker, rows: int, step_s: float) -> float:
+    def _slowdown(self) -> float:
         """How much slower a step starting now runs on shared cores: processes runnable (busy
         workers, and the router by the tokens it streams) over cores, at least 1."""
         cores = self.c.shared_cores
         if cores is None:
             return 1.0
-        w.token_rate = rows / step_s if step_s > 0 else 0.0
-        busy = [x for x in self.workers.values() if x.busy]
-        router = min(1.0, self.c.router_cpu_per_token_s * sum(x.token_rate for x in busy))
-        return max(1.0, (len(busy) + router) / cores)
+        busy = sum(x.busy for x in self.workers.values())
+        router = min(1.0, self.c.router_cpu_per_token_s * self._streamed.rate(self.now))
+        return max(1.0, (busy + router) / cores)
 
     def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
         seqs = sampled(out)

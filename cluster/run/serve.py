@@ -180,6 +180,10 @@ class ServingCluster:
         `asyncio.run_coroutine_threadsafe(c.server.drain(10), c.loop)`)."""
         return self._uvicorn.loop if self._uvicorn is not None else None
 
+    def router_cpu_s(self) -> float:
+        """CPU-seconds the HTTP server's thread (the router's event loop) has used so far."""
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident)) if self._thread else 0.0
+
     @property
     def workers(self) -> list[Member]:
         """Every worker of the cluster now (launched, added, restarting), in the order they came."""
