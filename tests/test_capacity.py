@@ -33,6 +33,8 @@ def test_simulate_writes_benchs_result(tmp_path, capsys):
     assert r["workers_by_role"] == {"prefill": 1, "decode": 2}
     assert len(r["itls"]) == 80 and all(len(x) == n - 1 for x, n in zip(r["itls"], r["output_lens"]))
     assert r["request_rate"] == 20 and r["simulator"]["events"] > 0
+    # Each prompt prefilled once: handed off from the prefill pool or computed on its decode worker.
+    assert r["simulator"]["handoffs"] + r["simulator"]["local_prefills"] == 80
     assert "Simulated Serving Benchmark Result" in out and "Median TTFT (ms):" in out
     assert (tmp_path / "sim-latency.png").stat().st_size > 10_000
 

@@ -240,6 +240,7 @@ def simulate(cluster: SimCluster, requests: list[SimRequest], slos: dict[str, fl
     out = loadgen.summarize(results, duration, slos, metrics, percentiles)
     out["simulator"] = {"wall_s": wall, "events": sim.num_events, "events_per_s": sim.num_events / max(wall, 1e-9),
                         "simulated_s": duration, "utilization": utilization(sim),
+                        "handoffs": sim.num_handoffs, "local_prefills": sim.num_local_prefills,
                         "preemptions": sum(w.engine.scheduler.stats.num_preemptions["recompute"]
                                            for w in sim.workers.values())}
     if keep_results:

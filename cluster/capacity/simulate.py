@@ -309,6 +309,7 @@ class Simulator:
         self.num_events = 0
         self.num_runs = 0                   # steady decode runs taken whole
         self.num_handoffs = 0               # prompts' KV received by a decode worker
+        self.num_local_prefills = 0         # prompts prefilled on their decode worker (bench's local_prefills)
         clock = lambda: self.now                                     # noqa: E731
         if cluster.mode == COLOCATED:
             roles = [(f"{COLOCATED}-{i}", COLOCATED, cluster.prefill_cost) for i in range(cluster.num_colocated)]
@@ -431,6 +432,7 @@ class Simulator:
         whole = local or self.c.mode == COLOCATED        # prefilled where it decodes: no handoff
         if local:
             self._local.add(rid)
+            self.num_local_prefills += 1
         slo = self.c.slo
 
         def submit(engine=w.engine):
