@@ -101,6 +101,29 @@ def test_the_routers_share_of_shared_cores_follows_the_tokens_it_streamed(monkey
     assert_pools_clean(sim)
 
 
+def test_the_routers_view_of_a_prefill_worker_keeps_a_prompt_until_the_second_frame_after_it():
+    """router/events.py: a frame's report covers the sends before the frame ahead of it arrived.
+    A prompt sent at 0.1 s to an idle worker is computed by 0.12 s (that step's frame), yet counts
+    until the next frame (0.2 s: another step); one sent at 1.0 s, after a quiet spell, counts
+    until the wait's frame at 1.52 s (FRAME_WAIT_S after the 1.02 s step). Each frame's report
+    (what truly waits then) counts as well."""
+    assert S.FRAME_WAIT_S == 0.5
+    v = S._RouterView()
+
+    def send(t, n):
+        v.queued(t, 0)                        # the frames up to now, as the simulator sends
+        v.sent.append((t, n))
+    send(0.1, 100)
+    v.frame(0.12, 0)
+    assert v.queued(0.15, 0) == 100           # computed, still counted
+    v.frame(0.2, 30)                          # another step; its report: 30 tokens wait
+    assert v.queued(0.25, 30) == 30
+    send(1.0, 50)                             # quiet since 0.2: frames at 0.7 (reporting 0)
+    v.frame(1.02, 0)
+    assert v.queued(1.5, 0) == 50
+    assert v.queued(1.6, 0) == 0              # the wait's frame at 1.52 covered it
+
+
 def workload(n=400, rate=40.0, seed=3):
     import random
     rng = random.Random(seed)

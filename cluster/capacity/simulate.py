@@ -239,10 +239,38 @@ class _Rate:
         return self._total / self.window_s
 
 
+class _RouterView:
+    """A prefill worker's queue as the router sees it (router/pools.py `Member`, read through
+    router/events.py `EventStream`): the report of its latest frame plus the prompts sent since
+    the frame before it (a frame's report covers what was sent before the router's read for it
+    began, which is when the frame before arrived). A worker sends a frame after each step and,
+    with nothing to say, every FRAME_WAIT_S; so a prompt sent to an idle prefill worker counts as
+    queued from its send until the second frame after it, which may be the next prompt's step or
+    the wait's end: a queue that is gone, which the router's local-prefill rule still sees."""
+    __slots__ = ("frame_at", "covered_at", "reported", "sent")
+
+    def __init__(self):
+        self.frame_at, self.covered_at, self.reported = 0.0, 0.0, 0
+        self.sent: deque = deque()            # (sent at, prompt tokens), oldest first
+
+    def frame(self, now: float, queued: int) -> None:
+        """A frame at `now` whose report says `queued` prompt tokens wait."""
+        self.covered_at, self.frame_at, self.reported = self.frame_at, now, queued
+        while self.sent and self.sent[0][0] < self.covered_at:
+            self.sent.popleft()
+
+    def queued(self, now: float, queued_now: int) -> int:
+        """Prompt tokens the router counts at `now` (`queued_now`: what waits in truth, which
+        the frames with nothing to say since the last one report)."""
+        while now >= self.frame_at + FRAME_WAIT_S:
+            self.frame(self.frame_at + FRAME_WAIT_S, queued_now)
+        return self.reported + sum(n for _, n in self.sent)
+
+
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
                  "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
-                 "step_end", "run_left", "run_slow")
+                 "step_end", "run_left", "run_slow", "seen")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -260,6 +288,7 @@ class SimWorker:
         self.run_left = 0                     # steps of the run whose times are not worked out yet
         self.run_slow = 1.0                   # the run's slowdown on shared cores
         self.step_end = 0.0                   # when its current single step ends
+        self.seen = _RouterView()             # a prefill worker as the router's stream shows it
 
     def report(self) -> msg.LoadReport:
         return self.engine.load_report(self.worker_id, self.role, self.steps, 0, len(self.waiting_room),
@@ -293,6 +322,7 @@ class _Tracked:
 
 MAX_RUN = 4096          # steps of one steady run at most (a run is cut anyway when work arrives)
 RUN_CHUNK = 64          # a run's step times are worked out this many at a time (most runs are cut early)
+FRAME_WAIT_S = 0.5     # a worker's event stream sends a frame at least this often (workers/outboxes.py)
 # The router's share of shared cores follows the tokens it streamed over this much time before
 # (its CPU goes per token out and per request, not per step).
 STREAM_WINDOW_S = 0.5
@@ -330,7 +360,7 @@ class Simulator:
         if self.placement.local_prefill_max_tokens == AUTO:
             self.placement.price_local_prefill(lambda: cluster.decode_cost,
                                                cluster.engine.scheduler.max_num_batched_tokens, cluster.slo.tpot_s)
-        self.view = _SimView(self.workers, self.pool_ids, bs)
+        self.view = _SimView(self.workers, self.pool_ids, bs, clock)
         self.prefix_index = self.placement.prefix_index
         if self.prefix_index is not None:
             for w in self.workers.values():
@@ -447,6 +477,9 @@ class Simulator:
     def _submit(self, w: SimWorker, fn, num_tokens: int = 0) -> None:
         w.inbox.append(fn)
         w.inbox_tokens += num_tokens
+        if w.role == PREFILL:
+            w.seen.queued(self.now, self.view.prefill_queued(w))      # its frames until now
+            w.seen.sent.append((self.now, num_tokens))
         self._wake(w)
 
     def _wake(self, w: SimWorker) -> None:
@@ -551,6 +584,9 @@ class Simulator:
             self._tokens(o.request_id, now, o.finished)
             if o.held:
                 self._hand_off(o.request_id, w)
+        if w.role == PREFILL:                               # the step's samples and words: a frame
+            w.seen.queued(self.now, self.view.prefill_queued(w))
+            w.seen.frame(self.now, self.view.prefill_queued(w))
         self._start_step(w)
 
     def _end_run(self, w: SimWorker, run_id: int) -> None:
@@ -635,19 +671,25 @@ class Simulator:
 
 
 class _SimView:
-    """The simulated pools as placement sees them (router/placement.py `PoolView`): reports are
-    fresh here (what was sent is in them: pending, receiving), but for the prompts still in a
-    worker's inbox."""
+    """The simulated pools as placement sees them (router/placement.py `PoolView`): a prefill
+    worker's queue as the router's stream shows it (`_RouterView`); the decode side's reports
+    fresh (what was sent is in them: pending, receiving)."""
 
-    def __init__(self, workers: dict, pool_ids: dict[str, list[str]], block_size: int):
-        self.workers, self.pool_ids, self.block_size = workers, pool_ids, block_size
+    def __init__(self, workers: dict, pool_ids: dict[str, list[str]], block_size: int, clock):
+        self.workers, self.pool_ids, self.block_size, self.now = workers, pool_ids, block_size, clock
 
     def active(self, role: str) -> list[str]:
         return self.pool_ids[role]
 
+    def prefill_queued(self, w: SimWorker) -> int:
+        """Prompt tokens that wait at `w` in truth: in its engine, and in its inbox."""
+        return prefill_load(w.report(), w.inbox_tokens)
+
     def prefill_load(self, worker_id: str) -> float:
         w = self.workers[worker_id]
-        return prefill_load(w.report(), w.inbox_tokens)
+        if w.role == PREFILL:                  # as the router's stream shows it
+            return w.seen.queued(self.now(), self.prefill_queued(w))
+        return self.prefill_queued(w)
 
     def decode_load(self, worker_id: str) -> float:
         return decode_load(self.workers[worker_id].report(), 0)
