@@ -109,16 +109,12 @@ def test_the_routers_view_of_a_prefill_worker_keeps_a_prompt_until_the_second_fr
     (what truly waits then) counts as well."""
     assert S.FRAME_WAIT_S == 0.5
     v = S._RouterView()
-
-    def send(t, n):
-        v.queued(t, 0)                        # the frames up to now, as the simulator sends
-        v.sent.append((t, n))
-    send(0.1, 100)
+    v.send(0.1, 100, 0)
     v.frame(0.12, 0)
     assert v.queued(0.15, 0) == 100           # computed, still counted
     v.frame(0.2, 30)                          # another step; its report: 30 tokens wait
     assert v.queued(0.25, 30) == 30
-    send(1.0, 50)                             # quiet since 0.2: frames at 0.7 (reporting 0)
+    v.send(1.0, 50, 0)                        # quiet since 0.2: a frame at 0.7 (reporting 0)
     v.frame(1.02, 0)
     assert v.queued(1.5, 0) == 50
     assert v.queued(1.6, 0) == 0              # the wait's frame at 1.52 covered it

@@ -253,18 +253,30 @@ class _RouterView:
         self.frame_at, self.covered_at, self.reported = 0.0, 0.0, 0
         self.sent: deque = deque()            # (sent at, prompt tokens), oldest first
 
-    def frame(self, now: float, queued: int) -> None:
-        """A frame at `now` whose report says `queued` prompt tokens wait."""
-        self.covered_at, self.frame_at, self.reported = self.frame_at, now, queued
-        while self.sent and self.sent[0][0] < self.covered_at:
-            self.sent.popleft()
+    def send(self, now: float, num_tokens: int, queued_now: int) -> None:
+        """A prompt of `num_tokens` sent at `now` (`queued_now`, here and below: the prompt tokens
+        that truly wait then, which a frame with nothing else to say reports)."""
+        self._wait_frames(now, queued_now)
+        self.sent.append((now, num_tokens))
+
+    def frame(self, now: float, queued_now: int) -> None:
+        """The frame a step sends as it ends."""
+        self._wait_frames(now, queued_now)
+        self._frame(now, queued_now)
 
     def queued(self, now: float, queued_now: int) -> int:
-        """Prompt tokens the router counts at `now` (`queued_now`: what waits in truth, which
-        the frames with nothing to say since the last one report)."""
-        while now >= self.frame_at + FRAME_WAIT_S:
-            self.frame(self.frame_at + FRAME_WAIT_S, queued_now)
+        """Prompt tokens the router counts as waiting at `now`."""
+        self._wait_frames(now, queued_now)
         return self.reported + sum(n for _, n in self.sent)
+
+    def _wait_frames(self, now: float, queued_now: int) -> None:
+        while now >= self.frame_at + FRAME_WAIT_S:
+            self._frame(self.frame_at + FRAME_WAIT_S, queued_now)
+
+    def _frame(self, at: float, queued: int) -> None:
+        self.covered_at, self.frame_at, self.reported = self.frame_at, at, queued
+        while self.sent and self.sent[0][0] < self.covered_at:
+            self.sent.popleft()
 
 
 class SimWorker:
@@ -478,8 +490,7 @@ class Simulator:
         w.inbox.append(fn)
         w.inbox_tokens += num_tokens
         if w.role == PREFILL:
-            w.seen.queued(self.now, self.view.prefill_queued(w))      # its frames until now
-            w.seen.sent.append((self.now, num_tokens))
+            w.seen.send(self.now, num_tokens, self.view.prefill_queued(w))
         self._wake(w)
 
     def _wake(self, w: SimWorker) -> None:
@@ -585,7 +596,6 @@ class Simulator:
             if o.held:
                 self._hand_off(o.request_id, w)
         if w.role == PREFILL:                               # the step's samples and words: a frame
-            w.seen.queued(self.now, self.view.prefill_queued(w))
             w.seen.frame(self.now, self.view.prefill_queued(w))
         self._start_step(w)
 
