@@ -87,11 +87,10 @@ def one_rate(a, tmp: Path, rate: float, n: int, tag: str) -> dict:
     run(["simulate", "--profile", profile, *common, "--result-filename", f"sim-{tag}.json"])
     real = json.loads((tmp / f"real-{tag}.json").read_text())
     sim = json.loads((tmp / f"sim-{tag}.json").read_text())
-    print(f"rate {rate:g}: prefilled on the decode worker: {real['server'].get('local_prefills')} served, "
-          f"{sim['simulator']['local_prefills']} simulated", flush=True)
+    local = {"real": real.get("server", {}).get("local_prefills"), "sim": sim["simulator"]["local_prefills"]}
+    print(f"rate {rate:g}: prefilled on the decode worker: {local['real']} served, {local['sim']} simulated", flush=True)
     return {"rate": rate, "num_prompts": n, "profile_served": served, "real": {m: real[m] for m in METRICS},
-            "sim": {m: sim[m] for m in METRICS}, "local_prefills": {"real": real["server"].get("local_prefills"),
-                                                                    "sim": sim["simulator"]["local_prefills"]}}
+            "sim": {m: sim[m] for m in METRICS}, "local_prefills": local}
 
 
 if __name__ == "__main__":
