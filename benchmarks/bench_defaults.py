@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_admission import vllm_load  # noqa: E402
 from benchmarks.bench_event_path import wait_healthy  # noqa: E402
 from benchmarks.common import Meter, process_cpu_seconds, write_json  # noqa: E402
+from cluster.loadtest import promtext  # noqa: E402
 from cluster.loadtest.bench import stop_group  # noqa: E402
 from cluster.run.serve import free_port  # noqa: E402
 from router.slo import SLOTargets  # noqa: E402
@@ -97,21 +98,37 @@ def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: floa
     return rows
 
 
+def refusals(name: str, base: str) -> dict[str, float]:
+    """pdcluster's 429s so far by why (its /metrics): past --max-pending or --max-validating
+    ("overloaded"), or SLO admission's prediction of a TTFT or TPOT miss; {} for vLLM."""
+    if SERVERS[name][1] is None:
+        return {}
+    m = promtext.scrape(base + "/metrics")
+    out = {"overloaded": promtext.total(m, "pdcluster:request_errors_total", reason="overloaded")}
+    for target in ("ttft", "tpot"):
+        out[f"would miss {target}"] = promtext.total(m, "pdcluster:admission_refusals_total", target=target,
+                                                     verdict="refused")
+    return out
+
+
 def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency, server_pid: int) -> dict:
     part = f"{name}-{row_name.split(' (')[0].replace(' ', '')}"
-    before = process_cpu_seconds(server_pid)
+    before, refused0 = process_cpu_seconds(server_pid), refusals(name, base)
     with meter.part(part):
         r = vllm_load(a, base, ckpt, workdir, part, n, rate, concurrency)
     after = process_cpu_seconds(server_pid)
     done = max(1, r["completed"] or 0)
     r.update(load=row_name, server=name, other_procs_cores=meter.parts[part]["other_procs_cores"],
              front_cpu_ms_per_request=1000 * (after[0] - before[0]) / done,
-             server_cpu_ms_per_request=1000 * (after[1] - before[1]) / done)
+             server_cpu_ms_per_request=1000 * (after[1] - before[1]) / done,
+             refused_by={k: v - refused0[k] for k, v in refusals(name, base).items()})
     print(f"  {SERVERS[name][0]:24s} {row_name:22s} failed {r['failed']:4d} (429: {r['failed_429']:4d}) "
           f"{r['request_throughput']:6.2f} req/s, goodput {r['request_goodput']:6.2f}, TTFT p50 "
           f"{r['median_ttft_ms'] or 0:7.1f} ms, TPOT p50 {r['median_tpot_ms'] or 0:6.1f} ms, CPU per request "
           f"{r['front_cpu_ms_per_request']:.1f} ms front, {r['server_cpu_ms_per_request']:.1f} ms all"
-          + (f", errors {r['other_errors']}" if r["other_errors"] else ""), flush=True)
+          + (f", errors {r['other_errors']}" if r["other_errors"] else "")
+          + (f", 429s by why {({k: int(v) for k, v in r['refused_by'].items() if v})}" if r["failed_429"] else ""),
+          flush=True)
     return r
 
 
