@@ -109,15 +109,20 @@ def test_the_routers_view_of_a_prefill_worker_keeps_a_prompt_until_the_second_fr
     (what truly waits then) counts as well."""
     assert S.FRAME_WAIT_S == 0.5
     v = S._RouterView()
-    v.send(0.1, 100, 0)
+    v.send(0.1, 100, lambda: 0)
     v.frame(0.12, 0)
-    assert v.queued(0.15, 0) == 100           # computed, still counted
-    v.frame(0.2, 30)                          # another step; its report: 30 tokens wait
-    assert v.queued(0.25, 30) == 30
-    v.send(1.0, 50, 0)                        # quiet since 0.2: a frame at 0.7 (reporting 0)
+    assert v.queued(0.15, lambda: 0) == 100             # computed, still counted
+    v.frame(0.2, 30)                                    # another step; its report: 30 tokens wait
+    assert v.queued(0.25, lambda: 30) == 30
+    v.send(1.0, 50, lambda: 0)                          # quiet since 0.2: a frame at 0.7 (reporting 0)
     v.frame(1.02, 0)
-    assert v.queued(1.5, 0) == 50
-    assert v.queued(1.6, 0) == 0              # the wait's frame at 1.52 covered it
+    assert v.queued(1.5, lambda: 0) == 50
+    assert v.queued(1.6, lambda: 0) == 0                # the wait's frame at 1.52 covered it
+    # After a long quiet (frames at 2.02, 2.52, ... 9.52), one sent at 10.0 counts until the
+    # frame at 10.52 (the one at 10.02 covers only what came before 9.52).
+    v.send(10.0, 20, lambda: 0)
+    assert v.queued(10.4, lambda: 0) == 20
+    assert v.queued(10.6, lambda: 0) == 0
 
 
 def workload(n=400, rate=40.0, seed=3):

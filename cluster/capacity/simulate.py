@@ -24,8 +24,10 @@ import dataclasses
 import gc
 import heapq
 import itertools
+import math
 from itertools import accumulate
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -253,25 +255,30 @@ class _RouterView:
         self.frame_at, self.covered_at, self.reported = 0.0, 0.0, 0
         self.sent: deque = deque()            # (sent at, prompt tokens), oldest first
 
-    def send(self, now: float, num_tokens: int, queued_now: int) -> None:
-        """A prompt of `num_tokens` sent at `now` (`queued_now`, here and below: the prompt tokens
-        that truly wait then, which a frame with nothing else to say reports)."""
+    def send(self, now: float, num_tokens: int, queued_now: Callable[[], int]) -> None:
+        """A prompt of `num_tokens` sent at `now` (`queued_now()`, here and below: the prompt
+        tokens that truly wait now, which a frame with nothing else to say reports; asked only
+        when such a frame is due)."""
         self._wait_frames(now, queued_now)
         self.sent.append((now, num_tokens))
 
-    def frame(self, now: float, queued_now: int) -> None:
-        """The frame a step sends as it ends."""
-        self._wait_frames(now, queued_now)
-        self._frame(now, queued_now)
+    def frame(self, now: float, queued: int) -> None:
+        """The frame a step sends as it ends, its report saying `queued` tokens wait."""
+        self._wait_frames(now, lambda: queued)
+        self._frame(now, queued)
 
-    def queued(self, now: float, queued_now: int) -> int:
+    def queued(self, now: float, queued_now: Callable[[], int]) -> int:
         """Prompt tokens the router counts as waiting at `now`."""
         self._wait_frames(now, queued_now)
         return self.reported + sum(n for _, n in self.sent)
 
-    def _wait_frames(self, now: float, queued_now: int) -> None:
-        while now >= self.frame_at + FRAME_WAIT_S:
-            self._frame(self.frame_at + FRAME_WAIT_S, queued_now)
+    def _wait_frames(self, now: float, queued_now: Callable[[], int]) -> None:
+        """The frames sent for want of anything else since the last one: only the last two
+        matter (the later's report, and the sends the earlier one covers)."""
+        waits = math.floor((now - self.frame_at) / FRAME_WAIT_S)
+        if waits >= 1:
+            self.frame_at += (waits - 1) * FRAME_WAIT_S
+            self._frame(self.frame_at + FRAME_WAIT_S, queued_now())
 
     def _frame(self, at: float, queued: int) -> None:
         self.covered_at, self.frame_at, self.reported = self.frame_at, at, queued
@@ -490,7 +497,7 @@ class Simulator:
         w.inbox.append(fn)
         w.inbox_tokens += num_tokens
         if w.role == PREFILL:
-            w.seen.send(self.now, num_tokens, self.view.prefill_queued(w))
+            w.seen.send(self.now, num_tokens, lambda: self.view.prefill_queued(w))
         self._wake(w)
 
     def _wake(self, w: SimWorker) -> None:
@@ -698,7 +705,7 @@ class _SimView:
     def prefill_load(self, worker_id: str) -> float:
         w = self.workers[worker_id]
         if w.role == PREFILL:                  # as the router's stream shows it
-            return w.seen.queued(self.now(), self.prefill_queued(w))
+            return w.seen.queued(self.now(), lambda: self.prefill_queued(w))
         return self.prefill_queued(w)
 
     def decode_load(self, worker_id: str) -> float:
