@@ -11,88 +11,36 @@ capacity, measured in the same run: a closed loop of 32, completions per second.
 Poisson arrivals at that rate, then at three times it, 15 s each. Last, a burst of eight times
 what the cluster serves within the TTFT target, all at once.
 
-The clients run on the test's own thread and event loop, not on the router's loop: there, at
-3x, sending some 100 requests a second and reading their answers took the router's own thread,
-and the requests served at 3x fell below those served at capacity (436-535 against 523-589) for
-a cost no deployment has. They still share this process's interpreter with the router, which a
-user's client does not (served so, `bench --launch` read TPOT about twice what a client in its
-own process reads: BENCHMARKS.md, simulator fidelity)."""
+The clients run in a process of their own (tests/slo_client.py), as a user's do. On the test's
+own thread and event loop, they shared the interpreter with the router: at 3x, sending some 150
+requests a second and reading their answers took the router's turns, and the goodput at 3x fell
+below 0.9 of that at capacity for a cost no deployment has (CI failed on it twice: 43.8 against
+54.4 req/s; `bench --launch`, which serves so, read TPOT about twice what a client in its own
+process reads: BENCHMARKS.md, simulator fidelity). On the router's loop, earlier, the requests
+served at 3x fell to 436-535 against 523-589 at capacity."""
 from __future__ import annotations
 
-import asyncio
 import json
-import random
-import time
-
-import aiohttp
+import subprocess
+import sys
+from pathlib import Path
 
 from cluster.run.launcher import ClusterSpec
 from cluster.run.serve import ServingCluster
 from common import free_port, wait_for
 from router.slo import SLOTargets
+from slo_client import OUTPUT, PHASE_S
 
-PROMPT, OUTPUT = 512, 8
 SLO = SLOTargets(ttft_s=1.0, tpot_s=0.1)
-PHASE_S = 15.0
-CLOSED_CLIENTS = 8          # with 128-token prompts: a load the cluster meets, even on a busy box
+CLIENT = Path(__file__).with_name("slo_client.py")
 
 
-class Client:
-    """Streaming greedy completions; each result: (status, Retry-After, TTFT, TPOT, tokens); a
-    refused request's TTFT is the time its answer took."""
-
-    def __init__(self, base_url: str, seed: int = 0):
-        self.url, self.rng = base_url + "/completions", random.Random(seed)
-        self.session: aiohttp.ClientSession | None = None
-
-    def body(self, prompt: int = PROMPT) -> bytes:
-        """A request's JSON: `prompt` random token ids (distinct prompts: no prefix cache hits)."""
-        return json.dumps({"model": "tiny", "prompt": list(self.rng.randbytes(prompt)), "max_tokens": OUTPUT,
-                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-
-    async def one(self, prompt: int = PROMPT, body: bytes | None = None) -> tuple:
-        body = body or self.body(prompt)
-        t0 = time.perf_counter()
-        first, n = None, 0
-        async with self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as resp:
-            if resp.status != 200:
-                why = (await resp.read())[:300]
-                return resp.status, resp.headers.get("Retry-After"), time.perf_counter() - t0, None, 0, why
-            async for line in resp.content:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"] is not None:
-                    n += 1
-                    first = first or time.perf_counter()
-        end = time.perf_counter()
-        ttft = (first or end) - t0
-        return 200, None, ttft, (end - first) / (n - 1) if n > 1 else 0.0, n, b""
-
-    async def closed_loop(self, clients: int, seconds: float, prompt: int = PROMPT) -> tuple[float, list[tuple]]:
-        """Completions per second with `clients` each keeping one request in flight, and every result."""
-        results, stop = [], time.perf_counter() + seconds
-
-        async def loop():
-            while time.perf_counter() < stop:
-                results.append(await self.one(prompt))
-        t0 = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(clients)))
-        return sum(r[0] == 200 for r in results) / (time.perf_counter() - t0), results
-
-    async def open_loop(self, rate: float, seconds: float) -> list[tuple]:
-        """Poisson arrivals for `seconds`, their bodies made before the first is sent (at 3x this
-        box's capacity, making them as they went took much of a core from the workers)."""
-        arrivals, t = [], self.rng.expovariate(rate)
-        while t < seconds:
-            arrivals.append((t, self.body()))
-            t += self.rng.expovariate(rate)
-        tasks, start = [], time.perf_counter()
-        for at, body in arrivals:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(self.one(body=body)))
-        return await asyncio.gather(*tasks)
+def clients(base_url: str, *args: str) -> dict:
+    """tests/slo_client.py's phases against `base_url`, run in a process of their own."""
+    done = subprocess.run([sys.executable, str(CLIENT), base_url, *args], capture_output=True, text=True,
+                          timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 def goodput(results: list[tuple], seconds: float) -> float:
@@ -104,28 +52,12 @@ def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_sessi
     with ServingCluster(spec, port=free_port(), slo=SLO) as c:
         assert c.server.admission is not None                       # the default
 
-        async def drive():
-            client = Client(c.base_url)
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client.session:
-                for _ in range(8):                                  # warm: the first steps are slow
-                    await client.one()
-                _, closed = await client.closed_loop(CLOSED_CLIENTS, 8.0, prompt=128)
-                capacity, _ = await client.closed_loop(32, 8.0)
-                at_capacity = await client.open_loop(capacity, PHASE_S)
-                overload = await client.open_loop(3 * capacity, PHASE_S)
-            return closed, capacity, at_capacity, overload
-        closed, capacity, at_capacity, overload = asyncio.run(asyncio.wait_for(drive(), 300))
+        run = clients(c.base_url, "drive")
+        closed, capacity, at_capacity, overload = (run[k] for k in ("closed", "capacity", "at_capacity", "overload"))
         wait_for(lambda: c.server.pending, lambda n: n == 0, deadline_s=60)
         burst_size = min(400, max(256, round(8 * capacity * SLO.ttft_s)))
 
-        async def send_burst():
-            """`burst_size` requests at once, each on its own connection (vLLM's closed loop of
-            256 clients starts so): eight times what the cluster serves in the TTFT target."""
-            client = Client(c.base_url, seed=1)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=120)) as client.session:
-                return await asyncio.gather(*(client.one() for _ in range(burst_size)))
-        burst = asyncio.run(asyncio.wait_for(send_burst(), 300))
+        burst = clients(c.base_url, "burst", str(burst_size))["burst"]
         shed = c.server.metrics.registry.get_sample_value("pdcluster:request_errors_total",
                                                           {"reason": "slo_unattainable"})
     # The closed loop well within capacity: served within the SLOs, and so nothing refused.
@@ -154,6 +86,9 @@ def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_sessi
     served = [r for r in at_capacity + overload if r[0] == 200]
     assert all(r[4] == OUTPUT for r in served)                      # nothing admitted was cut short
     g1, g3 = goodput(at_capacity, PHASE_S), goodput(overload, PHASE_S)
+    served3 = [r for r in overload if r[0] == 200]
     assert g3 >= 0.9 * g1, (f"capacity {capacity:.1f} req/s: goodput {g1:.2f} at it, {g3:.2f} at 3x "
-                            f"({len(refused)} of {len(overload)} refused); served at 3x (TTFT, TPOT): "
-                            + ", ".join(f"({r[2]:.2f}, {r[3]:.3f})" for r in overload if r[0] == 200))
+                            f"({len(refused)} of {len(overload)} refused, {len(served3)} served: "
+                            f"{sum(r[2] > SLO.ttft_s for r in served3)} missed TTFT, "
+                            f"{sum(r[3] > SLO.tpot_s for r in served3)} TPOT); served at 3x (TTFT, TPOT): "
+                            + ", ".join(f"({r[2]:.2f}, {r[3]:.3f})" for r in served3))

@@ -168,7 +168,10 @@ def answer(s: socket.socket) -> str:
 # Long enough to be running when the client leaves, short enough that all four fit the decode
 # worker's cache at once (api_cluster: 256 blocks of 16; 4 x 1000 tokens filled it, and a prompt
 # that waited for room started only after the others ended: CI's run saw none running).
-LONG = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
+# Long enough that no prompt can end while the client looks: at 600 tokens a CI run's stream had
+# ended on the server (its chunks all in the socket's buffers) before the client, its thread
+# starved on a busy box, had read the first chunk of each prompt.
+LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
