@@ -100,7 +100,9 @@ def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: floa
 
 def refusals(name: str, base: str) -> dict[str, float]:
     """pdcluster's 429s so far by why (its /metrics): past --max-pending or --max-validating
-    ("overloaded"), or SLO admission's prediction of a TTFT or TPOT miss; {} for vLLM."""
+    ("overloaded"), or SLO admission's prediction of a TTFT or TPOT miss; and the requests it let
+    in though predicted to miss (on the served record, or as probes, with the probes' outcomes);
+    {} for vLLM."""
     if SERVERS[name][1] is None:
         return {}
     m = promtext.scrape(base + "/metrics")
@@ -108,6 +110,12 @@ def refusals(name: str, base: str) -> dict[str, float]:
     for target in ("ttft", "tpot"):
         out[f"would miss {target}"] = promtext.total(m, "pdcluster:admission_refusals_total", target=target,
                                                      verdict="refused")
+        # let in though predicted to miss: the served record's say, or a probe (and how those ended)
+        out[f"{target} on record"] = promtext.total(m, "pdcluster:admission_refusals_total", target=target,
+                                                    verdict="on_record")
+        for outcome in ("met", "missed"):
+            out[f"{target} probe {outcome}"] = promtext.total(m, "pdcluster:admission_probes_total", target=target,
+                                                              outcome=outcome)
     return out
 
 
@@ -127,7 +135,8 @@ def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency
           f"{r['median_ttft_ms'] or 0:7.1f} ms, TPOT p50 {r['median_tpot_ms'] or 0:6.1f} ms, CPU per request "
           f"{r['front_cpu_ms_per_request']:.1f} ms front, {r['server_cpu_ms_per_request']:.1f} ms all"
           + (f", errors {r['other_errors']}" if r["other_errors"] else "")
-          + (f", 429s by why {({k: int(v) for k, v in r['refused_by'].items() if v})}" if r["failed_429"] else ""),
+          + (f", admission {({k: int(v) for k, v in r['refused_by'].items() if v})}" if any(r["refused_by"].values())
+             else ""),
           flush=True)
     return r
 
