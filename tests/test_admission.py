@@ -667,13 +667,14 @@ def test_the_record_lets_nothing_in_while_a_request_let_in_waits_past_the_ttft_t
     assert not a.overdue() and a.check(512, 16).on_record
 
 
-def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_decode_pace():
+def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_decode_pace(monkeypatch):
     """With the decode gate full, a request arriving now starts its prefill when the seats it
     needs have freed: the k-th seat frees when the k-th soonest seated request ends (its tokens
     left at the pace lately), and past all of them a round of their mean length more. Hand-
     computed: a pace of 10 ms a token (five requests ended at it), four seated requests of 64
     tokens with 30, 40, 50 and 60 left. The line is empty: the seat is all the prediction
-    waits for, and past the target it refuses."""
+    waits for, and past the target it refuses; no bias shortens that wait, and a record that
+    vouches for every load does not let such a request in."""
     clock = Clock(0.0)
     a = cluster(clock=clock)
     for _ in range(5):                                   # 10 tokens after the second in 0.1 s
@@ -698,6 +699,11 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
         assert a.predict_ttft(64)[1] == pytest.approx(wait)
     v = a.check(64, 16)
     assert not v.admit and v.code == "ttft"
+    a.bias = -0.3                                        # learnt on a line's overpriced drains
+    assert a.predict_ttft(64)[0] >= 1.04
+    monkeypatch.setattr(ServedRecord, "serves", lambda *args, **kw: True)
+    v = a.check(64, 16)
+    assert not v.admit and not v.on_record
     gate["need"] = 1
     assert a.check(64, 16).admit
 
