@@ -177,11 +177,6 @@ class Dispatcher:
         return bool(self.pools.active(DECODE)) and bool(self.pools.active(PREFILL)
                                                         or not self.pools.count(PREFILL, (DEAD,)))
 
-    def seats_to_free(self) -> float:
-        """The decode seats that must free before a request arriving now passes the gate (SLO
-        admission's wait for a seat); 0 without the gate."""
-        return 0.0 if self.gate is None else self.gate.seats_to_free(*self._gate_view())
-
     def _gate_view(self) -> tuple[dict, int]:
         """What the gate decides on: the decode workers' reports, the prefill pool's size."""
         return {m.worker_id: m.report for m in self.pools.active(DECODE)}, len(self.pools.active(PREFILL))
@@ -614,10 +609,6 @@ class _RegistryView:
         m = self.pools[worker_id]
         r = m.report
         return (r.running if r else 0) + len(m.unreported), r.kv_blocks_used * self.block_size if r else 0
-
-    def seats_full(self, worker_id: str) -> bool:
-        r = self.pools[worker_id].report
-        return r is not None and r.pending > 0
 
 
 def _computed_so_far(ev: msg.Event) -> bool:

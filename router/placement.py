@@ -44,9 +44,6 @@ class PoolView(Protocol):
     def decoding(self, worker_id: str) -> tuple[int, int]:
         """(sequences it decodes, their context tokens): what a local prefill there delays."""
 
-    def seats_full(self, worker_id: str) -> bool:
-        """Whether the decode worker has requests waiting for room (a seat, KV blocks) to start."""
-
 
 class Start:
     """A prompt about to start: its length and block hashes, and which workers hold how many of
@@ -163,12 +160,8 @@ class Placement:
         what it delays the sequences `d` decodes costs less than that queue plus the handoff as
         measured would cost the request, and (with a TPOT target) while the worker's pace with
         the prompt tokens queued there and these stays within PACE_SHARE of the target (`paced`);
-        never beyond one chunk, not before there is a cost model, and not while requests wait
-        there for room (`seats_full`): the prompt would wait behind them for a seat before its
-        first token, where handed off it waits after it, in its TPOT's far larger budget (at a
-        sustained overload of 64-token requests, 121 of the 401 prompts prefilled locally
-        missed their TTFT, 17 of the 338 handed off). With no queue the prefill pool computes it
-        at once, and the decode batch's steps stay undisturbed: disaggregated."""
+        never beyond one chunk, and not before there is a cost model. With no queue the prefill
+        pool computes it at once, and the decode batch's steps stay undisturbed: disaggregated."""
         limit = self.local_prefill_max_tokens
         if limit != AUTO:
             return uncached <= limit
@@ -177,8 +170,6 @@ class Placement:
             return False
         queued = min((view.prefill_load(p) for p in view.active(PREFILL)), default=0)
         if not queued:
-            return False
-        if view.seats_full(d):
             return False
         num_decode, context = view.decoding(d)
         remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])

@@ -79,9 +79,6 @@ class _View:
     def decoding(self, w):
         return (0, 0)
 
-    def seats_full(self, w):
-        return False
-
 
 def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
     """The mixed role: disaggregated with no active prefill worker, every request goes whole to a

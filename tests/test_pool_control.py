@@ -114,24 +114,6 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
 
 
-def test_auto_local_prefill_hands_off_while_requests_wait_at_the_decode_worker_for_room():
-    """A prompt the decode worker would take (the prefill pool has a queue, the worker is idle)
-    goes to the prefill pool instead while requests wait at the decode worker for room: there
-    it would wait behind them for a seat before its first token; handed off, its first token
-    comes from the prefill worker and the wait falls after it, in its TPOT's budget."""
-    p, d = Member("prefill-0", PREFILL, "hp0", ACTIVE), Member("decode-0", DECODE, "hd0", ACTIVE)
-    p.report, d.report = report(p.worker_id, PREFILL, queued=4096), report(d.worker_id, DECODE)
-    disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False),
-                      DispatchSettings(local_prefill_max_tokens=AUTO))
-    disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048)
-    assert disp.placement.prefill_locally(d.worker_id, 128, disp.view)
-    d.report = dataclasses.replace(d.report, pending=1)
-    assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
-    assert disp.placement.first(disp.placement.start(list(range(128))), disp.view) == (p.worker_id, False)
-    d.report = dataclasses.replace(d.report, pending=0)
-    assert disp.placement.first(disp.placement.start(list(range(128))), disp.view) == (d.worker_id, True)
-
-
 def test_auto_local_prefill_keeps_the_decode_workers_pace_within_its_share_of_the_tpot_target():
     """With a TPOT target, a decode worker whose batch the chunk would be worth delaying takes
     the prompt only while its pace, as its steps report it, plus the chunk's extra step time

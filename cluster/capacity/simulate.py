@@ -715,9 +715,6 @@ class _SimView:
         r = self.workers[worker_id].report()
         return r.running, r.kv_blocks_used * self.block_size
 
-    def seats_full(self, worker_id: str) -> bool:
-        return self.workers[worker_id].seats().pending > 0
-
 
 def utilization(sim: Simulator) -> dict[str, float]:
     """Per pool: the fraction of the run its workers spent stepping."""
