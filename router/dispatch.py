@@ -177,6 +177,11 @@ class Dispatcher:
         return bool(self.pools.active(DECODE)) and bool(self.pools.active(PREFILL)
                                                         or not self.pools.count(PREFILL, (DEAD,)))
 
+    def seats_to_free(self) -> float:
+        """The decode seats that must free before a request arriving now passes the gate (SLO
+        admission's wait for a seat); 0 without the gate."""
+        return 0.0 if self.gate is None else self.gate.seats_to_free(*self._gate_view())
+
     def _gate_view(self) -> tuple[dict, int]:
         """What the gate decides on: the decode workers' reports, the prefill pool's size."""
         return {m.worker_id: m.report for m in self.pools.active(DECODE)}, len(self.pools.active(PREFILL))

@@ -643,6 +643,71 @@ def test_the_record_counts_misses_at_a_load_about_as_heavy_as_the_one_it_judges(
     assert not r.serves(2.2, (64, 8192, 2048), 1.0) and r.serves(2.2, (56, 7000, 2048), 1.0)
 
 
+def test_the_record_lets_nothing_in_while_a_request_let_in_waits_past_the_ttft_target(monkeypatch):
+    """The record hears of a TTFT miss only at its first token: while a request let in has
+    waited past the target without one, the record lets in nothing the predictions refuse (at
+    the start of a sustained overload it let in hundreds in the seconds before the misses
+    reached it). A record that says every load is served; a line the predictions price past
+    the target."""
+    monkeypatch.setattr(ServedRecord, "serves", lambda *args, **kw: True)
+    clock = Clock(0.0)
+    a = cluster(clock=clock)
+    line = admitted(a, 400, 512)
+    clock.t = 0.9
+    v = a.check(512, 16)
+    assert v.admit and v.on_record and v.predicted_ttft_s > SLO.ttft_s
+    clock.t = 1.1                                        # the line's first request: a miss already
+    assert a.overdue()
+    v = a.check(512, 16)
+    assert not v.admit and v.code == "ttft"
+    for t in line:
+        a.progress(t, 1, ttft_s=1.1)
+    admitted(a, 400, 512)
+    clock.t = 1.5
+    assert not a.overdue() and a.check(512, 16).on_record
+
+
+def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_decode_pace(monkeypatch):
+    """With the decode gate full, a request arriving now starts its prefill when the seats it
+    needs have freed: the k-th seat frees when the k-th soonest seated request ends (its tokens
+    left at the pace lately), and past all of them a round of their mean length more. Hand-
+    computed: a pace of 10 ms a token (five requests ended at it), four seated requests of 64
+    tokens with 30, 40, 50 and 60 left. The line is empty: the seat is all the prediction
+    waits for, and past the target it refuses; no bias shortens that wait, and a record that
+    vouches for every load does not let such a request in."""
+    clock = Clock(0.0)
+    a = cluster(clock=clock)
+    for _ in range(5):                                   # 10 tokens after the second in 0.1 s
+        t = a.started(64, max_tokens=12)
+        a.progress(t, 1, ttft_s=0.0)
+        a.progress(t, 2)
+        clock.t += 0.1
+        a.progress(t, 12)
+        a.ended(t)
+    assert a.decode_pace() == pytest.approx(0.01)
+    for out in (34, 24, 14, 4):
+        t = a.started(64, max_tokens=64)
+        a.progress(t, 1, ttft_s=0.0)
+        a.progress(t, out)
+    assert a.seat_wait() == 0.0                          # no gate
+    gate = {"need": 0}                                   # seats to free before a new request passes
+    a.seats_to_free = lambda: gate["need"]
+    assert a.seat_wait() == 0.0                          # room at the gate
+    for need, wait in ((1, 0.30), (3, 0.50), (4, 0.60), (6, 0.40 + 0.64)):
+        gate["need"] = need
+        assert a.seat_wait() == pytest.approx(wait)
+        assert a.predict_ttft(64)[1] == pytest.approx(wait)
+    v = a.check(64, 16)
+    assert not v.admit and v.code == "ttft"
+    a.bias = -0.3                                        # learnt on a line's overpriced drains
+    assert a.predict_ttft(64)[0] >= 1.04
+    monkeypatch.setattr(ServedRecord, "serves", lambda *args, **kw: True)
+    v = a.check(64, 16)
+    assert not v.admit and not v.on_record
+    gate["need"] = 1
+    assert a.check(64, 16).admit
+
+
 def test_three_times_capacity_keeps_the_goodput():
     """Service times from 5 to 95 ms: the predictions' errors near the target set how much room
     admission keeps (`margin`), so nine in ten of those let in meet the target."""

@@ -250,6 +250,8 @@ class ServingCluster:
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
                                   local_prefill=cfg.local_prefill_max_tokens != 0)
                      if cfg.admission == SLO else None)
+        if admission is not None and dispatcher.gate is not None:
+            admission.seats_to_free = dispatcher.seats_to_free
         roles = {r: sum(i.role == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i.max_model_len for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
