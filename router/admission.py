@@ -52,8 +52,8 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from router.pools import PoolRegistry
 from router.slo import SLOTargets
@@ -651,15 +651,14 @@ class SLOAdmission:
     def _refuse(self, v: Verdict, prompt_tokens: int, on_record: bool = True) -> Verdict:
         """A would-be refusal: let in when the record shows its load served (ServedRecord), no
         request let in waits past the TTFT target (`overdue`), and (`on_record`) its wait for a
-        decode seat alone does not pass the target (the record vouches for loads, not for
-        seats that free only later: it let in requests whose seat wait was 1.1 s, and each
-        missed by about that), else a probe when the credit
-        allows, so that probes stay within `explore_share` of the requests let in (a closed
-        loop's clients retry at once: a share of the refusals would fill the server with probes).
-        The record hears of a TTFT miss only at its first token: at the start of a sustained
-        overload (vLLM's client, Poisson at 3x, 1P+1D) it let in 403 requests in the seconds
-        before the misses reached it, and 189 of the 772 served missed their TTFT, 168 in the
-        first five seconds."""
+        decode seat alone does not pass the target (the record vouches for loads, not for seats
+        that free only later: it let in requests whose seat wait was 1.1 s, and each missed by
+        about that); else a probe when the credit allows, so that probes stay within
+        `explore_share` of the requests let in (a closed loop's clients retry at once: a share of
+        the refusals would fill the server with probes). The record hears of a TTFT miss only at
+        its first token: at the start of a sustained overload (vLLM's client, Poisson at 3x,
+        1P+1D) it let in 403 requests in the seconds before the misses reached it, and 189 of
+        the 772 served missed their TTFT, 168 in the first five seconds."""
         if on_record and not self.overdue() and self.record.serves(self.clock(), self._load(prompt_tokens), v.ttft_limit_s):
             self.on_record += 1
             return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, ttft_limit_s=v.ttft_limit_s,
