@@ -82,6 +82,24 @@ def test_full_pool_lets_through_the_pipeline_only():
     assert gate.opens({"d0": report(running=2)}, 1)
 
 
+def test_the_seats_to_free_are_what_a_request_arriving_now_waits_for():
+    """As `opens` decides, counted: a request arriving now passes once as many requests as are
+    held before it, and itself, have room; each seat that frees makes room for one. Against
+    `fill`, which lets them in one by one (one decode and one prefill worker)."""
+    clock = Clock()
+    gate = DecodeGate(window_s=0.25, per_worker=2, clock=clock)
+    full = report(running=8, pending=3)
+    gate.observe("d0", full)
+    assert gate.seats_to_free({"d0": report(running=2)}, 1) == 0          # room: it passes at once
+    assert fill(gate, {"d0": full}) == 4                               # the pipeline
+    assert gate.seats_to_free({"d0": full}, 1) == 1
+    for i in range(3):
+        gate.hold(f"h{i}", None)
+    assert gate.seats_to_free({"d0": full}, 1) == 4                       # three held before it
+    assert gate.seats_to_free({"d0": report(running=6)}, 1) == 2          # two seats freed
+    assert gate.seats_to_free({}, 1) == 0                                 # no decode worker: not held
+
+
 def test_pipeline_follows_the_rate_requests_reach_decode():
     clock = Clock()
     gate = DecodeGate(window_s=0.5, per_worker=1, rate_window_s=5.0, clock=clock)
