@@ -98,7 +98,7 @@ def run_server(a, name: str, ckpt: Path, workdir: Path, meter: Meter, rate: floa
     return rows
 
 
-def refusals(name: str, base: str) -> dict[str, float]:
+def admission_counts(name: str, base: str) -> dict[str, float]:
     """pdcluster's 429s so far by why (its /metrics): past --max-pending or --max-validating
     ("overloaded"), or SLO admission's prediction of a TTFT or TPOT miss; and the requests it let
     in though predicted to miss (on the served record, or as probes, with the probes' outcomes);
@@ -121,7 +121,7 @@ def refusals(name: str, base: str) -> dict[str, float]:
 
 def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency, server_pid: int) -> dict:
     part = f"{name}-{row_name.split(' (')[0].replace(' ', '')}"
-    before, refused0 = process_cpu_seconds(server_pid), refusals(name, base)
+    before, counts0 = process_cpu_seconds(server_pid), admission_counts(name, base)
     with meter.part(part):
         r = vllm_load(a, base, ckpt, workdir, part, n, rate, concurrency)
     after = process_cpu_seconds(server_pid)
@@ -129,14 +129,14 @@ def one_load(a, name, base, ckpt, workdir, meter, row_name, n, rate, concurrency
     r.update(load=row_name, server=name, other_procs_cores=meter.parts[part]["other_procs_cores"],
              front_cpu_ms_per_request=1000 * (after[0] - before[0]) / done,
              server_cpu_ms_per_request=1000 * (after[1] - before[1]) / done,
-             refused_by={k: v - refused0[k] for k, v in refusals(name, base).items()})
+             admission={k: v - counts0[k] for k, v in admission_counts(name, base).items()})
+    said = {k: int(v) for k, v in r["admission"].items() if v}
     print(f"  {SERVERS[name][0]:24s} {row_name:22s} failed {r['failed']:4d} (429: {r['failed_429']:4d}) "
           f"{r['request_throughput']:6.2f} req/s, goodput {r['request_goodput']:6.2f}, TTFT p50 "
           f"{r['median_ttft_ms'] or 0:7.1f} ms, TPOT p50 {r['median_tpot_ms'] or 0:6.1f} ms, CPU per request "
           f"{r['front_cpu_ms_per_request']:.1f} ms front, {r['server_cpu_ms_per_request']:.1f} ms all"
           + (f", errors {r['other_errors']}" if r["other_errors"] else "")
-          + (f", admission {({k: int(v) for k, v in r['refused_by'].items() if v})}" if any(r["refused_by"].values())
-             else ""),
+          + (f", admission {said}" if said else ""),
           flush=True)
     return r
 
