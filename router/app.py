@@ -456,7 +456,7 @@ class Server:
         if self.admission is not None:
             self.admission.redeem(req.pledge)
             ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s, req.params.max_tokens)
-            req.on_local_prefill = functools.partial(self.admission.passed_line, ticket)
+            req.on_placed = functools.partial(self.admission.placed, ticket)
         events: asyncio.Queue = asyncio.Queue()
         # One timer at the deadline, not one per event: it puts _DEADLINE among the events.
         deadline = (None if req.deadline is None else

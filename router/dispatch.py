@@ -217,11 +217,12 @@ class Dispatcher:
         workers' pace, as their steps report it, within the TPOT target `tpot_s`."""
         self.placement.price_local_prefill(fit.current, max_chunk, tpot_s)
 
-    async def _pick_start(self, rid: str, token_ids: list[int]) -> tuple[Member, type]:
-        """Where a request (or a resumed one: prompt + delivered tokens) computes its prompt, and
-        the op that starts it there (router/placement.py): a GenerateOp on a decode worker when it
-        has few enough tokens to compute there (local prefill), else the first role's op. The
-        worker counts the tokens it will compute until its next report."""
+    async def _pick_start(self, rid: str, token_ids: list[int]) -> tuple[Member, type, int]:
+        """Where a request (or a resumed one: prompt + delivered tokens) computes its prompt, the
+        op that starts it there (router/placement.py): a GenerateOp on a decode worker when it
+        has few enough tokens to compute there (local prefill), else the first role's op; and the
+        tokens it computes there (the rest in that worker's prefix cache, as far as this router
+        knows), which the worker counts until its next report."""
         start = self.placement.start(token_ids)
         for role in self.placement.roles_needed():
             await self._wait_for(role)
@@ -233,8 +234,9 @@ class Dispatcher:
         if local:
             self.metrics.local_prefills.inc()
         op = msg.GenerateOp if local or self.mode == COLOCATED else msg.PrefillOp
-        w.sent(rid, start.uncached_on(worker_id))
-        return w, op
+        work = start.uncached_on(worker_id)
+        w.sent(rid, work)
+        return w, op, work
 
     def new_base(self) -> str:
         """A new request's id, before each attempt's suffix."""
@@ -334,10 +336,9 @@ class Dispatcher:
                 trace.gate(rid, t0, time.time())
         silence = _Silence(q, self.request_silence_s)
         try:
-            w, op = await self._pick_start(rid, req.prompt_token_ids + outputs)
-            if (not outputs and req.on_local_prefill is not None and op is msg.GenerateOp and self.mode != COLOCATED
-                    and self.pools.active(PREFILL)):
-                req.on_local_prefill()
+            w, op, work = await self._pick_start(rid, req.prompt_token_ids + outputs)
+            if not outputs and req.on_placed is not None:
+                req.on_placed(work, op is msg.GenerateOp and self.mode != COLOCATED and bool(self.pools.active(PREFILL)))
             (involve if op is msg.GenerateOp else involved.append)(w)
             if trace is not None:
                 trace.submitted(rid)

@@ -81,8 +81,9 @@ class GenerationRequest:
     probe: str = ""                            # SLO admission let it in although predicted to miss this target
     ttft_limit_s: float = math.nan             # the TTFT SLO admission let it in against
     pledge: Pledge | None = None               # SLO admission's count of it until its run starts
-    # Told when its prompt goes to its decode worker past the prefill pool's line (SLO admission's counts).
-    on_local_prefill: Callable[[], None] | None = None
+    # Told where its prompt goes (SLO admission's counts): the tokens that worker's prefill computes
+    # (the rest in its prefix cache), and whether it is its decode worker, past the prefill pool's line.
+    on_placed: Callable[[int, bool], None] | None = None
     echo: bool = False                         # completions: the answer starts with the prompt
     n: int = 1                                 # samples answered
     best_of: int = 1                           # samples generated (>= n): the n likeliest are answered

@@ -359,8 +359,8 @@ def nothing_left_running(cluster) -> None:
     wait_for(lambda: cluster.server.pending, lambda n: n == 0, deadline_s=30)
     admission = cluster.server.admission
     if admission is not None:
-        wait_for(lambda: (admission.waiting, admission.waiting_tokens, admission.in_handoff),
-                 lambda counts: counts == (0, 0, 0), deadline_s=30)
+        wait_for(lambda: (admission.waiting, admission.waiting_tokens, admission.waiting_work, admission.in_handoff),
+                 lambda counts: counts == (0, 0, 0, 0), deadline_s=30)
     wait_pools_clean(cluster)
 
 

@@ -338,6 +338,37 @@ def test_a_prompt_prefilled_on_its_decode_worker_leaves_the_line_and_teaches_the
     assert (a.waiting, a.waiting_tokens, a.local_tokens, a.in_flight) == (0, 0, 0, 0)
 
 
+def test_the_line_is_priced_by_the_tokens_its_prefills_compute_not_the_cached_ones():
+    """A prompt placed on a worker whose prefix cache holds most of it counts in the line's
+    prefill work by the tokens that worker computes: a line of 128 such prompts, each with a
+    16-token tail to compute, is priced as 128 x 16 tokens (hand-computed at the true costs),
+    not as 128 whole prompts, which the same line predicts before it is placed. Told again (a
+    retried attempt placed elsewhere) it counts the new work; a local prefill's work leaves the
+    line as before; the counts come back to 0."""
+    a = cluster(prefill=1)
+    line = admitted(a, 128, 512)
+    whole = 128 * 512 / prefill_rate(512) + 256 / prefill_rate(256)
+    assert a.predict_ttft(256)[0] == pytest.approx(whole, rel=0.02) and whole > SLO.ttft_s
+    assert not a.check(256, 16).admit
+    for t in line:
+        a.placed(t, 16)
+    assert a.queued_tokens() == 128 * 16 and a.waiting_tokens == 128 * 512
+    tails = 128 * 16 / prefill_rate(16) + 256 / prefill_rate(256)
+    assert a.predict_ttft(256)[0] == pytest.approx(tails, rel=0.02) and tails < SLO.ttft_s / 4
+    assert a.check(256, 16).admit
+    a.placed(line[0], 512)                         # retried on a worker without the prompt cached
+    a.placed(line[1], 10_000)                      # never more than the prompt
+    assert a.queued_tokens() == 126 * 16 + 2 * 512
+    a.placed(line[2], 16, local=True)              # prefilled on its decode worker
+    assert a.queued_tokens() == 125 * 16 + 2 * 512 and a.local_tokens == 16
+    a.progress(line[3], 1, ttft_s=0.01)
+    a.placed(line[3], 0)                           # past its first token: nothing to count
+    assert a.queued_tokens() == 124 * 16 + 2 * 512
+    for t in line:
+        a.ended(t)
+    assert (a.waiting, a.waiting_tokens, a.waiting_work, a.local_tokens, a.in_flight) == (0, 0, 0, 0, 0)
+
+
 def test_the_drain_rate_counts_only_time_the_line_was_not_empty():
     clock = Clock()
     a = cluster(fit=StepFit(1024, 1 << 20), clock=clock)

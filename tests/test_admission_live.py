@@ -51,6 +51,10 @@ def test_three_times_capacity_gets_200s_and_429s_and_keeps_the_goodput(ray_sessi
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=1, num_cpus_per_worker=0.5)
     with ServingCluster(spec, port=free_port(), slo=SLO) as c:
         assert c.server.admission is not None                       # the default
+        # Before any request: prompts are priced on the prefill shapes one worker timed at start
+        # (no decode shapes: the model of both step kinds waits for served decode steps).
+        fit = c.server.admission.fit
+        assert fit.prefill_model() is not None and fit.current() is None
 
         run = clients(c.base_url, "drive")
         closed, capacity, at_capacity, overload = (run[k] for k in ("closed", "capacity", "at_capacity", "overload"))

@@ -150,6 +150,35 @@ def test_step_fit_on_served_steps_of_one_prompt_length_has_a_model():
     assert model.prefill_tokens_per_s(128, 2048) == pytest.approx(
         16 * 128 / TRUE.step_s(prefill(*[(128, 0)] * 16)), rel=1e-6)
 
+def test_the_prefill_model_prices_prompts_from_a_profile_of_prefill_shapes_alone():
+    """SLO admission's model of prefill steps (StepFit.prefill_model): a profile of prefill
+    shapes alone prices prompts from the start, where the model of both step kinds waits for
+    decode steps; served steps where prefill-only ones are a few cached prompts' tails (a
+    colocated pool) then move it little, where a fit on those few alone is far off."""
+    grid = [prefill(*[(n, 0)] * k) for k, n in ((1, 16), (1, 128), (1, 512), (4, 128), (8, 64), (2, 512), (1, 1024))]
+    grid += [prefill((256, c)) for c in (256, 512, 768)]            # chunks on cached context
+    profile = [[TRUE.step_s(s), *dataclasses.astuple(s)] for s in grid]
+    fit = StepFit(1024, 10_000, profile)
+    assert fit.current() is None                                      # no decode step yet
+    model = fit.prefill_model()
+    for k in (1, 4, 16):
+        shape = prefill(*[(128, 0)] * k)
+        assert model.step_s(shape) == pytest.approx(TRUE.step_s(shape), rel=1e-6), k
+    # Served: decode steps by the hundred, and three prefill-only steps, tails of cached prompts
+    # on 112 tokens of context, each 3x its true cost (a contended box).
+    tails = [prefill((16, 112)), prefill((1, 127)), prefill((16, 112), (16, 112))]
+    served = [decode(*[300 + i % 50] * (1 + i % 32)) for i in range(300)]
+    fit.add([[TRUE.step_s(s), *dataclasses.astuple(s)] for s in served]
+            + [[3 * TRUE.step_s(s), *dataclasses.astuple(s)] for s in tails])
+    fit.clock = lambda: 1e9                                           # past the refit interval
+    batch = prefill(*[(128, 0)] * 16)
+    alone = StepFit(1024, 10_000)
+    alone.add([[TRUE.step_s(s), *dataclasses.astuple(s)] for s in served]
+              + [[3 * TRUE.step_s(s), *dataclasses.astuple(s)] for s in tails])
+    assert fit.prefill_model().step_s(batch) == pytest.approx(TRUE.step_s(batch), rel=0.25)
+    assert not 0.5 < alone.current().step_s(batch) / TRUE.step_s(batch) < 2
+
+
 # -- roofline ------------------------------------------------------------------------------------
 LLAMA3_8B_BLOCK_PARAMS = 32 * (4096 * (4096 + 2 * 8 * 128) + 4096 * 4096 + 3 * 4096 * 14336)
 LLAMA3_8B_PARAMS = LLAMA3_8B_BLOCK_PARAMS + 2 * 128256 * 4096

@@ -117,54 +117,73 @@ class LinearStepModel:
         Σcontext a multiple of the rows: priced per row). What serving fits on is whatever
         came (a load test of one prompt length is common), and a model right at the lengths it
         has seen prices the line and local prefills, where none would turn both off."""
-        import numpy as np
-
-        def solve(rows, kind, names, drop):
-            k = len(rows[0][0]) if rows else 3
-            a = np.array([x for x, _ in rows], dtype=float).reshape(len(rows), k)
-            keep = list(range(k))
-            while True:
-                if len({tuple(x[keep]) for x in a}) < len(keep):
-                    if reduce and len(keep) > 1 and drop:
-                        keep.remove(drop.pop(0))
-                        continue
-                    raise ValueError(f"need at least {k} distinct {kind}-only samples to fit, got {len(rows)}")
-                b = a[:, keep]
-                scale = np.abs(b).max(axis=0)   # columns span 1 to ~1e7: scale them to one range
-                scale[scale == 0] = 1.0
-                if np.linalg.matrix_rank(b / scale) == len(keep):
-                    break
-                if not (reduce and drop):
-                    raise ValueError(f"{kind} samples are collinear in ({names}): vary them independently")
-                keep.remove(drop.pop(0))
-            b = b / scale
-            y = np.array([t for _, t in rows], dtype=float)
-            # Relative error is what matters (a 4 ms step off by 2 ms is as wrong as a 100 ms
-            # one off by 50): weight each row by 1 / its time.
-            w = 1.0 / np.maximum(y, 1e-9)
-            b, y = b * w[:, None], y * w
-            active = list(range(len(keep)))
-            while True:
-                coef = np.zeros(len(keep))
-                coef[active] = np.linalg.lstsq(b[:, active], y, rcond=None)[0]
-                if coef.min() >= 0:
-                    out = [0.0] * k
-                    for j, v in zip(keep, coef / scale):
-                        out[j] = float(v)
-                    return out
-                active.remove(int(coef.argmin()))
-
-        if per_chunk:
-            pre = [((1, s.prefill_tokens, s.prefill_sq, s.num_prefill, s.prefill_ctx), t)
-                   for s, t in samples if s.num_prefill and not s.num_decode]
-        else:
-            pre = [((1, s.prefill_tokens, s.prefill_sq + 2 * s.prefill_ctx), t)
-                   for s, t in samples if s.num_prefill and not s.num_decode]
         dec = [((1, s.decode_context, s.num_decode), t)
                for s, t in samples if s.num_decode and not s.num_prefill]
-        p0, p1, p2, *rest = solve(pre, "prefill", "1, Σl, Σl², chunks, Σlc" if per_chunk else "1, Σl, Σl²+2Σlc",
-                                  [] if per_chunk else [2])
-        return cls(p0, p1, p2, *solve(dec, "decode", "1, Σcontext, rows", [1]), *rest)
+        p0, p1, p2, *rest = _prefill_terms(samples, per_chunk, reduce)
+        return cls(p0, p1, p2, *_solve(dec, "decode", "1, Σcontext, rows", [1], reduce), *rest)
+
+    @classmethod
+    def fit_prefill(cls, samples: list[tuple[BatchShape, float]], reduce: bool = False) -> LinearStepModel:
+        """`fit`'s prefill part alone, on the prefill-only samples: a model of prefill steps
+        whose decode terms are 0 (not fitted; do not price decode steps with it). Where decode
+        steps are many and prefill-only ones few (a colocated pool runs prompts beside its
+        decode rows: 3 of 1,669 steps in a closed loop), a fit of both waits on the few, and
+        those few priced 128-token prompts at 1 ms a token, 15 times what they cost."""
+        p0, p1, p2 = _prefill_terms(samples, False, reduce)
+        return cls(p0, p1, p2, 0.0, 0.0, 0.0)
+
+
+def _solve(rows, kind: str, names: str, drop: list[int], reduce: bool) -> list[float]:
+    """Nonnegative least squares of seconds on the rows' terms, relative error (LinearStepModel.fit);
+    with `reduce`, the terms in `drop` go first, in order, where the rows cannot tell them apart."""
+    import numpy as np
+
+    k = len(rows[0][0]) if rows else 3
+    a = np.array([x for x, _ in rows], dtype=float).reshape(len(rows), k)
+    keep = list(range(k))
+    while True:
+        if len({tuple(x[keep]) for x in a}) < len(keep):
+            if reduce and len(keep) > 1 and drop:
+                keep.remove(drop.pop(0))
+                continue
+            raise ValueError(f"need at least {k} distinct {kind}-only samples to fit, got {len(rows)}")
+        b = a[:, keep]
+        scale = np.abs(b).max(axis=0)   # columns span 1 to ~1e7: scale them to one range
+        scale[scale == 0] = 1.0
+        if np.linalg.matrix_rank(b / scale) == len(keep):
+            break
+        if not (reduce and drop):
+            raise ValueError(f"{kind} samples are collinear in ({names}): vary them independently")
+        keep.remove(drop.pop(0))
+    b = b / scale
+    y = np.array([t for _, t in rows], dtype=float)
+    # Relative error is what matters (a 4 ms step off by 2 ms is as wrong as a 100 ms
+    # one off by 50): weight each row by 1 / its time.
+    w = 1.0 / np.maximum(y, 1e-9)
+    b, y = b * w[:, None], y * w
+    active = list(range(len(keep)))
+    while True:
+        coef = np.zeros(len(keep))
+        coef[active] = np.linalg.lstsq(b[:, active], y, rcond=None)[0]
+        if coef.min() >= 0:
+            out = [0.0] * k
+            for j, v in zip(keep, coef / scale):
+                out[j] = float(v)
+            return out
+        active.remove(int(coef.argmin()))
+
+
+def _prefill_terms(samples, per_chunk: bool, reduce: bool) -> list[float]:
+    """The prefill part's coefficients fitted on the prefill-only samples (LinearStepModel.fit):
+    p0, p1, p2, and with `per_chunk` p3 and pc."""
+    if per_chunk:
+        pre = [((1, s.prefill_tokens, s.prefill_sq, s.num_prefill, s.prefill_ctx), t)
+               for s, t in samples if s.num_prefill and not s.num_decode]
+    else:
+        pre = [((1, s.prefill_tokens, s.prefill_sq + 2 * s.prefill_ctx), t)
+               for s, t in samples if s.num_prefill and not s.num_decode]
+    return _solve(pre, "prefill", "1, Σl, Σl², chunks, Σlc" if per_chunk else "1, Σl, Σl²+2Σlc",
+                  [] if per_chunk else [2], reduce)
 
 
 # DistServe's simulator profile for OPT-13B, TP1, A100-80GB (LLMServe/DistServe,
@@ -537,6 +556,8 @@ class StepFit:
         self._profiled = [s for s in map(_fit_sample, profiled) if s is not None]
         self._recent: deque = deque(maxlen=max_samples)
         self._new = True
+        self._added = 0                           # samples added so far (prefill_model refits when it moved)
+        self._prefill: tuple[float, CostModel | None, int] = (-math.inf, None, -1)   # (when fitted, model, _added then)
 
     def add(self, samples, worker: str | None = None) -> None:
         """Timed steps (of `worker`: its first WARMUP_STEPS never feed the fit, so a worker just
@@ -550,6 +571,7 @@ class StepFit:
             if s is not None:
                 self._recent.append(s)
                 self._new = True
+                self._added += 1
 
     def prefill_throughput(self, min_samples: int = 5) -> float | None:
         """Prompt tokens per second over the recent prefill-only steps, as they were batched:
@@ -562,6 +584,23 @@ class StepFit:
         value = None if len(rows) < min_samples else sum(n for n, _ in rows) / max(1e-9, sum(t for _, t in rows))
         self._throughput = (self.clock(), value)
         return value
+
+    def prefill_model(self) -> CostModel | None:
+        """A model of prefill steps alone (LinearStepModel.fit_prefill; its decode terms are 0)
+        over the profile and the recent prefill-only steps, refit as `current` is: what SLO
+        admission prices a line of prompts with. It needs no decode steps, and with a profile
+        of prefill shapes (serve times one before serving when admission is by SLO) it prices
+        prompts from the first request; None while the samples do not pin it down."""
+        at, model, seen = self._prefill
+        if seen != self._added and self.clock() - at >= self.refit_every_s:
+            try:
+                step = LinearStepModel.fit_prefill(self._profiled + list(self._recent), reduce=True)
+                model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
+                                  Link("unmeasured", math.inf, 0.0), source="prefill fitted while serving")
+            except ValueError:                    # too few distinct shapes: keep the last fit
+                pass
+            self._prefill = (self.clock(), model, self._added)
+        return model
 
     def current(self) -> CostModel | None:
         """The fit over the profile and the recent steps (refit when new ones came, at most every

@@ -36,8 +36,10 @@ def _median_step(engine, repeats: int) -> tuple[BatchShape, float] | None:
     return samples[len(samples) // 2]
 
 
-def profile_steps(engine, repeats: int = 5, seed: int = 0, progress=print) -> list[tuple[BatchShape, float]]:
-    """Timed steps over the grids, on an engine without prefix caching (every token computes)."""
+def profile_steps(engine, repeats: int = 5, seed: int = 0, progress=print,
+                  decode: bool = True) -> list[tuple[BatchShape, float]]:
+    """Timed steps over the grids (the prefill ones only unless `decode`), on an engine without
+    prefix caching (every token computes)."""
     from workers.sequence import SamplingParams
     rng = random.Random(seed)
     vocab, limit = engine.vocab_size, engine.max_model_len
@@ -74,7 +76,7 @@ def profile_steps(engine, repeats: int = 5, seed: int = 0, progress=print) -> li
             out.append((engine.last_shape, time.perf_counter() - t0))
         engine.scheduler.cfg.max_num_batched_tokens = budget
         progress(f"  chunked prefill of {n} tokens in chunks of {n // 4}")
-    for k, ctx in DECODE_GRID:
+    for k, ctx in DECODE_GRID if decode else ():
         if k > max_seqs or ctx + repeats + 2 >= limit or k * ctx > engine.layout.max_resident_tokens * 0.9:
             continue
         for _ in range(k):

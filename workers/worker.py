@@ -218,10 +218,11 @@ class Worker:
             self.outboxes.set_load(self._report_now())
         self.loop.ask(flip)
 
-    def profile(self, repeats: int = 1, timeout_s: float = 600.0) -> list[list[float]]:
-        """Time this worker's own engine over the step grid (workers/step_profile.py), for the
-        pool controller's cost model: [seconds, *BatchShape] per step. Only before it serves (an
-        idle engine); the engine's counters are left as they were, so metrics see no trace of it."""
+    def profile(self, repeats: int = 1, timeout_s: float = 600.0, decode: bool = True) -> list[list[float]]:
+        """Time this worker's own engine over the step grid (workers/step_profile.py; its decode
+        shapes too when `decode`), for the step cost model of the pool controller and SLO
+        admission: [seconds, *BatchShape] per step. Only before it serves (an idle engine); the
+        engine's counters are left as they were, so metrics see no trace of it."""
         from workers.step_profile import profile_steps
 
         def run() -> list[list[float]]:
@@ -229,7 +230,7 @@ class Worker:
                 raise RuntimeError(f"worker {self.worker_id} is serving: profile it before it takes requests")
             stats = copy.deepcopy(self.engine.scheduler.stats)
             try:
-                samples = profile_steps(self.engine, repeats, progress=lambda _line: None)
+                samples = profile_steps(self.engine, repeats, progress=lambda _line: None, decode=decode)
             finally:
                 self.engine.scheduler.stats = stats
             return [[t, *dataclasses.astuple(shape)] for shape, t in samples]

@@ -28,7 +28,7 @@ from router.supervisor import SupervisionSettings, Supervisor
 from router.pools import STARTING, Member, PoolRegistry
 from router.metrics import Metrics
 from router.config import API_KEY_ENV, RouterConfig
-from workers.names import AUTO, COLOCATED, PREFILL, ROLES
+from workers.names import AUTO, COLOCATED, ROLES, first_role
 from workers.checkpoint import load_tokenizer
 from workers.messages import WorkerInfo
 
@@ -284,14 +284,26 @@ class ServingCluster:
 
     def _step_fit(self, infos: list[WorkerInfo]):
         """The step cost model the controller and SLO admission price the pools with: fitted on
-        the steps the workers serve and, with the controller on, first on a grid one worker times
-        before serving (seconds on a GPU), so that the controller has a model from the start."""
+        the steps the workers serve and first on a grid one worker times before serving (seconds
+        on a GPU): with the controller on, the whole grid, so that the controller has a model
+        from the start; with SLO admission, its prefill shapes (about a second for `tiny` on a
+        CPU), so that a burst is priced at batched prompts' cost from the first request, and a
+        pool whose steps are seldom prefill alone (colocated: 3 of 1,669 steps of a closed loop)
+        is not priced on those few."""
         from workers.cost_model import StepFit
         info, profiled = infos[0], []
-        if self.spec.controls and self.owns:        # (a router that comes to lead fits on served steps)
+        decode = self.spec.controls
+        if (decode or self.cfg.admission == SLO) and self.owns:   # (a router that comes to lead fits on served steps)
             t0 = time.monotonic()
-            profiled = ray.get(self.pools.active(PREFILL)[0].handle.profile.remote())
-            log.info("controller: %d steps profiled in %.1fs", len(profiled), time.monotonic() - t0)
+            worker = self.pools.active(first_role(self.spec.mode))[0]
+            try:
+                profiled = ray.get(worker.handle.profile.remote(decode=decode))
+            except Exception as e:      # a worker lost meanwhile: the supervisor restarts it; fit on served steps
+                log.warning("step profile of worker %s failed (%s): the cost model fits on served steps only",
+                            worker.worker_id, e)
+            else:
+                log.info("%d steps profiled in %.1fs (%s)", len(profiled), time.monotonic() - t0,
+                         "the controller's grid" if decode else "prefill shapes, for SLO admission")
         fit = StepFit(info.bytes_per_block // info.block_size,
                       min(i.num_blocks for i in infos) * info.block_size, profiled)
         self.supervisor.sample_listeners.append(lambda worker, role, samples: fit.add(samples.get("step_shape", ()),
