@@ -270,6 +270,7 @@ class SLOAdmission:
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
         self.paces: deque[tuple[float, float]] = deque()  # (when, seconds per token after the second), lately
+        self._pace: float | None = None   # decode_pace as last measured
         self.window_s = window_s
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
@@ -632,11 +633,17 @@ class SLOAdmission:
 
     def decode_pace(self) -> float | None:
         """Seconds per token after the second, lately: the median over the requests that ended in
-        the window with more than two tokens (None with fewer than 5)."""
+        the window with more than two tokens; with fewer than 5, the pace last measured (None
+        before any). A pace stays one through a quiet spell: forgotten after 5 s of quiet, the
+        seat wait was 0 through the first second of an overload after a 7 s lull (vLLM's client
+        starting its next run), while the gate held 57 requests for seats that a wave of 129
+        let in meanwhile freed only 1.4 s later."""
         horizon = self.clock() - self.window_s
         while self.paces and self.paces[0][0] < horizon:
             self.paces.popleft()
-        return statistics.median(p for _, p in self.paces) if len(self.paces) >= 5 else None
+        if len(self.paces) >= 5:
+            self._pace = statistics.median(p for _, p in self.paces)
+        return self._pace
 
     def handoff_budget(self, max_tokens: int) -> float:
         """The longest first-to-second-token gap with which a request of `max_tokens` still meets
@@ -657,7 +664,10 @@ class SLOAdmission:
         (`_refuse`)."""
         ttft, ahead, floor = self._predict(prompt_tokens)
         limit = self.slo.ttft_s * (self.shed_ratio ** min(priority, 50) if priority > 0 else 1.0)
-        likely = ttft + self.margin(ttft - self.bias)
+        # The margin, learnt on the line's predictions, lowers none of the seat wait's floor, as
+        # the bias does not: at -0.5 s (the line's drains overpriced lately) it let in seat waits
+        # of 1.2-1.4 s through the first second of an overload, and each missed by about that.
+        likely = max(ttft + self.margin(ttft - self.bias), floor)
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "

@@ -732,11 +732,17 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     assert not v.admit and v.code == "ttft"
     a.bias = -0.3                                        # learnt on a line's overpriced drains
     assert a.predict_ttft(64)[0] >= 1.04
+    monkeypatch.setattr(a, "margin", lambda work_s: -0.5)   # as are the margin's errors
+    assert not a.check(64, 16).admit
     monkeypatch.setattr(ServedRecord, "serves", lambda *args, **kw: True)
     v = a.check(64, 16)
     assert not v.admit and not v.on_record
     gate["need"] = 1
     assert a.check(64, 16).admit
+    clock.t += 10.0                                      # a lull past the window: no request ends in it
+    gate["need"] = 3
+    assert a.decode_pace() == pytest.approx(0.01)        # the pace last measured holds
+    assert a.seat_wait() == pytest.approx(0.50)
 
 
 def test_three_times_capacity_keeps_the_goodput():
