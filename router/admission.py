@@ -525,7 +525,8 @@ class SLOAdmission:
             return 0.0
         left = sorted(max(0, t.max_tokens - t.tokens) for t in self._seated)
         rounds, k = divmod(need - 1, len(left))
-        return pace * (left[k] + rounds * statistics.fmean(t.max_tokens for t in self._seated))
+        more = rounds * statistics.fmean(t.max_tokens for t in self._seated) if rounds else 0.0
+        return pace * (left[k] + more)
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
         """The line's drain rate, no more than the rate requests end while the line has been full

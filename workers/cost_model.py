@@ -549,15 +549,12 @@ class StepFit:
                  max_samples: int = 2000, refit_every_s: float = 2.0, clock=time.monotonic):
         self.kv_bytes_per_token, self.kv_capacity_tokens = kv_bytes_per_token, kv_capacity_tokens
         self._seen: dict[str, int] = {}              # worker -> its steps seen (the warm-up ones left out)
-        self.model: CostModel | None = None
         self.refit_every_s, self.clock = refit_every_s, clock
-        self._fitted_at = -math.inf
         self._throughput: tuple[float, float | None] = (-math.inf, None)   # (when, prefill_throughput then)
         self._profiled = [s for s in map(_fit_sample, profiled) if s is not None]
         self._recent: deque = deque(maxlen=max_samples)
-        self._new = True
-        self._added = 0                           # samples added so far (prefill_model refits when it moved)
-        self._prefill: tuple[float, CostModel | None, int] = (-math.inf, None, -1)   # (when fitted, model, _added then)
+        self._added = 0                           # samples added so far (a model refits when it moved)
+        self._fits: dict[str, tuple[float, CostModel | None, int]] = {}   # kind -> (when fitted, model, _added then)
 
     def add(self, samples, worker: str | None = None) -> None:
         """Timed steps (of `worker`: its first WARMUP_STEPS never feed the fit, so a worker just
@@ -570,7 +567,6 @@ class StepFit:
             s = _fit_sample(raw)
             if s is not None:
                 self._recent.append(s)
-                self._new = True
                 self._added += 1
 
     def prefill_throughput(self, min_samples: int = 5) -> float | None:
@@ -591,31 +587,27 @@ class StepFit:
         admission prices a line of prompts with. It needs no decode steps, and with a profile
         of prefill shapes (serve times one before serving when admission is by SLO) it prices
         prompts from the first request; None while the samples do not pin it down."""
-        at, model, seen = self._prefill
-        if seen != self._added and self.clock() - at >= self.refit_every_s:
-            try:
-                step = LinearStepModel.fit_prefill(self._profiled + list(self._recent), reduce=True)
-                model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
-                                  Link("unmeasured", math.inf, 0.0), source="prefill fitted while serving")
-            except ValueError:                    # too few distinct shapes: keep the last fit
-                pass
-            self._prefill = (self.clock(), model, self._added)
-        return model
+        return self._refit("prefill", LinearStepModel.fit_prefill, "prefill fitted while serving")
 
     def current(self) -> CostModel | None:
         """The fit over the profile and the recent steps (refit when new ones came, at most every
-        `refit_every_s`: SLO admission asks on every request, and a fit over 2,000 steps costs
-        about 10 ms); None while they do not pin the model down."""
-        if self._new and (self.model is None or self.clock() - self._fitted_at >= self.refit_every_s):
-            self._new = False
-            self._fitted_at = self.clock()
+        `refit_every_s` once there is a model: it is asked for on every request, and a fit over
+        2,000 steps costs about 10 ms); None while they do not pin the model down."""
+        return self._refit("both", LinearStepModel.fit, "fitted while serving")
+
+    def _refit(self, kind: str, fit, source: str) -> CostModel | None:
+        """The `kind` model, fitted again by `fit` when samples came since it last was and there
+        is none yet or `refit_every_s` has passed; a fit the samples cannot pin down keeps the
+        last model."""
+        at, model, seen = self._fits.get(kind, (-math.inf, None, -1))
+        if seen != self._added and (model is None or self.clock() - at >= self.refit_every_s):
             try:
-                step = LinearStepModel.fit(self._profiled + list(self._recent), reduce=True)
+                model = CostModel(fit(self._profiled + list(self._recent), reduce=True), self.kv_bytes_per_token,
+                                  self.kv_capacity_tokens, Link("unmeasured", math.inf, 0.0), source=source)
             except ValueError:                    # too few distinct shapes: keep the last fit
-                return self.model
-            self.model = CostModel(step, self.kv_bytes_per_token, self.kv_capacity_tokens,
-                                   Link("unmeasured", math.inf, 0.0), source="fitted while serving")
-        return self.model
+                pass
+            self._fits[kind] = (self.clock(), model, self._added)
+        return model
 
 
 class DecodeStepFit:
