@@ -511,21 +511,26 @@ class SLOAdmission:
         """Seconds until the decode gate lets a request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
         router on a decode worker ends, its tokens left times the decode pace lately; past as
-        many as are seated, a round of their mean length more for each. 0 without the gate, with
+        many as are seated, a round of their mean length more for each; with none seated yet, the
+        requests waiting for their first tokens take the seats first. 0 without the gate, with
         room at it, or before a pace is measured. The line's drain rate cannot see it: at a
         sustained overload of 64-token requests (vLLM's client, Poisson at 3x, 1P+1D) the decode
         batch filled and emptied in waves; each time a wave's first tokens had come out, the line
         was empty, the next second's arrivals (140-170 a second where 70 were served) were let
         in, and waited for seats that would free only as that wave ended, past the target."""
         need = 0 if self.seats_to_free is None else math.ceil(self.seats_to_free())
-        if need <= 0 or not self._seated:
+        # None seated yet (a burst after a lull: the gate let a wave through, still in its
+        # prefills), the seats go to the line's requests, each for all its tokens: read as 0,
+        # every arrival of an overload's first second was let in behind the wave.
+        holders = self._seated or self._line
+        if need <= 0 or not holders:
             return 0.0
         pace = self.decode_pace()
         if pace is None:
             return 0.0
-        left = sorted(max(0, t.max_tokens - t.tokens) for t in self._seated)
+        left = sorted(max(0, t.max_tokens - t.tokens) for t in holders)
         rounds, k = divmod(need - 1, len(left))
-        more = rounds * statistics.fmean(t.max_tokens for t in self._seated) if rounds else 0.0
+        more = rounds * statistics.fmean(t.max_tokens for t in holders) if rounds else 0.0
         return pace * (left[k] + more)
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:

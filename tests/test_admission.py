@@ -743,6 +743,17 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     gate["need"] = 3
     assert a.decode_pace() == pytest.approx(0.01)        # the pace last measured holds
     assert a.seat_wait() == pytest.approx(0.50)
+    for t in list(a._seated):                            # the seated end; a wave of three comes in after
+        a.ended(t)
+    wave = [a.started(64, max_tokens=n) for n in (128, 96, 112)]
+    gate["need"] = 1                                     # let through the gate, none seated yet: they
+    assert a.seat_wait() == pytest.approx(0.96)          # hold the seats for all their tokens
+    assert a.check(64, 16).admit
+    gate["need"] = 2
+    assert a.seat_wait() == pytest.approx(1.12)
+    assert not a.check(64, 16).admit
+    for t in wave:
+        a.ended(t)
 
 
 def test_three_times_capacity_keeps_the_goodput():
