@@ -44,6 +44,7 @@ from workers.device import resolve_device
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
 from workers.faults import FaultPlan
+from workers import heap
 from workers.handoff import HandoffBook, Outcome
 from workers.kv_movers import LocalKV
 from workers.kv_receiver import KVReceiver
@@ -72,6 +73,7 @@ class WorkerSettings:
     transfer_timeout_s: float = 30.0  # any wait on a peer in a handoff
     cluster_id: str = "default"      # peers are named actors of this cluster (workers/peers.py)
     router_lease_s: float = 10.0     # a router silent this long has its requests here ended
+    freeze_heap: bool = False        # in a process of its own: its start-up heap out of the collector's walks (workers/heap.py)
 
 
 class Worker:
@@ -109,6 +111,9 @@ class Worker:
                                    self.outboxes.publish, self.traces)
         self.outboxes.set_load(self._report_now())
         self._reported_at = time.monotonic()
+        self._holds_heap = s.freeze_heap
+        if self._holds_heap:
+            heap.hold()
         self.loop.start()
 
     @property
@@ -244,6 +249,9 @@ class Worker:
         self.kv.close()
         self.engine.close()
         self.receiver.movers.close()
+        if self._holds_heap:
+            self._holds_heap = False
+            heap.release()
 
     # -- the KV handoff (workers/kv_sender.py, kv_receiver.py) ----------------------------------
     def send_kv(self, payload: bytes) -> int:

@@ -189,7 +189,7 @@ def start_worker(spec: ClusterSpec, worker_id: str, role: str):
     engine = dataclasses.replace(_engine(spec, gpus), tensor_parallel_size=tp)
     settings = WorkerSettings(kv_transport=spec.kv_transport, lease_s=spec.lease_s,
                               transfer_timeout_s=spec.transfer_timeout_s, cluster_id=spec.cluster_id,
-                              router_lease_s=spec.router_lease_s)
+                              router_lease_s=spec.router_lease_s, freeze_heap=True)
     handle = ray.remote(Worker).options(**opts).remote(worker_id, role, engine, settings, group)
     if group is not None:
         _GROUPS[handle] = group

@@ -18,7 +18,7 @@ import uvicorn
 
 from cluster.run.launcher import (ClusterSpec, ask_autoscaler, check_fits, check_new, connect, launch, open_book, restart, retire, room_for_one, start_worker, stop_cluster)
 from cluster.run.ports import check_port_free, free_port
-from router import heap
+from workers import heap
 from router.admission import SLO, SLOAdmission
 from router.app import Server, build_app
 from router.tracing import Tracing
@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         # What the process holds by now lives as long as it serves: out of the collector's
-        # walks (router/heap.py), which otherwise stop this loop for 150-210 ms each.
+        # walks (workers/heap.py), which otherwise stop this loop for 150-210 ms each.
         heap.hold()
         try:
             await super().startup(sockets=sockets)
