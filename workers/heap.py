@@ -2,11 +2,11 @@
 
 A full (oldest-generation) collection walks every container object alive, and a serving process
 holds hundreds of thousands from its start (torch, Ray, the model's modules, the tokenizer) that
-live until it exits. Each such walk stopped the router's event loop for 150-210 ms on this
-project's 2-core CI box (380,000 objects in a test process; five in 1.5 s during a burst), with
-its prefill line held near the TTFT target, and every request in the line missed. Frozen after
-start (`gc.freeze`: the objects alive move to a generation no collection walks), a collection
-walks only what the process made since. vLLM's API server freezes its heap after start-up too.
+live until it exits. Each such walk stopped the router's event loop for 150-220 ms on a 2-core
+test box (380,000 objects in a test's process), with the prefill line held near the TTFT target
+under overload, and every request in the line missed. Frozen after start (`gc.freeze`: the
+objects alive move to a generation no collection walks), a collection walks only what the
+process made since (3-14 ms there). vLLM's API server and engine freeze theirs after start too.
 
 The router holds it while it serves (cluster/run/serve.py DrainingServer), and a worker started by
 the launcher from its start to its shutdown (`WorkerSettings.freeze_heap`): served at three times
