@@ -48,6 +48,7 @@ its predicted TTFT is within `ttft_s * shed_ratio ** p`.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import statistics
 import time
@@ -528,10 +529,11 @@ class SLOAdmission:
         pace = self.decode_pace()
         if pace is None:
             return 0.0
-        left = sorted(max(0, t.max_tokens - t.tokens) for t in holders)
-        rounds, k = divmod(need - 1, len(left))
+        rounds, k = divmod(need - 1, len(holders))
+        # the k-th soonest to free (checked on every arrival while the gate is full: no full sort)
+        kth = heapq.nsmallest(k + 1, (max(0, t.max_tokens - t.tokens) for t in holders))[-1]
         more = rounds * statistics.fmean(t.max_tokens for t in holders) if rounds else 0.0
-        return pace * (left[k] + more)
+        return pace * (kth + more)
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
         """The line's drain rate, no more than the rate requests end while the line has been full

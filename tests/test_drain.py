@@ -106,7 +106,7 @@ def test_drain_lets_a_request_in_flight_finish_and_refuses_new_ones(ray_session)
 def test_drain_timeout_ends_what_is_left_with_an_error_and_frees_its_blocks(ray_session):
     """ServingCluster.stop_serving (close()'s first half): the drain, then the HTTP server stops,
     and the process's collector gets back the heap the router kept out of its walks while it
-    served (workers/heap.py: each full collection walked it, 150-210 ms with the loop stopped);
+    served (workers/heap.py: each full collection walked it, 150-220 ms with the loop stopped);
     the workers' processes, launched, froze theirs at start."""
     alive_before = [object()]
     with one_pair(drain_timeout_s=1) as c, ThreadPoolExecutor(2) as pool:

@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         # What the process holds by now lives as long as it serves: out of the collector's
-        # walks (workers/heap.py), which otherwise stop this loop for 150-210 ms each.
+        # walks (workers/heap.py), which otherwise stop this loop for 150-220 ms each.
         heap.hold()
         try:
             await super().startup(sockets=sockets)
