@@ -48,6 +48,7 @@ its predicted TTFT is within `ttft_s * shed_ratio ** p`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 import statistics
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 
 from router.pools import PoolRegistry
 from router.slo import SLOTargets
-from workers.cost_model import StepFit
+from workers.cost_model import BatchShape, StepFit
 from workers.names import COLOCATED, DECODE, DISAGGREGATED, PREFILL
 
 QUEUE, SLO = ADMISSION_POLICIES = ("queue", "slo")
@@ -75,6 +76,7 @@ class Verdict:
     probe: bool = False                   # admitted although predicted to miss (its outcome is recorded)
     ttft_limit_s: float = math.nan        # the TTFT it was admitted against (priority applied)
     on_record: bool = False               # predicted to miss, let in: the record shows this load served (ServedRecord)
+    seat_s: float = 0.0                   # the prediction's floor: the wait for a decode seat and its own prefill
 
 
 WAITING, HANDOFF, DECODING, ENDED = range(4)     # a Ticket's stages
@@ -93,10 +95,11 @@ class Ticket:
     """One admitted request's place in the router's counts: waiting for its first token, then
     in its handoff (first token out, second not yet), then decoding."""
     __slots__ = ("prompt_tokens", "work", "predicted_ttft_s", "bias", "stage", "started_at", "first_at",
-                 "second_at", "tokens", "max_tokens", "load", "served", "local")
+                 "second_at", "tokens", "max_tokens", "load", "served", "local", "batch", "seat")
 
     def __init__(self, prompt_tokens: int, predicted_ttft_s: float, bias: float,
-                 load: tuple[int, int, int] = (0, 0, 0), started_at: float = math.nan, max_tokens: int = 0):
+                 load: tuple[int, int, int] = (0, 0, 0), started_at: float = math.nan, max_tokens: int = 0,
+                 seat: float = 0.0):
         self.prompt_tokens, self.predicted_ttft_s, self.stage = prompt_tokens, predicted_ttft_s, WAITING
         self.work = prompt_tokens         # the tokens its prefill computes: the prompt, less what a cache holds (`placed`)
         self.started_at = started_at      # when its run started (the router's clock)
@@ -107,6 +110,8 @@ class Ticket:
         self.load = load                  # ServedRecord's load as its run started
         self.served: list | None = None   # its entry in the ServedRecord, from its first token
         self.local = False                # prefilled on its decode worker, past the prefill pool's line
+        self.batch = 0                    # the router's requests past their first token at its second
+        self.seat = seat                  # its prediction's floor (Verdict.seat_s; 0: none)
 
 
 class Pledge:
@@ -252,6 +257,10 @@ class SLOAdmission:
         # margin as last computed (None: to compute again).
         self.errors: list[deque[tuple[float, float]]] = [deque(maxlen=200) for _ in range(len(BANDS) + 1)]
         self._margins: list[float | None] = [None] * (len(BANDS) + 1)
+        # (when, measured TTFT - floor) of the requests whose prediction the floor set (the wait
+        # for a decode seat), lately, and their margin as last computed (`seat_margin`).
+        self.seat_errors: deque[tuple[float, float]] = deque(maxlen=200)
+        self._seat_margin: float | None = None
         self.margin_window_s = margin_window_s
         self.waiting = self.waiting_tokens = self.in_handoff = self.decoding = 0
         # The line's prefill work: the tokens its prompts' prefills compute (each prompt less the
@@ -270,19 +279,22 @@ class SLOAdmission:
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
         self._gap: float | None = 0.0     # handoff_wait() of `gaps` (None: to compute again)
-        self.paces: deque[tuple[float, float]] = deque()  # (when, seconds per token after the second), lately
-        self._pace: float | None = None   # decode_pace as last measured
+        # (when, seconds per token after the second, the requests past their first token meanwhile), lately
+        self.paces: deque[tuple[float, float, float]] = deque()
+        self._pace: tuple[float, float] | None = None   # (decode_pace, the batch it ran at) as last measured
+        self._paced = -1                  # len(paces) when _pace was measured (-1: a pace came since)
         self.window_s = window_s
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
     # -- the router's counts ------------------------------------------------------------------------
-    def started(self, prompt_tokens: int, predicted_ttft_s: float = math.nan, max_tokens: int = 0) -> Ticket:
+    def started(self, prompt_tokens: int, predicted_ttft_s: float = math.nan, max_tokens: int = 0,
+                seat_s: float = 0.0) -> Ticket:
         now = self.clock()
         self.drain.line(now, self.waiting)
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
         self.waiting_work += prompt_tokens
-        t = Ticket(prompt_tokens, predicted_ttft_s, self.bias, self._load(), now, max_tokens)
+        t = Ticket(prompt_tokens, predicted_ttft_s, self.bias, self._load(), now, max_tokens, seat_s)
         self._line[t] = None
         return t
 
@@ -369,6 +381,10 @@ class SLOAdmission:
             self.past_first_tokens += t.prompt_tokens
             self.in_handoff += 1
             self.drain.first(t.first_at, t.work)
+            # The floor is the gate's wait, which a prompt prefilled on its decode worker waits too.
+            if 0 < t.seat >= t.predicted_ttft_s and ttft_s >= 0:     # the floor set its prediction
+                self.seat_errors.append((t.first_at, ttft_s - t.seat))
+                self._seat_margin = None
             if not t.local:
                 self._learn(t.predicted_ttft_s, t.bias, ttft_s)
                 if ttft_s >= 0:
@@ -379,6 +395,7 @@ class SLOAdmission:
             self.decoding += 1
             now = self.clock()
             t.second_at = now
+            t.batch = len(self._seated)
             self.gaps.append((now, now - t.first_at))
             self._gap = None
 
@@ -390,9 +407,10 @@ class SLOAdmission:
             t.served[-1] = t.tokens < 2 or (self.clock() - t.first_at) / (t.tokens - 1) <= self.slo.tpot_s
         if t.stage == DECODING and t.tokens > 2:
             now = self.clock()
-            self.paces.append((now, (now - t.second_at) / (t.tokens - 2)))
+            self.paces.append((now, (now - t.second_at) / (t.tokens - 2), (t.batch + len(self._seated)) / 2))
             while self.paces[0][0] < now - self.window_s:     # (read only while handoffs wait: kept short here)
                 self.paces.popleft()
+            self._paced = -1
         self._leave(t)
         self._seated.pop(t, None)
         t.stage = ENDED
@@ -468,6 +486,24 @@ class SLOAdmission:
             return self._margins[band]
         return 0.0
 
+    def seat_margin(self) -> float:
+        """How far measured TTFTs ran over the floor lately, where the floor (the wait for a
+        decode seat and the prompt's own prefill, `_predict`) set the prediction: the 95th
+        percentile over the last `margin_window_s`, with at least `MARGIN_MIN_ERRORS` of them
+        (else 0), within [0, 2] x the TTFT target. Not the bands' margin: those errors are taken
+        against predictions the line set too, whose drains, overpriced at a sustained overload,
+        kept the margin at -0.14 s while requests predicted by their seat at 0.83-0.89 s came
+        at 1.18-1.24 s (29 of the 39 let in in one second missed)."""
+        horizon = self.clock() - self.margin_window_s
+        while self.seat_errors and self.seat_errors[0][0] < horizon:
+            self.seat_errors.popleft()
+            self._seat_margin = None
+        if self._seat_margin is None:
+            errors = sorted(e for _, e in self.seat_errors)
+            self._seat_margin = (0.0 if len(errors) < MARGIN_MIN_ERRORS else
+                                 min(2 * self.slo.ttft_s, max(0.0, errors[int(0.95 * (len(errors) - 1))])))
+        return self._seat_margin
+
     def probed(self, target: str, met: bool) -> None:
         """A probe's outcome: it met its targets or not (the router judges it when it ends)."""
         self.probes[target][0 if met else 1] += 1
@@ -492,7 +528,7 @@ class SLOAdmission:
             # The drain covers a line as long as the one it was measured on; the rest of a longer
             # line (a burst after a quiet spell) is the prefill work's to price, where known.
             ahead = (self.waiting if prefill is None else min(self.waiting, self.drain.length)) / rate
-        own = 0.0
+        own = each = 0.0
         if prefill is not None:
             workers = self._prefill_workers()
             if not workers:
@@ -502,18 +538,24 @@ class SLOAdmission:
             work = queued / prefill(mean_prompt) if queued else 0.0
             ahead = work if math.isnan(ahead) else max(ahead, work)
             own = prompt_tokens / prefill(prompt_tokens)
-        seat = self.seat_wait()
+            each = mean_prompt / workers / prefill(mean_prompt)
+        seat = self.seat_wait(each)
         floor = seat + own if seat > 0 else 0.0
         if math.isnan(ahead):
             return (floor, seat, floor) if seat > 0 else (math.nan, math.nan, 0.0)
         return max(own, ahead + own + self.bias, floor), max(ahead, seat), floor
 
-    def seat_wait(self) -> float:
+    def seat_wait(self, prefill_s: float = 0.0) -> float:
         """Seconds until the decode gate lets a request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
-        router on a decode worker ends, its tokens left times the decode pace lately; past as
-        many as are seated, a round of their mean length more for each; with none seated yet, the
-        requests waiting for their first tokens take the seats first. 0 without the gate, with
+        router on a decode worker ends, its tokens left times the decode pace at the seats'
+        batch (`_seat_pace`); past as many as are seated, a round of their mean length more for
+        each; with none seated yet, the requests waiting for their first tokens take the seats
+        first. The requests held at the gate before it pass as the seats before its own free,
+        and queue for their prefills (`prefill_s` each, one after another): when its seat frees
+        in a wave with theirs, it starts once they are prefilled (a wave of seats that freed
+        together let 13-50 requests through at once, and those at its end, predicted at
+        0.9-0.98 s by their seat alone, came at 1.05-1.2 s). 0 without the gate, with
         room at it, or before a pace is measured. The line's drain rate cannot see it: at a
         sustained overload of 64-token requests (vLLM's client, Poisson at 3x, 1P+1D) the decode
         batch filled and emptied in waves; each time a wave's first tokens had come out, the line
@@ -526,14 +568,17 @@ class SLOAdmission:
         holders = self._seated or self._line
         if need <= 0 or not holders:
             return 0.0
-        pace = self.decode_pace()
+        pace = self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
         if pace is None:
             return 0.0
         rounds, k = divmod(need - 1, len(holders))
-        # the k-th soonest to free (checked on every arrival while the gate is full: no full sort)
-        kth = heapq.nsmallest(k + 1, (max(0, t.max_tokens - t.tokens) for t in holders))[-1]
+        # the k soonest to free (checked on every arrival while the gate is full: no full sort)
+        soonest = heapq.nsmallest(k + 1, (max(0, t.max_tokens - t.tokens) for t in holders))
         more = rounds * statistics.fmean(t.max_tokens for t in holders) if rounds else 0.0
-        return pace * (kth + more)
+        prefilled = 0.0                   # when those let through before it are prefilled
+        for left in soonest[:-1]:
+            prefilled = max(prefilled, pace * (left + more)) + prefill_s
+        return max(pace * (soonest[-1] + more), prefilled)
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
         """The line's drain rate, no more than the rate requests end while the line has been full
@@ -649,9 +694,31 @@ class SLOAdmission:
         horizon = self.clock() - self.window_s
         while self.paces and self.paces[0][0] < horizon:
             self.paces.popleft()
-        if len(self.paces) >= 5:
-            self._pace = statistics.median(p for _, p in self.paces)
-        return self._pace
+            self._paced = -1
+        if len(self.paces) >= 5 and self._paced != len(self.paces):    # (to measure again: a pace came or left)
+            self._pace = statistics.median(p for _, p, _ in self.paces), statistics.median(b for _, _, b in self.paces)
+            self._paced = len(self.paces)
+        return None if self._pace is None else self._pace[0]
+
+    def _seat_pace(self, batch: int, context: float) -> float | None:
+        """The decode pace while `batch` requests of about `context` tokens each hold the decode
+        seats: the pace lately (`decode_pace`), its step priced again at that batch by the step
+        cost model (the decode step's part that grows with the rows; as measured without a fitted
+        decode step). Unscaled, the seat wait at the start of an overload after a lighter spell
+        used the light spell's pace (vLLM's client, Poisson at 1x then 3x, 1P+1D: 20 ms a token
+        where the full batch ran at 30-32), predicted 0.82 s for seats that freed at 1.2-1.3 s,
+        and 43 of the 52 let in in that half second missed."""
+        pace = self.decode_pace()
+        cost = self.fit.current()
+        if pace is None or cost is None:
+            return pace
+        workers = max(1, len(self.pools.active(DECODE)))
+
+        def step(rows: float) -> float:
+            n = max(1, round(rows / workers))
+            return cost.step_s(BatchShape(num_decode=n, decode_context=round(n * context)))
+        then = step(self._pace[1])
+        return pace if then <= 0 else pace * step(batch) / then
 
     def handoff_budget(self, max_tokens: int) -> float:
         """The longest first-to-second-token gap with which a request of `max_tokens` still meets
@@ -675,13 +742,15 @@ class SLOAdmission:
         # The margin, learnt on the line's predictions, lowers none of the seat wait's floor, as
         # the bias does not: at -0.5 s (the line's drains overpriced lately) it let in seat waits
         # of 1.2-1.4 s through the first second of an overload, and each missed by about that.
-        likely = max(ttft + self.margin(ttft - self.bias), floor)
+        margin = self.margin(ttft - self.bias)
+        seat = floor + max(0.0, margin, self.seat_margin()) if floor > 0 else 0.0
+        likely = max(ttft + margin, seat)
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
-                TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit), prompt_tokens,
-                on_record=floor <= limit)
+                TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit, seat_s=floor), prompt_tokens,
+                on_record=seat <= limit)
         # The gap lately counts only while work is on its way to the handoff or in it (as for the
         # TTFT): a request alone meets no queue there, and refusing it helps nobody.
         wait = self.handoff_wait() if ahead > 0 or self.in_handoff > 0 else 0.0
@@ -691,16 +760,18 @@ class SLOAdmission:
                 False, f"the gap between first and second token is {wait:.2f}s lately (the handoff to the decode "
                        f"pool), over the {budget:.2f}s that this request's {max_tokens} tokens leave it at the "
                        f"TPOT target", TPOT,
-                retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit), prompt_tokens)
+                retry_after_s=wait - budget, predicted_ttft_s=ttft, ttft_limit_s=limit, seat_s=floor), prompt_tokens)
         self.probe_credit = min(1.0, self.probe_credit + self.explore_share)
-        return Verdict(True, predicted_ttft_s=ttft, ttft_limit_s=limit)
+        return Verdict(True, predicted_ttft_s=ttft, ttft_limit_s=limit, seat_s=floor)
 
     def _refuse(self, v: Verdict, prompt_tokens: int, on_record: bool = True) -> Verdict:
         """A would-be refusal: let in when the record shows its load served (ServedRecord), no
         request let in waits past the TTFT target (`overdue`), and (`on_record`) its wait for a
-        decode seat alone does not pass the target (the record vouches for loads, not for seats
-        that free only later: it let in requests whose seat wait was 1.1 s, and each missed by
-        about that); else a probe when the credit allows, so that probes stay within
+        decode seat, with the margin its predictions' errors leave lately, does not pass the
+        target (the record vouches for loads, not for seats that free only later: it let in
+        requests whose seat wait was 1.1 s, and each missed by about that; and, with the seat
+        wait alone checked, 17 of the 21 let in during one half second of a sustained overload
+        came on the record at seat waits of 0.6-0.9 s, a margin of +0.32 s, and 13 missed); else a probe when the credit allows, so that probes stay within
         `explore_share` of the requests let in (a closed loop's clients retry at once: a share of
         the refusals would fill the server with probes). The record hears of a TTFT miss only at
         its first token: at the start of a sustained overload (vLLM's client, Poisson at 3x,
@@ -708,12 +779,10 @@ class SLOAdmission:
         the 772 served missed their TTFT, 168 in the first five seconds."""
         if on_record and not self.overdue() and self.record.serves(self.clock(), self._load(prompt_tokens), v.ttft_limit_s):
             self.on_record += 1
-            return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, ttft_limit_s=v.ttft_limit_s,
-                           on_record=True)
+            return dataclasses.replace(v, admit=True, retry_after_s=0.0, on_record=True)
         if self.probe_credit >= 1.0:
             self.probe_credit -= 1.0
-            return Verdict(True, v.reason, v.code, predicted_ttft_s=v.predicted_ttft_s, probe=True,
-                           ttft_limit_s=v.ttft_limit_s)
+            return dataclasses.replace(v, admit=True, retry_after_s=0.0, probe=True)
         return v
 
 

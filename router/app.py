@@ -349,7 +349,7 @@ class Server:
                                f"retry in {wait}s", "rate_limit_exceeded", code="slo_unattainable",
                                headers={"Retry-After": str(wait)})
             if len(reqs) == 1:     # a batch's prediction is its last prompt's: no measure for each one
-                req.predicted_ttft_s, req.ttft_limit_s = v.predicted_ttft_s, v.ttft_limit_s
+                req.predicted_ttft_s, req.ttft_limit_s, req.seat_s = v.predicted_ttft_s, v.ttft_limit_s, v.seat_s
                 req.probe = v.code if v.probe else ""
             pledge = self.admission.pledge(sum(prompts), sequences)
             for r in reqs:
@@ -455,7 +455,7 @@ class Server:
         ticket = None
         if self.admission is not None:
             self.admission.redeem(req.pledge)
-            ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s, req.params.max_tokens)
+            ticket = self.admission.started(prompt_tokens, req.predicted_ttft_s, req.params.max_tokens, req.seat_s)
             req.on_placed = functools.partial(self.admission.placed, ticket)
         events: asyncio.Queue = asyncio.Queue()
         # One timer at the deadline, not one per event: it puts _DEADLINE among the events.

@@ -80,6 +80,7 @@ class GenerationRequest:
     predicted_ttft_s: float = math.nan         # SLO admission's prediction, checked against the measured TTFT
     probe: str = ""                            # SLO admission let it in although predicted to miss this target
     ttft_limit_s: float = math.nan             # the TTFT SLO admission let it in against
+    seat_s: float = 0.0                        # its prediction's floor (the wait for a decode seat; 0: none)
     pledge: Pledge | None = None               # SLO admission's count of it until its run starts
     # Told where its prompt goes (SLO admission's counts): the tokens that worker's prefill computes
     # (the rest in its prefix cache), and whether it is its decode worker, past the prefill pool's line.

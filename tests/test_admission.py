@@ -698,6 +698,32 @@ def test_the_record_lets_nothing_in_while_a_request_let_in_waits_past_the_ttft_t
     assert not a.overdue() and a.check(512, 16).on_record
 
 
+def seated_at_a_measured_pace(clock: Clock, outs, max_tokens: int = 64) -> SLOAdmission:
+    """A cluster with no decode step fitted (prefill steps only: the pace is taken as measured,
+    whatever the batch), 10 ms a token measured on requests alone, then requests seated with
+    `outs` tokens out of `max_tokens` each."""
+    a = cluster(clock=clock, fit=StepFit(1024, 1 << 20, [[TRUE.step_s(s), *dataclasses.astuple(s)]
+                                                         for s in SHAPES if s.num_prefill]))
+    pace_alone(a, clock, 0.01)
+    for out in outs:
+        t = a.started(64, max_tokens=max_tokens)
+        a.progress(t, 1, ttft_s=0.0)
+        a.progress(t, out)
+    return a
+
+
+def pace_alone(a: SLOAdmission, clock: Clock, pace_s: float) -> None:
+    """Five requests end one after another, each alone, at `pace_s` a token after the second."""
+    for _ in range(5):
+        t = a.started(64, max_tokens=12)
+        a.progress(t, 1, ttft_s=0.0)
+        a.progress(t, 2)
+        clock.t += 10 * pace_s
+        a.progress(t, 12)
+        a.ended(t)
+    assert a.decode_pace() == pytest.approx(pace_s)
+
+
 def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_decode_pace(monkeypatch):
     """With the decode gate full, a request arriving now starts its prefill when the seats it
     needs have freed: the k-th seat frees when the k-th soonest seated request ends (its tokens
@@ -705,21 +731,10 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     computed: a pace of 10 ms a token (five requests ended at it), four seated requests of 64
     tokens with 30, 40, 50 and 60 left. The line is empty: the seat is all the prediction
     waits for, and past the target it refuses; no bias shortens that wait, and a record that
-    vouches for every load does not let such a request in."""
+    vouches for every load does not let such a request in. No decode step is fitted (prefill
+    steps only): the pace is taken as measured, whatever the batch."""
     clock = Clock(0.0)
-    a = cluster(clock=clock)
-    for _ in range(5):                                   # 10 tokens after the second in 0.1 s
-        t = a.started(64, max_tokens=12)
-        a.progress(t, 1, ttft_s=0.0)
-        a.progress(t, 2)
-        clock.t += 0.1
-        a.progress(t, 12)
-        a.ended(t)
-    assert a.decode_pace() == pytest.approx(0.01)
-    for out in (34, 24, 14, 4):
-        t = a.started(64, max_tokens=64)
-        a.progress(t, 1, ttft_s=0.0)
-        a.progress(t, out)
+    a = seated_at_a_measured_pace(clock, (34, 24, 14, 4))
     assert a.seat_wait() == 0.0                          # no gate
     gate = {"need": 0}                                   # seats to free before a new request passes
     a.seats_to_free = lambda: gate["need"]
@@ -739,6 +754,12 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     assert not v.admit and not v.on_record
     gate["need"] = 1
     assert a.check(64, 16).admit
+    monkeypatch.setattr(a, "margin", lambda work_s: 0.75)   # errors lately: the 0.3 s seat and its margin
+    v = a.check(64, 16)                                  # pass the target, and the record does not vouch
+    assert not v.admit and not v.on_record
+    monkeypatch.setattr(a, "margin", lambda work_s: 0.5)
+    assert a.check(64, 16).admit
+    monkeypatch.setattr(a, "margin", lambda work_s: -0.5)
     clock.t += 10.0                                      # a lull past the window: no request ends in it
     gate["need"] = 3
     assert a.decode_pace() == pytest.approx(0.01)        # the pace last measured holds
@@ -754,6 +775,79 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     assert not a.check(64, 16).admit
     for t in wave:
         a.ended(t)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_seat_wait_prices_the_pace_at_the_batch_holding_the_seats(workers):
+    """A pace measured on a light batch, priced again at the batch that holds the seats: the
+    decode step's cost at each (the fitted model, here the true one: d0 + rows x (d1 x
+    context + d2)) scales it. Hand-computed: 10 ms a token measured on requests alone, then 40
+    requests of 64 + 16 tokens (80 of context) seated, 48 tokens left each, one seat to free.
+    On one decode worker the step at 40 rows is 7.64 ms against 3.116 ms at one row: 24.5 ms
+    a token, 1.18 s to the seat, refused where the pace as measured said 0.48 s. Over two
+    workers each runs 20 rows (5.32 ms): 0.82 s, let in."""
+    clock = Clock(0.0)
+    a = cluster(clock=clock, decode=(0,) * workers)
+    pace_alone(a, clock, 0.01)
+    for _ in range(40):
+        t = a.started(64, max_tokens=64)
+        a.progress(t, 1, ttft_s=0.0)
+        a.progress(t, 16)
+    a.seats_to_free = lambda: 1
+    rows = 40 // workers
+    step = TRUE.d0 + rows * (TRUE.d1 * 80 + TRUE.d2)
+    assert step == pytest.approx(0.00764 if workers == 1 else 0.00532)
+    wait = 48 * 0.01 * step / (TRUE.d0 + TRUE.d1 * 80 + TRUE.d2)
+    assert a.seat_wait() == pytest.approx(wait, rel=1e-6)
+    assert a.check(64, 16).admit == (workers == 2)
+
+
+def test_requests_held_at_the_gate_before_a_request_are_prefilled_before_it_when_their_seats_free_with_its():
+    """The requests ahead of it at the gate pass as the seats before its own free, and queue for
+    their prefills: it starts when its seat frees or when they are prefilled, whichever is
+    later. Hand-computed, at 10 ms a token (no decode step fitted: as measured), four seated
+    requests with 20, 20, 30 and 50 tokens left free their seats at 0.2, 0.2, 0.3 and 0.5 s;
+    at 0.05 s a prefill those let through before it are prefilled at 0.25, 0.30 and 0.35 s."""
+    clock = Clock(0.0)
+    a = seated_at_a_measured_pace(clock, (44, 44, 34, 14))
+    gate = {"need": 1}
+    a.seats_to_free = lambda: gate["need"]
+    for need, prefill_s, wait in ((1, 0.05, 0.2), (2, 0.05, 0.25), (3, 0.05, 0.30), (4, 0.05, 0.5),
+                                  (3, 0.1, 0.4), (3, 0.0, 0.3)):
+        gate["need"] = need
+        assert a.seat_wait(prefill_s) == pytest.approx(wait)
+    gate["need"] = 2                                 # the line is empty: the one ahead is of the new
+    each = 1024 / 2 / prefill_rate(1024)             # prompt's length, over the two prefill workers
+    assert a.predict_ttft(1024)[1] == pytest.approx(0.2 + each) and each > 0.01
+
+
+def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
+    """Requests whose prediction the wait for a seat set came 0.3 s past it lately (20 of them,
+    the fewest a margin counts): a request whose seat wait is 0.8 s is refused where it was let
+    in, one at 0.6 s still let in; the bands' margin (here 0, as when the line's overpriced
+    drains fill its bands) does not hide them, and those prefilled on their decode workers count
+    (they waited for the gate too). The errors age out with the margin's window."""
+    clock = Clock(0.0)
+    a = seated_at_a_measured_pace(clock, (40, 20), max_tokens=100)   # 60 and 80 left: seats free at 0.6, 0.8 s
+    monkeypatch.setattr(a, "margin", lambda work_s: 0.0)
+    gate = {"need": 2}
+    a.seats_to_free = lambda: gate["need"]
+    v = a.check(64, 16)
+    assert v.admit and 0.8 < v.seat_s < 0.85 and a.seat_margin() == 0.0
+    for i in range(20):
+        t = a.started(64, predicted_ttft_s=0.5, max_tokens=16, seat_s=0.5)
+        if i % 2:                                        # prefilled on its decode worker: it waited
+            a.passed_line(t)                             # for the gate all the same
+        a.progress(t, 1, ttft_s=0.8)
+        a.ended(t)
+    a.bias = 0.0
+    assert a.seat_margin() == pytest.approx(0.3)
+    assert not a.check(64, 16).admit
+    gate["need"] = 1
+    assert a.check(64, 16).admit
+    gate["need"] = 2
+    clock.t += a.margin_window_s + 0.1
+    assert a.seat_margin() == 0.0 and a.check(64, 16).admit
 
 
 def test_three_times_capacity_keeps_the_goodput():
