@@ -239,11 +239,13 @@ class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
                  shed_ratio: float = 0.75, bias_weight: float = 0.05,
                  window_s: float = 5.0, explore_share: float = 0.02, margin_window_s: float = 15.0,
-                 local_prefill: bool = False, clock=time.monotonic):
+                 local_prefill: bool = False, seats_per_worker: int | None = None, clock=time.monotonic):
         if not 0 <= explore_share <= 1:
             raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
         self.prefill_role = PREFILL if mode == DISAGGREGATED else COLOCATED
+        self.seat_role = DECODE if mode == DISAGGREGATED else COLOCATED     # the pool whose seats requests hold
+        self.seats_per_worker = seats_per_worker     # the workers' sequence limit (colocated: `_slots_to_free`)
         # Local prefill (disaggregated): a decode worker that was idle a moment ago takes a
         # burst's prompts while the prefill pool has a queue (`_prefill_workers`).
         self.local_prefill = local_prefill and mode == DISAGGREGATED
@@ -273,8 +275,10 @@ class SLOAdmission:
         self._line: dict[Ticket, None] = {}   # the tickets waiting for a first token, oldest first
         self._seated: dict[Ticket, None] = {}  # the tickets past their first token (on a decode worker)
         # Disaggregated with the decode gate: how many decode seats must free before a request
-        # arriving now passes the gate (router/dispatch.py Dispatcher.seats_to_free); None: no gate.
-        self.seats_to_free: Callable[[], float] | None = None
+        # arriving now passes the gate (router/dispatch.py Dispatcher.seats_to_free); colocated,
+        # how many of the workers' sequence slots (`_slots_to_free`); None: neither.
+        self.seats_to_free: Callable[[], float] | None = (
+            self._slots_to_free if mode == COLOCATED and seats_per_worker else None)
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
@@ -546,7 +550,8 @@ class SLOAdmission:
         return max(own, ahead + own + self.bias, floor), max(ahead, seat), floor
 
     def seat_wait(self, prefill_s: float = 0.0) -> float:
-        """Seconds until the decode gate lets a request arriving now start its prefill: the
+        """Seconds until the decode gate (colocated: a sequence slot, `_slots_to_free`) lets a
+        request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
         router on a decode worker ends, its tokens left times the decode pace at the seats'
         batch (`_seat_pace`); past as many as are seated, a round of their mean length more for
@@ -712,13 +717,28 @@ class SLOAdmission:
         cost = self.fit.current()
         if pace is None or cost is None:
             return pace
-        workers = max(1, len(self.pools.active(DECODE)))
+        workers = max(1, len(self.pools.active(self.seat_role)))
 
         def step(rows: float) -> float:
             n = max(1, round(rows / workers))
             return cost.step_s(BatchShape(num_decode=n, decode_context=round(n * context)))
         then = step(self._pace[1])
         return pace if then <= 0 else pace * step(batch) / then
+
+    def _slots_to_free(self) -> float:
+        """Colocated (no decode gate): how many of the pool's sequence slots must free before a
+        request arriving now runs: the requests in flight (this router's, or what the workers
+        report running and queued, when more: other routers send there too) and itself, past
+        `seats_per_worker` per active worker. Once a burst fills every slot, the next arrivals
+        queue inside the workers until sequences end, a wait neither the line's drain (measured
+        while slots were free) nor the prefill's price sees: at the jump to 3x load (vLLM's
+        client, two colocated workers of 128 slots), 209 let in in the first second filled them,
+        and 150-180 let in over the next second, predicted at 0.1-0.8 s, came at about 2.5 s."""
+        workers = self.pools.active(COLOCATED)
+        if not workers:
+            return 0.0
+        reported = sum(m.report.running + m.report.waiting for m in workers if m.report is not None)
+        return max(0.0, max(self.in_flight, reported) + 1 - self.seats_per_worker * len(workers))
 
     def handoff_budget(self, max_tokens: int) -> float:
         """The longest first-to-second-token gap with which a request of `max_tokens` still meets

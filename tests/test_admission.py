@@ -698,12 +698,12 @@ def test_the_record_lets_nothing_in_while_a_request_let_in_waits_past_the_ttft_t
     assert not a.overdue() and a.check(512, 16).on_record
 
 
-def seated_at_a_measured_pace(clock: Clock, outs, max_tokens: int = 64) -> SLOAdmission:
-    """A cluster with no decode step fitted (prefill steps only: the pace is taken as measured,
-    whatever the batch), 10 ms a token measured on requests alone, then requests seated with
-    `outs` tokens out of `max_tokens` each."""
+def seated_at_a_measured_pace(clock: Clock, outs, max_tokens: int = 64, **kw) -> SLOAdmission:
+    """A cluster (`cluster`'s `kw`) with no decode step fitted (prefill steps only: the pace is
+    taken as measured, whatever the batch), 10 ms a token measured on requests alone, then
+    requests seated with `outs` tokens out of `max_tokens` each."""
     a = cluster(clock=clock, fit=StepFit(1024, 1 << 20, [[TRUE.step_s(s), *dataclasses.astuple(s)]
-                                                         for s in SHAPES if s.num_prefill]))
+                                                         for s in SHAPES if s.num_prefill]), **kw)
     pace_alone(a, clock, 0.01)
     for out in outs:
         t = a.started(64, max_tokens=max_tokens)
@@ -848,6 +848,30 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     gate["need"] = 2
     clock.t += a.margin_window_s + 0.1
     assert a.seat_margin() == 0.0 and a.check(64, 16).admit
+
+
+def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_one_to_free():
+    """Colocated there is no decode gate, but each worker runs at most its sequence limit: a
+    request past the slots waits inside a worker until enough sequences end, priced as the
+    gate's seats are. Hand-computed: one worker of 4 slots, 10 ms a token, four running
+    requests with 80, 90, 100 and 110 tokens left: a fifth waits 0.8 s, a sixth (one in line
+    before it) 0.9 s, and with the worker reporting 3 queued (another router's two besides
+    this one's) 1.1 s, refused. Without the limit known, nothing of this."""
+    clock = Clock(0.0)
+    a = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=1, mode=COLOCATED,
+                                  seats_per_worker=4)
+    assert a.seats_to_free() == 1 and a.seat_wait() == pytest.approx(0.8)
+    assert a.check(64, 16).admit
+    a.started(64, max_tokens=64)
+    assert a.seats_to_free() == 2 and a.seat_wait() == pytest.approx(0.9)
+    worker = a.pools.active(COLOCATED)[0]
+    worker.report = report(worker.worker_id, COLOCATED, waiting=3, running=4)
+    assert a.seats_to_free() == 4 and a.seat_wait() == pytest.approx(1.1)
+    v = a.check(64, 16)
+    assert not v.admit and v.code == "ttft"
+    b = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=1, mode=COLOCATED)
+    b.started(64, max_tokens=64)
+    assert b.seats_to_free is None and b.seat_wait() == 0.0
 
 
 def test_three_times_capacity_keeps_the_goodput():
