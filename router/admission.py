@@ -762,6 +762,7 @@ class SLOAdmission:
         # The margin, learnt on the line's predictions, lowers none of the seat wait's floor, as
         # the bias does not: at -0.5 s (the line's drains overpriced lately) it let in seat waits
         # of 1.2-1.4 s through the first second of an overload, and each missed by about that.
+        # The floor takes the larger of that margin and its own (`seat_margin`) when above 0.
         margin = self.margin(ttft - self.bias)
         seat = floor + max(0.0, margin, self.seat_margin()) if floor > 0 else 0.0
         likely = max(ttft + margin, seat)
