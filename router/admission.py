@@ -286,7 +286,7 @@ class SLOAdmission:
         # (when, seconds per token after the second, the requests past their first token meanwhile), lately
         self.paces: deque[tuple[float, float, float]] = deque()
         self._pace: tuple[float, float] | None = None   # (decode_pace, the batch it ran at) as last measured
-        self._paced = -1                  # len(paces) when _pace was measured (-1: a pace came since)
+        self._pace_stale = False          # a pace came or left since _pace was measured
         self.window_s = window_s
         self.probes = {t: [0, 0] for t in TARGETS}     # target -> [met, missed]
 
@@ -414,7 +414,7 @@ class SLOAdmission:
             self.paces.append((now, (now - t.second_at) / (t.tokens - 2), (t.batch + len(self._seated)) / 2))
             while self.paces[0][0] < now - self.window_s:     # (read only while handoffs wait: kept short here)
                 self.paces.popleft()
-            self._paced = -1
+            self._pace_stale = True
         self._leave(t)
         self._seated.pop(t, None)
         t.stage = ENDED
@@ -484,9 +484,8 @@ class SLOAdmission:
             if len(errors) < MARGIN_MIN_ERRORS:
                 continue
             if self._margins[band] is None:
-                ranked = sorted(e for _, e in errors)
                 target = self.slo.ttft_s
-                self._margins[band] = min(2 * target, max(-target / 2, ranked[int(0.95 * (len(ranked) - 1))]))
+                self._margins[band] = min(2 * target, max(-target / 2, _p95(errors)))
             return self._margins[band]
         return 0.0
 
@@ -503,9 +502,8 @@ class SLOAdmission:
             self.seat_errors.popleft()
             self._seat_margin = None
         if self._seat_margin is None:
-            errors = sorted(e for _, e in self.seat_errors)
-            self._seat_margin = (0.0 if len(errors) < MARGIN_MIN_ERRORS else
-                                 min(2 * self.slo.ttft_s, max(0.0, errors[int(0.95 * (len(errors) - 1))])))
+            self._seat_margin = (0.0 if len(self.seat_errors) < MARGIN_MIN_ERRORS else
+                                 min(2 * self.slo.ttft_s, max(0.0, _p95(self.seat_errors))))
         return self._seat_margin
 
     def probed(self, target: str, met: bool) -> None:
@@ -539,10 +537,11 @@ class SLOAdmission:
                 return math.nan, math.nan, 0.0
             queued = self.queued_tokens() / workers
             mean_prompt = self.waiting_work / self.waiting if self.waiting else prompt_tokens
-            work = queued / prefill(mean_prompt) if queued else 0.0
+            mean_rate = prefill(mean_prompt)
+            work = queued / mean_rate if queued else 0.0
             ahead = work if math.isnan(ahead) else max(ahead, work)
             own = prompt_tokens / prefill(prompt_tokens)
-            each = mean_prompt / workers / prefill(mean_prompt)
+            each = mean_prompt / workers / mean_rate
         seat = self.seat_wait(each)
         floor = seat + own if seat > 0 else 0.0
         if math.isnan(ahead):
@@ -699,10 +698,10 @@ class SLOAdmission:
         horizon = self.clock() - self.window_s
         while self.paces and self.paces[0][0] < horizon:
             self.paces.popleft()
-            self._paced = -1
-        if len(self.paces) >= 5 and self._paced != len(self.paces):    # (to measure again: a pace came or left)
+            self._pace_stale = True
+        if len(self.paces) >= 5 and self._pace_stale:
             self._pace = statistics.median(p for _, p, _ in self.paces), statistics.median(b for _, _, b in self.paces)
-            self._paced = len(self.paces)
+            self._pace_stale = False
         return None if self._pace is None else self._pace[0]
 
     def _seat_pace(self, batch: int, context: float) -> float | None:
@@ -764,14 +763,14 @@ class SLOAdmission:
         # of 1.2-1.4 s through the first second of an overload, and each missed by about that.
         # The floor takes the larger of that margin and its own (`seat_margin`) when above 0.
         margin = self.margin(ttft - self.bias)
-        seat = floor + max(0.0, margin, self.seat_margin()) if floor > 0 else 0.0
-        likely = max(ttft + margin, seat)
+        floor_likely = floor + max(0.0, margin, self.seat_margin()) if floor > 0 else 0.0
+        likely = max(ttft + margin, floor_likely)
         if ahead > 0 and likely > limit:
             return self._refuse(Verdict(
                 False, f"its predicted time to first token is {ttft:.2f}s ({likely:.2f}s at the 95th percentile of "
                        f"the predictions' errors), over the {limit:.2f}s this server admits at priority {priority}",
                 TTFT, retry_after_s=likely - limit, predicted_ttft_s=ttft, ttft_limit_s=limit, seat_s=floor), prompt_tokens,
-                on_record=seat <= limit)
+                on_record=floor_likely <= limit)
         # The gap lately counts only while work is on its way to the handoff or in it (as for the
         # TTFT): a request alone meets no queue there, and refusing it helps nobody.
         wait = self.handoff_wait() if ahead > 0 or self.in_handoff > 0 else 0.0
@@ -805,6 +804,12 @@ class SLOAdmission:
             self.probe_credit -= 1.0
             return dataclasses.replace(v, admit=True, retry_after_s=0.0, probe=True)
         return v
+
+
+def _p95(errors) -> float:
+    """The 95th percentile of (when, error) pairs' errors (the margins')."""
+    ranked = sorted(e for _, e in errors)
+    return ranked[int(0.95 * (len(ranked) - 1))]
 
 
 class RefusalPace:
