@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 import math
 import statistics
 import time
@@ -186,7 +187,8 @@ class ServedRecord:
     model. A load is (requests in flight, their prompt tokens, the prompt tokens in the prefill
     pool's line), each counted with the request itself, as its run starts; an outcome is the
     request's TTFT (when its first token comes) and whether its TPOT met the target (when it
-    ends). Requests prefilled on their decode workers are not recorded (`passed_line`).
+    ends; before that, while its tokens so far have come within the target's pace, it counts as
+    met, `_on_pace`). Requests prefilled on their decode workers are not recorded (`passed_line`).
 
     The record says a load is served when lately at least `min_met` requests met their targets
     under a load as heavy in all three counts, or within RECORD_STRETCH of it (so that a closed
@@ -211,15 +213,15 @@ class ServedRecord:
 
     def __init__(self, window_s: float = 20.0, size: int = 512, min_met: int = 3):
         self.window_s, self.min_met = window_s, min_met
-        self.entries: deque[list] = deque(maxlen=size)   # [when, *load, ttft, tpot met or None]
+        self.entries: deque[list] = deque(maxlen=size)   # [when, *load, ttft, its Ticket, tpot met or None]
 
-    def first(self, now: float, load: tuple[int, int, int], ttft_s: float) -> list:
+    def first(self, now: float, load: tuple[int, int, int], ttft_s: float, ticket: Ticket | None = None) -> list:
         """A first token: its entry, whose last item the router sets when the request ends."""
-        entry = [now, *load, ttft_s, None]
+        entry = [now, *load, ttft_s, ticket, None]
         self.entries.append(entry)
         return entry
 
-    def serves(self, now: float, load: tuple[int, int, int], ttft_limit_s: float) -> bool:
+    def serves(self, now: float, load: tuple[int, int, int], ttft_limit_s: float, tpot_s: float = 0.0) -> bool:
         entries = self.entries
         while entries and entries[0][0] < now - self.window_s:
             entries.popleft()
@@ -227,12 +229,22 @@ class ServedRecord:
         in_flight, tokens, line = load
         reach = (in_flight / RECORD_STRETCH, tokens / RECORD_STRETCH, line / RECORD_STRETCH)
         near = (in_flight * RECORD_STRETCH, tokens * RECORD_STRETCH, line * RECORD_STRETCH)
-        for _, n, k, q, ttft, tpot_met in entries:
+        for _, n, k, q, ttft, ticket, tpot_met in entries:
             if (ttft > ttft_limit_s and q <= near[2]) or (tpot_met is False and n <= near[0] and k <= near[1]):
                 missed += 1
-            elif ttft <= ttft_limit_s and tpot_met:
+            elif ttft <= ttft_limit_s and (tpot_met or tpot_met is None and _on_pace(ticket, now, tpot_s)):
                 met += n >= reach[0] and k >= reach[1] and q >= reach[2]
         return met >= self.min_met and missed <= RECORD_MISS_SHARE * met
+
+
+def _on_pace(t: Ticket | None, now: float, tpot_s: float) -> bool:
+    """Whether a request still decoding has met the TPOT target so far: past its handoff, its
+    tokens after the first came at the target's pace or faster, counting the time since the
+    last one (a stall counts as it runs). Only its end said so before, and a closed loop's
+    first round from quiet ends together: a 64-client loop whose first round all met its TTFT
+    (0.7 s at most) had 4 of its second round refused at about 1 s, before any of the first had
+    ended, on a bias and a margin learnt from that round (first tokens served in 0.05 s)."""
+    return t is not None and t.tokens >= 2 and now - t.first_at <= tpot_s * (t.tokens - 1)
 
 
 class SLOAdmission:
@@ -275,9 +287,10 @@ class SLOAdmission:
         self._line: dict[Ticket, None] = {}   # the tickets waiting for a first token, oldest first
         self._seated: dict[Ticket, None] = {}  # the tickets past their first token (on a decode worker)
         # Disaggregated with the decode gate: how many decode seats must free before a request
-        # arriving now passes the gate (router/dispatch.py Dispatcher.seats_to_free); colocated,
+        # arriving now passes the gate (router/dispatch.py Dispatcher.seats_to_free), told how
+        # many of this router's requests let in have not reached a decode seat yet; colocated,
         # how many of the workers' sequence slots (`_slots_to_free`); None: neither.
-        self.seats_to_free: Callable[[], float] | None = (
+        self.seats_to_free: Callable[[int], float] | None = (
             self._slots_to_free if mode == COLOCATED and seats_per_worker else None)
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
@@ -392,7 +405,7 @@ class SLOAdmission:
             if not t.local:
                 self._learn(t.predicted_ttft_s, t.bias, ttft_s)
                 if ttft_s >= 0:
-                    t.served = self.record.first(t.first_at, t.load, ttft_s)
+                    t.served = self.record.first(t.first_at, t.load, ttft_s, t)
         if t.stage == HANDOFF and tokens_out >= 2:
             self._leave(t)
             t.stage = DECODING
@@ -552,10 +565,10 @@ class SLOAdmission:
         """Seconds until the decode gate (colocated: a sequence slot, `_slots_to_free`) lets a
         request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
-        router on a decode worker ends, its tokens left times the decode pace at the seats'
-        batch (`_seat_pace`); past as many as are seated, a round of their mean length more for
-        each; with none seated yet, the requests waiting for their first tokens take the seats
-        first. The requests held at the gate before it pass as the seats before its own free,
+        router ends, its tokens left times the decode pace at the seats' batch (`_seat_pace`):
+        the requests seated, then those waiting for their first tokens, which take the seats
+        first, each for all its tokens; past as many as these, a round of their mean length more
+        for each. The requests held at the gate before it pass as the seats before its own free,
         and queue for their prefills (`prefill_s` each, one after another): when its seat frees
         in a wave with theirs, it starts once they are prefilled (a wave of seats that freed
         together let 13-50 requests through at once, and those at its end, predicted at
@@ -565,13 +578,20 @@ class SLOAdmission:
         batch filled and emptied in waves; each time a wave's first tokens had come out, the line
         was empty, the next second's arrivals (140-170 a second where 70 were served) were let
         in, and waited for seats that would free only as that wave ended, past the target."""
-        need = 0 if self.seats_to_free is None else math.ceil(self.seats_to_free())
-        # None seated yet (a burst after a lull: the gate let a wave through, still in its
-        # prefills), the seats go to the line's requests, each for all its tokens: read as 0,
-        # every arrival of an overload's first second was let in behind the wave.
-        holders = self._seated or self._line
-        if need <= 0 or not holders:
+        need = 0 if self.seats_to_free is None else math.ceil(self.seats_to_free(self.waiting + self.in_handoff))
+        if need <= 0 or not (self._seated or self._line):
             return 0.0
+        # The seats' holders: the requests seated, then those in the line that the seats left
+        # take (the oldest first), each for all its tokens (a burst: the gate let a wave
+        # through, still in its prefills; the line past the seats waits as this one does).
+        # Read as 0 with none seated, every arrival of an overload's first second was let in
+        # behind the wave; read as the seated alone with one seated, the rest of a burst's first
+        # round was priced as rounds of that one (9.5 s: all refused until the wave's first tokens).
+        if self.seats_per_worker:
+            seats = self.seats_per_worker * max(1, len(self.pools.active(self.seat_role)))
+            holders = [*self._seated, *itertools.islice(self._line, max(0, seats - len(self._seated)))]
+        else:                             # the seats not known: the seated, or with none the line
+            holders = list(self._seated or self._line)
         pace = self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
         if pace is None:
             return 0.0
@@ -724,10 +744,11 @@ class SLOAdmission:
         then = step(self._pace[1])
         return pace if then <= 0 else pace * step(batch) / then
 
-    def _slots_to_free(self) -> float:
+    def _slots_to_free(self, unseated: int = 0) -> float:
         """Colocated (no decode gate): how many of the pool's sequence slots must free before a
-        request arriving now runs: the requests in flight (this router's, or what the workers
-        report running and queued, when more: other routers send there too) and itself, past
+        request arriving now runs: the requests in flight (this router's, which count the
+        `unseated` too, or what the workers report running and queued, when more: other routers
+        send there too) and itself, past
         `seats_per_worker` per active worker. Once a burst fills every slot, the next arrivals
         queue inside the workers until sequences end, a wait neither the line's drain (measured
         while slots were free) nor the prefill's price sees: at the jump to 3x load (vLLM's
@@ -797,7 +818,8 @@ class SLOAdmission:
         its first token: at the start of a sustained overload (vLLM's client, Poisson at 3x,
         1P+1D) it let in 403 requests in the seconds before the misses reached it, and 189 of
         the 772 served missed their TTFT, 168 in the first five seconds."""
-        if on_record and not self.overdue() and self.record.serves(self.clock(), self._load(prompt_tokens), v.ttft_limit_s):
+        if on_record and not self.overdue() and self.record.serves(self.clock(), self._load(prompt_tokens), v.ttft_limit_s,
+                                                                     self.slo.tpot_s):
             self.on_record += 1
             return dataclasses.replace(v, admit=True, retry_after_s=0.0, on_record=True)
         if self.probe_credit >= 1.0:
@@ -940,11 +962,16 @@ class DecodeGate:
             self.line.popleft()
         return out
 
-    def seats_to_free(self, decode: dict, num_prefill: int = 0) -> float:
+    def seats_to_free(self, decode: dict, num_prefill: int = 0, let_in: int = 0) -> float:
         """How many more requests must reach their decode seats (or end) before one arriving now
         passes (as `opens` reads the reports): the line held here and itself, past the room for
-        more ahead; 0 when it would pass at once."""
-        return max(0.0, len(self.line) + 1 - (self._room(decode, num_prefill) - len(self.ahead)))
+        more ahead; 0 when it would pass at once. `let_in`: the requests the router let in that
+        have not reached a decode seat (SLO admission's count); those of them not here yet are
+        before it too. A burst's handlers run before their requests reach the gate: counted only
+        once here, the gate had room for each of the first 172 of a 256-client loop's first round
+        (room for about 130: the 128 seats and the pipeline), and most past it missed their TTFT."""
+        unseen = max(0, let_in - len(self.ahead) - len(self.line))
+        return max(0.0, len(self.line) + unseen + 1 - (self._room(decode, num_prefill) - len(self.ahead)))
 
     def enter(self, rid: str) -> None:
         self.ahead.add(rid)

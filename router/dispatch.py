@@ -177,10 +177,11 @@ class Dispatcher:
         return bool(self.pools.active(DECODE)) and bool(self.pools.active(PREFILL)
                                                         or not self.pools.count(PREFILL, (DEAD,)))
 
-    def seats_to_free(self) -> float:
+    def seats_to_free(self, let_in: int = 0) -> float:
         """The decode seats that must free before a request arriving now passes the gate (SLO
-        admission's wait for a seat); 0 without the gate."""
-        return 0.0 if self.gate is None else self.gate.seats_to_free(*self._gate_view())
+        admission's wait for a seat), with `let_in` requests let in that have not reached a
+        decode seat (DecodeGate.seats_to_free); 0 without the gate."""
+        return 0.0 if self.gate is None else self.gate.seats_to_free(*self._gate_view(), let_in)
 
     def _gate_view(self) -> tuple[dict, int]:
         """What the gate decides on: the decode workers' reports, the prefill pool's size."""

@@ -11,7 +11,7 @@ import pytest
 
 from common import Clock
 from router.admission import (BURST_S, QUIET_S, REFUSAL_FLOOR_PER_S, REFUSAL_SHARE, RefusalPace, ServedRecord,
-                              SLOAdmission, Verdict)
+                              SLOAdmission, Ticket, Verdict)
 from router.pools import ACTIVE, Member, PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, LinearStepModel, StepFit
@@ -648,6 +648,68 @@ def test_the_record_serves_a_load_met_lately_and_not_one_missed_at_a_lighter_loa
     assert not r.serves(30.0, (16, 2048, 512), 1.0)              # all aged out
 
 
+def test_the_record_counts_a_request_still_decoding_on_the_target_pace_as_met():
+    """Before a request ends its TPOT is not known; while its tokens past the first have come at
+    the target's pace or faster (counting the time since the last), it counts as met: a closed
+    loop's first round ends together, and its second round was refused before any of the first
+    had ended. A request stalled past that pace, or still in its handoff, counts for nothing
+    until it ends; an end that missed counts as a miss. SLO: TPOT 20 ms."""
+    r = ServedRecord(window_s=20.0, min_met=3)
+    load = (64, 8192, 2048)
+    round_ = [Ticket(128, 0.1, 0.0, load, 0.0, 64) for _ in range(8)]
+    for t in round_:
+        t.first_at, t.tokens = 0.5, 11
+        r.first(0.5, load, 0.5, t)
+    assert r.serves(0.7, load, 1.0, SLO.tpot_s)               # 10 tokens in 0.2 s: on pace
+    assert not r.serves(0.71, load, 1.0, SLO.tpot_s)          # the next not come: behind it
+    assert not r.serves(0.7, load, 1.0)                       # no TPOT target told: only ends count
+    for t in round_[:6]:
+        t.tokens = 1                                          # still in their handoffs
+    assert not r.serves(0.7, load, 1.0, SLO.tpot_s)
+    for t in round_[:6]:
+        t.tokens = 21
+    assert r.serves(0.9, load, 1.0, SLO.tpot_s)
+    for entry in list(r.entries)[:2]:
+        entry[-1] = False                                     # ended past the target: misses
+    assert not r.serves(0.9, load, 1.0, SLO.tpot_s)
+
+
+def test_a_closed_loop_from_quiet_is_not_refused_on_what_its_first_round_taught():
+    """A closed loop of 64 after a quiet spell: its first round's first tokens came at 0.6 s
+    against predictions near 0 (the burst's own start), which teaches the bias and the margin
+    about half a second each; the second round, arriving as the first decodes on pace, is
+    predicted past the target by the line. The record vouches for it: the first round met its
+    TTFT under as heavy a load and is decoding within the TPOT target (those of it that ended
+    first had started under the lightest loads). No probes here: every
+    would-be refusal is the predictions' or the record's."""
+    clock = Clock(0.0)
+    a = cluster(prefill=1, clock=clock, explore_share=0.0)
+    first = []
+    for _ in range(64):
+        v = a.check(128, 64)
+        assert v.admit
+        first.append(a.started(128, v.predicted_ttft_s, 64))
+    clock.t = 0.6
+    for t in first:
+        a.progress(t, 1, ttft_s=0.6)
+    assert a.bias > 0.4 and a.margin(0.0) > 0.4
+    clock.t = 0.62
+    for t in first:
+        a.progress(t, 2)
+    clock.t = 0.9
+    for t in first:
+        a.progress(t, 20)                                     # 18 tokens in 0.28 s: on pace
+    second = []
+    for t in first[:16]:                                      # as each of the first ends, its client comes back
+        t.max_tokens = t.tokens
+        a.ended(t)
+        v = a.check(128, 64)
+        assert v.admit, v
+        second.append((v, a.started(128, v.predicted_ttft_s, 64)))
+    assert any(v.on_record for v, _ in second)
+    assert max(v.predicted_ttft_s + a.margin(v.predicted_ttft_s - a.bias) for v, _ in second) > SLO.ttft_s
+
+
 def test_the_record_counts_misses_at_a_load_about_as_heavy_as_the_one_it_judges():
     """A miss within an eighth above a load counts against it, as a met one within an eighth
     below counts for it; a TTFT miss by the line it waited behind alone, a TPOT miss by the
@@ -737,7 +799,7 @@ def test_the_wait_for_a_decode_seat_is_the_seated_requests_tokens_left_at_the_de
     a = seated_at_a_measured_pace(clock, (34, 24, 14, 4))
     assert a.seat_wait() == 0.0                          # no gate
     gate = {"need": 0}                                   # seats to free before a new request passes
-    a.seats_to_free = lambda: gate["need"]
+    a.seats_to_free = lambda _: gate["need"]
     assert a.seat_wait() == 0.0                          # room at the gate
     for need, wait in ((1, 0.30), (3, 0.50), (4, 0.60), (6, 0.40 + 0.64)):
         gate["need"] = need
@@ -793,7 +855,7 @@ def test_the_seat_wait_prices_the_pace_at_the_batch_holding_the_seats(workers):
         t = a.started(64, max_tokens=64)
         a.progress(t, 1, ttft_s=0.0)
         a.progress(t, 16)
-    a.seats_to_free = lambda: 1
+    a.seats_to_free = lambda _: 1
     rows = 40 // workers
     step = TRUE.d0 + rows * (TRUE.d1 * 80 + TRUE.d2)
     assert step == pytest.approx(0.00764 if workers == 1 else 0.00532)
@@ -811,7 +873,7 @@ def test_requests_held_at_the_gate_before_a_request_are_prefilled_before_it_when
     clock = Clock(0.0)
     a = seated_at_a_measured_pace(clock, (44, 44, 34, 14))
     gate = {"need": 1}
-    a.seats_to_free = lambda: gate["need"]
+    a.seats_to_free = lambda _: gate["need"]
     for need, prefill_s, wait in ((1, 0.05, 0.2), (2, 0.05, 0.25), (3, 0.05, 0.30), (4, 0.05, 0.5),
                                   (3, 0.1, 0.4), (3, 0.0, 0.3)):
         gate["need"] = need
@@ -831,7 +893,7 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     a = seated_at_a_measured_pace(clock, (40, 20), max_tokens=100)   # 60 and 80 left: seats free at 0.6, 0.8 s
     monkeypatch.setattr(a, "margin", lambda work_s: 0.0)
     gate = {"need": 2}
-    a.seats_to_free = lambda: gate["need"]
+    a.seats_to_free = lambda _: gate["need"]
     v = a.check(64, 16)
     assert v.admit and 0.8 < v.seat_s < 0.85 and a.seat_margin() == 0.0
     for i in range(20):
@@ -848,6 +910,28 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     gate["need"] = 2
     clock.t += a.margin_window_s + 0.1
     assert a.seat_margin() == 0.0 and a.check(64, 16).admit
+
+
+def test_a_burst_in_its_prefills_holds_the_seats_it_will_take():
+    """A burst's first round is let through the gate while little is seated yet: the seats
+    free as the seated requests and then the line's (each for all its tokens) end, the line
+    taking the seats left oldest first and the rest of it waiting as an arrival does.
+    Hand-computed: one decode worker of 4 seats, 10 ms a token (no decode step fitted), one
+    seated with 24 tokens left, five in the line of 64 tokens each (the first three take the
+    seats left): the 1st seat to free 0.24 s, the 2nd to 4th 0.64 s, the 5th 0.24 + 0.64 =
+    0.88 s (the seat freed first, taken by the line's fourth). Read as the seated one's rounds
+    (the seats not known), the 2nd seat is 0.88 s and the 4th 2.16 s."""
+    clock = Clock(0.0)
+    kw = dict(max_tokens=64, prefill=1)
+    for seats, waits in ((4, (0.24, 0.64, 0.64, 0.88)), (None, (0.24, 0.88, 2.16, 2.8))):
+        a = seated_at_a_measured_pace(clock, (40,), seats_per_worker=seats, **kw)
+        for _ in range(5):
+            a.started(64, max_tokens=64)
+        told = []                         # what the gate is told: the five let in without a seat
+        for need, wait in zip((1, 2, 4, 5), waits):
+            a.seats_to_free = lambda let_in, need=need: told.append(let_in) or need
+            assert a.seat_wait() == pytest.approx(wait), (seats, need)
+        assert told == [5] * 4
 
 
 def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_one_to_free():

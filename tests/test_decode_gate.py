@@ -100,6 +100,30 @@ def test_the_seats_to_free_are_what_a_request_arriving_now_waits_for():
     assert gate.seats_to_free({}, 1) == 0                                 # no decode worker: not held
 
 
+def test_requests_let_in_that_have_not_reached_the_gate_yet_are_before_one_arriving_now():
+    """A burst's handlers let requests in before their runs reach the gate: the router's count
+    of them (`let_in`, the requests let in without a decode seat) stands for them, so a request
+    arriving now waits for the same seats as it would once they are here. The oracle: the same
+    gate after they arrive (entering while it opens, then held)."""
+    clock = Clock()
+    gate = DecodeGate(window_s=0.25, per_worker=2, clock=clock)
+    gate.observe("d0", report(running=8, pending=3))
+    decode = {"d0": report(running=2)}                     # 6 seats free and the pipeline of 4
+    assert fill(gate, decode, prefix="a") == 10
+    for i in range(3):
+        gate.hold(f"h{i}", None)
+    here = len(gate.ahead) + len(gate.line)
+    counted = [gate.seats_to_free(decode, 1, let_in=here + coming) for coming in (0, 5)]
+    assert counted[0] == gate.seats_to_free(decode, 1) == 4
+    for i in range(5):                                     # the five let in reach the gate
+        gate.hold(f"c{i}", None)
+    assert counted[1] == gate.seats_to_free(decode, 1, let_in=here + 5) == gate.seats_to_free(decode, 1) == 9
+    fresh = DecodeGate(window_s=0.25, per_worker=2, clock=clock)
+    fresh.observe("d0", report(running=8, pending=3))
+    before = [fresh.seats_to_free(decode, 1, let_in=n) for n in (0, 9, 10, 12)]
+    assert before == [0, 0, 1, 3] and fill(fresh, decode) == 10  # room for 10: the 11th waits for a seat
+
+
 def test_pipeline_follows_the_rate_requests_reach_decode():
     clock = Clock()
     gate = DecodeGate(window_s=0.5, per_worker=1, rate_window_s=5.0, clock=clock)
