@@ -50,7 +50,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import itertools
 import math
 import statistics
 import time
@@ -565,10 +564,10 @@ class SLOAdmission:
         """Seconds until the decode gate (colocated: a sequence slot, `_slots_to_free`) lets a
         request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
-        router ends, its tokens left times the decode pace at the seats' batch (`_seat_pace`):
-        the requests seated, then those waiting for their first tokens, which take the seats
-        first, each for all its tokens; past as many as these, a round of their mean length more
-        for each. The requests held at the gate before it pass as the seats before its own free,
+        router on a decode worker ends, its tokens left times the decode pace at the seats'
+        batch (`_seat_pace`); past as many as are seated, a round of their mean length more for
+        each; with none seated yet, the requests waiting for their first tokens take the seats
+        first. The requests held at the gate before it pass as the seats before its own free,
         and queue for their prefills (`prefill_s` each, one after another): when its seat frees
         in a wave with theirs, it starts once they are prefilled (a wave of seats that freed
         together let 13-50 requests through at once, and those at its end, predicted at
@@ -579,19 +578,12 @@ class SLOAdmission:
         was empty, the next second's arrivals (140-170 a second where 70 were served) were let
         in, and waited for seats that would free only as that wave ended, past the target."""
         need = 0 if self.seats_to_free is None else math.ceil(self.seats_to_free(self.waiting + self.in_handoff))
-        if need <= 0 or not (self._seated or self._line):
+        # None seated yet (a burst after a lull: the gate let a wave through, still in its
+        # prefills), the seats go to the line's requests, each for all its tokens: read as 0,
+        # every arrival of an overload's first second was let in behind the wave.
+        holders = self._seated or self._line
+        if need <= 0 or not holders:
             return 0.0
-        # The seats' holders: the requests seated, then those in the line that the seats left
-        # take (the oldest first), each for all its tokens (a burst: the gate let a wave
-        # through, still in its prefills; the line past the seats waits as this one does).
-        # Read as 0 with none seated, every arrival of an overload's first second was let in
-        # behind the wave; read as the seated alone with one seated, the rest of a burst's first
-        # round was priced as rounds of that one (9.5 s: all refused until the wave's first tokens).
-        if self.seats_per_worker:
-            seats = self.seats_per_worker * max(1, len(self.pools.active(self.seat_role)))
-            holders = [*self._seated, *itertools.islice(self._line, max(0, seats - len(self._seated)))]
-        else:                             # the seats not known: the seated, or with none the line
-            holders = list(self._seated or self._line)
         pace = self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
         if pace is None:
             return 0.0

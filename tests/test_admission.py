@@ -912,28 +912,6 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     assert a.seat_margin() == 0.0 and a.check(64, 16).admit
 
 
-def test_a_burst_in_its_prefills_holds_the_seats_it_will_take():
-    """A burst's first round is let through the gate while little is seated yet: the seats
-    free as the seated requests and then the line's (each for all its tokens) end, the line
-    taking the seats left oldest first and the rest of it waiting as an arrival does.
-    Hand-computed: one decode worker of 4 seats, 10 ms a token (no decode step fitted), one
-    seated with 24 tokens left, five in the line of 64 tokens each (the first three take the
-    seats left): the 1st seat to free 0.24 s, the 2nd to 4th 0.64 s, the 5th 0.24 + 0.64 =
-    0.88 s (the seat freed first, taken by the line's fourth). Read as the seated one's rounds
-    (the seats not known), the 2nd seat is 0.88 s and the 4th 2.16 s."""
-    clock = Clock(0.0)
-    kw = dict(max_tokens=64, prefill=1)
-    for seats, waits in ((4, (0.24, 0.64, 0.64, 0.88)), (None, (0.24, 0.88, 2.16, 2.8))):
-        a = seated_at_a_measured_pace(clock, (40,), seats_per_worker=seats, **kw)
-        for _ in range(5):
-            a.started(64, max_tokens=64)
-        told = []                         # what the gate is told: the five let in without a seat
-        for need, wait in zip((1, 2, 4, 5), waits):
-            a.seats_to_free = lambda let_in, need=need: told.append(let_in) or need
-            assert a.seat_wait() == pytest.approx(wait), (seats, need)
-        assert told == [5] * 4
-
-
 def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_one_to_free():
     """Colocated there is no decode gate, but each worker runs at most its sequence limit: a
     request past the slots waits inside a worker until enough sequences end, priced as the
