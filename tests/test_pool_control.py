@@ -114,6 +114,34 @@ def test_auto_local_prefill_takes_a_queued_burst_on_an_idle_decode_worker_and_ot
     assert not disp.placement.prefill_locally(d.worker_id, 128, disp.view)
 
 
+def test_auto_local_prefill_joins_the_shorter_line():
+    """A prompt goes to its decode worker only while the prompts queued there are no more than
+    the prefill pool's queue: the shorter line for its first token, and the line SLO admission
+    priced (before, any queue at the pool was reason enough, and a wave the decode gate let
+    through went to the decode worker all but the first). A wave of 100 to an idle decode
+    worker is shared about evenly (the pool a little more: the prompts sent to the decode worker
+    count as sequences its next chunk delays). No reports during the wave: what each was sent
+    counts, as the router's own count does between reports."""
+    p, d = Member("prefill-0", PREFILL, "hp0", ACTIVE), Member("decode-0", DECODE, "hd0", ACTIVE)
+    p.report = report(p.worker_id, PREFILL, queued=2048)
+    d.report = report(d.worker_id, DECODE, queued=4096)
+    disp = Dispatcher(PoolRegistry.of([p, d]), DISAGGREGATED, Metrics(workers=False),
+                      DispatchSettings(local_prefill_max_tokens=AUTO))
+    disp.price_local_prefill(StepFit(1024, 65536, PROFILE), 2048)
+    placement = disp.placement
+    assert not placement.prefill_locally(d.worker_id, 128, disp.view)    # a longer line there
+    d.report = report(d.worker_id, DECODE, queued=2048)
+    assert placement.prefill_locally(d.worker_id, 128, disp.view)
+    p.report, d.report = report(p.worker_id, PREFILL), report(d.worker_id, DECODE)
+    taken = {p.worker_id: 0, d.worker_id: 0}
+    for i in range(100):
+        worker_id, local = placement.first(placement.start(list(range(i * 128, (i + 1) * 128))), disp.view)
+        assert local == (worker_id == d.worker_id)
+        disp.pools[worker_id].sent(f"r{i}", 128)
+        taken[worker_id] += 1
+    assert 40 <= taken[d.worker_id] <= 50, taken
+
+
 def test_auto_local_prefill_keeps_the_decode_workers_pace_within_its_share_of_the_tpot_target():
     """With a TPOT target, a decode worker whose batch the chunk would be worth delaying takes
     the prompt only while its pace, as its steps report it, plus the chunk's extra step time
