@@ -888,7 +888,8 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     the fewest a margin counts): a request whose seat wait is 0.8 s is refused where it was let
     in, one at 0.6 s still let in; the bands' margin (here 0, as when the line's overpriced
     drains fill its bands) does not hide them, and those prefilled on their decode workers count
-    (they waited for the gate too). The errors age out with the margin's window."""
+    (they waited for the gate too). The errors age out within `window_s` (5 s), not the bands'
+    15 s: an overload's errors no longer refuse the load after it."""
     clock = Clock(0.0)
     a = seated_at_a_measured_pace(clock, (40, 20), max_tokens=100)   # 60 and 80 left: seats free at 0.6, 0.8 s
     monkeypatch.setattr(a, "margin", lambda work_s: 0.0)
@@ -908,8 +909,10 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     gate["need"] = 1
     assert a.check(64, 16).admit
     gate["need"] = 2
-    clock.t += a.margin_window_s + 0.1
-    assert a.seat_margin() == 0.0 and a.check(64, 16).admit
+    clock.t += a.window_s - 0.1
+    assert a.seat_margin() == pytest.approx(0.3) and not a.check(64, 16).admit
+    clock.t += 0.2
+    assert a.window_s < a.margin_window_s and a.seat_margin() == 0.0 and a.check(64, 16).admit
 
 
 def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_one_to_free():
