@@ -157,19 +157,19 @@ class Placement:
         """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:
         up to it. AUTO (workers/cost_model.py `local_prefill_limit`): while the prefill pool has
         a queue (a burst: a closed loop's clients all come back when a batch ends together), when
-        the prompts queued on `d` itself are no more than that queue (the shorter line for its
-        first token, which is also the line SLO admission priced; the handoff comes after the
-        first token, and counted here it let the decode worker's line run ~0.2 s of prefill
-        longer than the pool's, its prompts' first tokens later than the pool's: with any queue at
-        the pool counted as reason enough, a wave of requests the decode gate let through went to
-        the decode worker all but the first, and at a sustained overload it prefilled 516 of 693
-        prompts beside its batch, TTFT p50 0.40 s and 53 past the target, while the prefill
-        worker's 177 came at 0.18 s with 1), when what it delays the sequences `d` decodes costs
-        less than that queue plus the handoff would cost the request, and (with a TPOT target)
-        while the worker's pace with
+        the prompts queued on `d` itself are no more than that queue (the shorter line for the
+        first token, and the line SLO admission prices), when what it delays the sequences `d`
+        decodes costs less than that queue plus the handoff as measured would cost the request,
+        and (with a TPOT target) while the worker's pace with
         the prompt tokens queued there and these stays within PACE_SHARE of the target (`paced`);
         never beyond one chunk, and not before there is a cost model. With no queue the prefill
-        pool computes it at once, and the decode batch's steps stay undisturbed: disaggregated."""
+        pool computes it at once, and the decode batch's steps stay undisturbed: disaggregated.
+        With any queue at the pool reason enough, each wave the decode gate let through went to
+        the decode worker all but its first, and at a sustained overload (vLLM's client, Poisson
+        at 3x) it prefilled 516 of 693 prompts beside its batch (TTFT p50 0.40 s, 53 past the
+        target) while the prefill worker's 177 came at 0.18 s (1 past). The handoff, which comes
+        after the first token, is left out of the comparison: counted in, the decode worker's
+        line ran about 0.2 s longer than the pool's, and its prompts made most misses still."""
         limit = self.local_prefill_max_tokens
         if limit != AUTO:
             return uncached <= limit
