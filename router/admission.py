@@ -742,11 +742,11 @@ class SLOAdmission:
         then = step(self._pace[1])
         return pace if then <= 0 else pace * step(batch) / then
 
-    def _slots_to_free(self, unseated: int = 0) -> float:
+    def _slots_to_free(self, let_in: int = 0) -> float:
         """Colocated (no decode gate): how many of the pool's sequence slots must free before a
-        request arriving now runs: the requests in flight (this router's, which count the
-        `unseated` too, or what the workers report running and queued, when more: other routers
-        send there too) and itself, past
+        request arriving now runs: the requests in flight (this router's, `in_flight`, which
+        holds the `let_in` that `seats_to_free` is told of, or what the workers report running
+        and queued, when more: other routers send there too) and itself, past
         `seats_per_worker` per active worker. Once a burst fills every slot, the next arrivals
         queue inside the workers until sequences end, a wait neither the line's drain (measured
         while slots were free) nor the prefill's price sees: at the jump to 3x load (vLLM's

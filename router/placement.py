@@ -179,11 +179,13 @@ class Placement:
         queued = min((view.prefill_load(p) for p in view.active(PREFILL)), default=0)
         if not queued:
             return False
+        here = view.prefill_load(d)
+        if here > queued:
+            return False
         num_decode, context = view.decoding(d)
         remote_s = (self.handoff_s or 0.0) + queued / cost.prefill_tokens_per_s(uncached, self._local_cost[1])
-        return (view.prefill_load(d) <= queued
-                and local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
-                and self.paced(cost, d, num_decode, context, view.prefill_load(d) + uncached))
+        return (local_prefill_limit(cost, num_decode, context, remote_s, uncached) >= uncached
+                and self.paced(cost, d, num_decode, context, here + uncached))
 
     def paced(self, cost: CostModel, d: str, num_decode: int, context: int, tokens: int) -> bool:
         """Whether decode worker `d` keeps its sequences' pace within PACE_SHARE of the TPOT
