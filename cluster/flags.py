@@ -168,9 +168,10 @@ ROUTER_FLAGS = (        # RouterConfig fields
          "continued) to this OTLP/HTTP collector, e.g. http://localhost:4318 (Jaeger, Tempo, the OpenTelemetry "
          "Collector); default: no tracing", str),
     Flag("--max-refusals-per-s", "max_refusals_per_s", "429s of a full server (admission, --max-pending) "
-         "answered per second at most (with SLO admission, also at most twice the requests served per second, "
-         "20 at least); the rest wait their turn, up to 0.5 s: a client that sends again "
-         "the moment it is refused comes back at this pace, not as fast as the router can refuse", float),
+         "answered per second at most (with SLO admission, also at most three times the requests served per second, "
+         "20 at least); the rest wait their turn, up to 1 s (the TTFT target if less), and past it that long: "
+         "a client that sends again the moment it is refused comes back at this pace, not as fast as the "
+         "router can refuse", float),
 )
 
 SLO_FLAGS = (           # SLOTargets fields, given in ms on the command line

@@ -87,8 +87,9 @@ QUIET_S = 1.0           # nothing in flight this long: the next request starts a
 BURST_S = 0.5           # for this long, the decode workers idle at its start share its prefill (local prefill)
 RECORD_MISS_SHARE = 1 / 20   # ServedRecord: misses at a lighter load, against those met at a heavier one
 RECORD_STRETCH = 1.125       # ServedRecord: a load this much heavier than one met counts as served
-REFUSAL_SHARE = 2.0          # RefusalPace: refusals a second at most this many times the requests served,
-REFUSAL_FLOOR_PER_S = 20.0   # and never fewer than this
+REFUSAL_SHARE = 3.0          # RefusalPace: refusals a second at most this many times the requests served,
+REFUSAL_FLOOR_PER_S = 20.0   # and never fewer than this,
+REFUSAL_MAX_HOLD_S = 1.0     # each held at most this long (and no longer than the TTFT target)
 
 
 class Ticket:
@@ -833,36 +834,41 @@ def _p95(errors) -> float:
 
 
 class RefusalPace:
-    """When a full server's 429s go out: at most `per_s` a second, each held at most `max_hold_s`
-    for its turn (past that, at once: an open loop's arrivals do not slow down for it, and a
-    held answer holds a connection). A client that sends its next request the moment it is
-    refused (a closed loop: vLLM's benchmark client, most load tools) otherwise turns each
-    refusal into another request: 256 such clients sent 1,900 a second, and the router's
-    parsing and refusing them, with the clients' own sending, took the cores the requests let
-    in needed (78 served in 7.5 s, each past its TTFT target, where paced at 500 a second they
-    were 1,189 in 24 s, at 0.34 s median TTFT). Paced, they come back at the pace the refusals go
-    out, and a 429 still comes faster than a first token would."""
+    """When a full server's 429s go out: at most `per_s` a second, each held for its turn at most
+    `max_hold_s`; one whose turn is further off is held `max_hold_s` and takes no turn. A client
+    that sends its next request the moment it is refused (a closed loop: vLLM's benchmark client,
+    most load tools) otherwise turns each refusal into another request: 256 such clients sent
+    1,900 a second, and the router's parsing and refusing them, with the clients' own sending,
+    took the cores the requests let in needed (78 served in 7.5 s, each past its TTFT target,
+    where paced at 500 a second they were 1,189 in 24 s, at 0.34 s median TTFT). Paced, they come
+    back at the pace the refusals go out; past the turns, at most once per `max_hold_s` each (a
+    refusal that went at once past its turn let such a loop spin: 256 clients of one decode
+    worker were refused ~650 a second, 2,424 of 2,560 in 3.7 s). An open loop's arrivals do not
+    slow down for a held answer, so the bound keeps the connections held to its rate times
+    `max_hold_s`; served as the TTFT target at most, a 429 comes no later than the first token
+    would have been due."""
 
-    def __init__(self, per_s: float, max_hold_s: float = 0.5):
+    def __init__(self, per_s: float, max_hold_s: float = REFUSAL_MAX_HOLD_S):
         if not per_s > 0 or not max_hold_s >= 0:
             raise ValueError(f"RefusalPace needs per_s > 0 and max_hold_s >= 0, got {per_s}, {max_hold_s}")
         self.gap_s, self.max_hold_s = 1 / per_s, max_hold_s
         self.next = -math.inf             # when the next refusal may go out
 
     def hold(self, now: float, served_per_s: float | None = None) -> float:
-        """Seconds a refusal made at `now` waits for its turn (0: it goes at once). With the rate
-        requests are served lately (`served_per_s`), the pace is at most REFUSAL_SHARE times it
-        (at least REFUSAL_FLOOR_PER_S): a closed loop's refused clients come back at once, so each
-        of their refusals sheds nothing, and at the fixed pace alone a 32-client loop of
-        512-token prompts was refused 500 times a second, the router's work on them slowing the
-        workers until the predictions refused the whole loop (3,992 of 4,036 requests in 8 s
-        beside a busy core)."""
+        """Seconds a refusal made at `now` waits (0: it goes at once). With the rate requests are
+        served lately (`served_per_s`), the pace is at most REFUSAL_SHARE times it (at least
+        REFUSAL_FLOOR_PER_S): a closed loop's refused clients come back at once, so each of their
+        refusals sheds nothing, and at the fixed pace alone a 32-client loop of 512-token prompts
+        was refused 500 times a second, the router's work on them slowing the workers until the
+        predictions refused the whole loop (3,992 of 4,036 requests in 8 s beside a busy core).
+        The share leaves an open loop at three times what is served (two refused for each one
+        served) its turns with room to spare, so they seldom wait."""
         gap_s = self.gap_s
         if served_per_s is not None:
             gap_s = max(gap_s, 1 / max(REFUSAL_FLOOR_PER_S, REFUSAL_SHARE * served_per_s))
         at = max(now, self.next)
         if at - now > self.max_hold_s:
-            return 0.0
+            return self.max_hold_s
         self.next = at + gap_s
         return at - now
 

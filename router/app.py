@@ -43,7 +43,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from router.admission import RefusalPace, SLOAdmission
+from router.admission import REFUSAL_MAX_HOLD_S, RefusalPace, SLOAdmission
 from router.dispatch import Dispatcher, RequestFailed
 from router.leadership import Leadership
 from router.protocol import (CHAT_BODY, COMPLETION_BODY, STRUCTURED_FIELDS, APIError, GenerationRequest, bad_request, chat_messages,
@@ -124,7 +124,8 @@ class Server:
         self.body_timeout_s = body_timeout_s     # a body not whole within this long is refused (408)
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
         self.validation = Line()
-        self.refusal_pace = RefusalPace(refusals_per_s)   # a full server's 429s: at most this many a second
+        # a full server's 429s: at most this many a second, each held within the TTFT target
+        self.refusal_pace = RefusalPace(refusals_per_s, min(REFUSAL_MAX_HOLD_S, slo.ttft_s) if slo else REFUSAL_MAX_HOLD_S)
         self._grammars = None                  # workers/grammar.py Grammars, on the first structured request
         self._grammar_lock = threading.Lock()  # (validation threads share its cache)
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")

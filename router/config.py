@@ -34,7 +34,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0          # a request still running this long after it arrived ends (504)
     body_timeout_s: float = 30.0              # a request body not whole within this long is refused (408)
     max_validating: int = 64                  # request bodies being read or validated at once, past it 429
-    max_refusals_per_s: float = 500.0         # a full server's 429s answered per second at most (held up to 0.5 s)
+    max_refusals_per_s: float = 500.0         # a full server's 429s answered per second at most (held up to 1 s)
     tool_call_parser: str = AUTO              # how answers call tools: one of TOOL_PARSERS (auto: by the chat template)
     slo: SLOTargets = field(default_factory=SLOTargets)
     router_id: str = "router"                 # its name on the workers (its requests' owner tag starts with it)

@@ -1031,19 +1031,39 @@ def test_a_light_load_after_an_overload_that_missed_by_seconds_is_let_in():
 
 def test_refusals_go_out_at_their_pace_and_none_waits_past_its_bound():
     """A burst of refusals at 100 a second: each waits for its turn, 10 ms after the one before,
-    up to half a second; those that would wait longer go at once and take no turn; once the
-    turns have passed, a refusal goes at once again."""
+    up to half a second; those whose turn is further off wait the half second and take no turn;
+    once the turns have passed, a refusal goes at once again."""
     pace = RefusalPace(100.0, max_hold_s=0.5)
     holds = [pace.hold(10.0) for _ in range(80)]
     assert holds[:51] == pytest.approx([k / 100 for k in range(51)])
-    assert holds[51:] == [0.0] * 29
+    assert holds[51:] == [0.5] * 29
     assert pace.hold(10.2) == pytest.approx(0.31)                   # the turn after the 51st
     assert pace.hold(20.0) == 0.0
     with pytest.raises(ValueError):
         RefusalPace(0.0)
 
 
-def test_refusals_go_out_at_most_at_twice_the_served_rate_and_no_slower_than_the_floor():
+def test_a_closed_loop_that_sends_again_when_refused_is_refused_no_faster_than_its_clients_over_the_hold():
+    """Clients that each send again the moment their last answer comes, every one refused (a
+    closed loop past what the server seats), in virtual time: the refusals a second stay within
+    the pace, or the clients over the hold where there are more of them than the turns the hold
+    spans (those past the turns wait the hold), never as fast as the router could refuse. The
+    oracle is the count of answers the clients got over the run, against the bound's arithmetic."""
+    for clients, per_s, max_hold_s in ((256, 180.0, 1.0), (50, 100.0, 1.0), (256, 500.0, 0.25)):
+        pace = RefusalPace(per_s, max_hold_s=max_hold_s)
+        due = [0.0] * clients                # when each client's next request arrives
+        refused, horizon = 0, 20.0
+        while min(due) < horizon:
+            k = min(range(clients), key=due.__getitem__)
+            now = due[k]
+            due[k] = now + pace.hold(now) + 1e-4          # 0.1 ms to refuse and send again
+            refused += 1
+        per_second = refused / horizon
+        bound = max(per_s, clients / max_hold_s)
+        assert 0.95 * bound <= per_second <= 1.1 * bound, (clients, per_s, max_hold_s, per_second)
+
+
+def test_refusals_go_out_at_most_at_a_share_of_the_served_rate_and_no_slower_than_the_floor():
     """Told how many requests a second are served, the pace is the lower of its own and
     REFUSAL_SHARE times that rate, but never under REFUSAL_FLOOR_PER_S; with no rate known, its
     own pace."""
