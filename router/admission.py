@@ -89,7 +89,8 @@ RECORD_MISS_SHARE = 1 / 20   # ServedRecord: misses at a lighter load, against t
 RECORD_STRETCH = 1.125       # ServedRecord: a load this much heavier than one met counts as served
 REFUSAL_SHARE = 3.0          # RefusalPace: refusals a second at most this many times the requests served,
 REFUSAL_FLOOR_PER_S = 20.0   # and never fewer than this,
-REFUSAL_MAX_HOLD_S = 1.0     # each held at most this long (and no longer than the TTFT target)
+REFUSAL_MAX_HOLD_S = 1.0     # each held at most this long (and no longer than the TTFT target),
+REFUSALS_HELD_MAX = 1024     # and at most this many held past their turn at once
 
 
 class Ticket:
@@ -846,13 +847,16 @@ class RefusalPace:
     worker were refused ~650 a second, 2,424 of 2,560 in 3.7 s). An open loop's arrivals do not
     slow down for a held answer, so the bound keeps the connections held to its rate times
     `max_hold_s`; served as the TTFT target at most, a 429 comes no later than the first token
-    would have been due."""
+    would have been due. A flood past `max_held` refusals held past their turn at once is
+    answered at once: the connections (file descriptors) held stay bounded whatever comes."""
 
-    def __init__(self, per_s: float, max_hold_s: float = REFUSAL_MAX_HOLD_S):
-        if not per_s > 0 or not max_hold_s >= 0:
-            raise ValueError(f"RefusalPace needs per_s > 0 and max_hold_s >= 0, got {per_s}, {max_hold_s}")
-        self.gap_s, self.max_hold_s = 1 / per_s, max_hold_s
+    def __init__(self, per_s: float, max_hold_s: float = REFUSAL_MAX_HOLD_S, max_held: int = REFUSALS_HELD_MAX):
+        if not per_s > 0 or not max_hold_s >= 0 or max_held < 0:
+            raise ValueError(f"RefusalPace needs per_s > 0, max_hold_s >= 0 and max_held >= 0, got {per_s}, "
+                             f"{max_hold_s}, {max_held}")
+        self.gap_s, self.max_hold_s, self.max_held = 1 / per_s, max_hold_s, max_held
         self.next = -math.inf             # when the next refusal may go out
+        self.held: deque[float] = deque()  # when the refusals held past their turn go out, in order
 
     def hold(self, now: float, served_per_s: float | None = None) -> float:
         """Seconds a refusal made at `now` waits (0: it goes at once). With the rate requests are
@@ -868,6 +872,11 @@ class RefusalPace:
             gap_s = max(gap_s, 1 / max(REFUSAL_FLOOR_PER_S, REFUSAL_SHARE * served_per_s))
         at = max(now, self.next)
         if at - now > self.max_hold_s:
+            while self.held and self.held[0] <= now:
+                self.held.popleft()
+            if len(self.held) >= self.max_held:
+                return 0.0
+            self.held.append(now + self.max_hold_s)
             return self.max_hold_s
         self.next = at + gap_s
         return at - now

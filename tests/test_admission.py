@@ -1043,6 +1043,17 @@ def test_refusals_go_out_at_their_pace_and_none_waits_past_its_bound():
         RefusalPace(0.0)
 
 
+def test_refusals_held_past_their_turn_are_bounded_and_a_flood_past_the_bound_goes_at_once():
+    """At most `max_held` refusals wait past their turn at once (each holds a connection): with
+    the next turn a second off, the next 3 wait the hold, a fourth goes at once; once they have
+    gone out, there is room again."""
+    pace = RefusalPace(1.0, max_hold_s=0.5, max_held=3)
+    assert pace.hold(10.0) == 0.0                                   # the turn; the next at 11.0
+    assert [pace.hold(10.0) for _ in range(4)] == [0.5, 0.5, 0.5, 0.0]
+    assert pace.hold(10.4) == 0.0                                   # those three held until 10.5
+    assert pace.hold(10.5) == 0.5
+
+
 def test_a_closed_loop_that_sends_again_when_refused_is_refused_no_faster_than_its_clients_over_the_hold():
     """Clients that each send again the moment their last answer comes, every one refused (a
     closed loop past what the server seats), in virtual time: the refusals a second stay within
