@@ -847,8 +847,9 @@ class RefusalPace:
     worker were refused ~650 a second, 2,424 of 2,560 in 3.7 s). An open loop's arrivals do not
     slow down for a held answer, so the bound keeps the connections held to its rate times
     `max_hold_s`; with that bound at most the TTFT target (the server sets it so), a 429 comes
-    no later than the first token would have been due. A flood past `max_held` refusals held past their turn at once is
-    answered at once: the connections (file descriptors) held stay bounded whatever comes."""
+    no later than the first token would have been due. A flood past `max_held` refusals held
+    past their turn at once is answered at once: the connections (file descriptors) held stay
+    bounded whatever comes."""
 
     def __init__(self, per_s: float, max_hold_s: float = REFUSAL_MAX_HOLD_S, max_held: int = REFUSALS_HELD_MAX):
         if not per_s > 0 or not max_hold_s >= 0 or max_held < 0:

@@ -125,7 +125,7 @@ class Server:
         self.max_validating = max_validating     # bodies being read or validated at once; more wait in line
         self.validation = Line()
         # a full server's 429s: at most this many a second, each held within the TTFT target
-        self.refusal_pace = RefusalPace(refusals_per_s, min(REFUSAL_MAX_HOLD_S, slo.ttft_s) if slo else REFUSAL_MAX_HOLD_S)
+        self.refusal_pace = RefusalPace(refusals_per_s, min(REFUSAL_MAX_HOLD_S, slo.ttft_s if slo else math.inf))
         self._grammars = None                  # workers/grammar.py Grammars, on the first structured request
         self._grammar_lock = threading.Lock()  # (validation threads share its cache)
         self._validator = ThreadPoolExecutor(VALIDATOR_THREADS, thread_name_prefix="validate")
