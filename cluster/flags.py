@@ -131,7 +131,8 @@ ROUTER_FLAGS = (        # RouterConfig fields
     Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1 (a command line is visible to "
          "every user of the machine: prefer PDCLUSTER_API_KEY or --api-key-file)", str),
     Flag("--served-model-name", "served_model_name", "the model name clients send (default: --model)", str),
-    Flag("--policy", "policy", "how the router picks workers (prefix: prefill workers by the prompt blocks "
+    Flag("--policy", "policy", "how the router picks workers (p2c: of two sampled, fewer prompt tokens queued; "
+         "colocated, first where a sequence slot frees sooner; prefix: prefill workers by the prompt blocks "
          "their prefix caches hold, against their queues)", str, PICKING_POLICIES),
     Flag("--local-prefill-max-tokens", "local_prefill_max_tokens", "disaggregated: a request with at most this "
          "many prompt tokens to compute (beyond its decode worker's prefix cache) is prefilled on that decode "

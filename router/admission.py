@@ -57,6 +57,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.picker import slot_ends
 from router.pools import PoolRegistry
 from router.slo import SLOTargets
 from workers.cost_model import BatchShape, StepFit
@@ -252,13 +253,12 @@ class SLOAdmission:
     def __init__(self, pools: PoolRegistry, mode: str, fit: StepFit, slo: SLOTargets, max_num_batched_tokens: int,
                  shed_ratio: float = 0.75, bias_weight: float = 0.05,
                  window_s: float = 5.0, explore_share: float = 0.02, margin_window_s: float = 15.0,
-                 local_prefill: bool = False, seats_per_worker: int | None = None, clock=time.monotonic):
+                 local_prefill: bool = False, clock=time.monotonic):
         if not 0 <= explore_share <= 1:
             raise ValueError(f"explore_share must be in [0, 1] (0: no probes), got {explore_share}")
         self.pools, self.fit, self.slo, self.clock = pools, fit, slo, clock
         self.prefill_role = PREFILL if mode == DISAGGREGATED else COLOCATED
         self.seat_role = DECODE if mode == DISAGGREGATED else COLOCATED     # the pool whose seats requests hold
-        self.seats_per_worker = seats_per_worker     # the workers' sequence limit (colocated: `_slots_to_free`)
         # Local prefill (disaggregated): a decode worker that was idle a moment ago takes a
         # burst's prompts while the prefill pool has a queue (`_prefill_workers`).
         self.local_prefill = local_prefill and mode == DISAGGREGATED
@@ -289,10 +289,9 @@ class SLOAdmission:
         self._seated: dict[Ticket, None] = {}  # the tickets past their first token (on a decode worker)
         # Disaggregated with the decode gate: how many decode seats must free before a request
         # arriving now passes the gate (router/dispatch.py Dispatcher.seats_to_free), told how
-        # many of this router's requests let in have not reached a decode seat yet; colocated,
-        # how many of the workers' sequence slots (`_slots_to_free`); None: neither.
-        self.seats_to_free: Callable[[int], float] | None = (
-            self._slots_to_free if mode == COLOCATED and seats_per_worker else None)
+        # many of this router's requests let in have not reached a decode seat yet; None: no
+        # gate. (Colocated, the workers' sequence slots: `_slot_wait`.)
+        self.seats_to_free: Callable[[int], float] | None = None
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
@@ -569,14 +568,15 @@ class SLOAdmission:
         return max(own, ahead + own + self.bias, floor), max(ahead, seat), floor
 
     def seat_wait(self, prefill_s: float = 0.0) -> float:
-        """Seconds until the decode gate (colocated: a sequence slot, `_slots_to_free`) lets a
+        """Seconds until the decode gate (colocated: a sequence slot, `_slot_wait`) lets a
         request arriving now start its prefill: the
         decode seats that must free first (`seats_to_free`), each freed when a request of this
         router on a decode worker ends, its tokens left times the decode pace at the seats'
         batch (`_seat_pace`); past as many as are seated, a round of their mean length more for
         each; with none seated yet, the requests waiting for their first tokens take the seats
         first. The requests held at the gate before it pass as the seats before its own free,
-        and queue for their prefills (`prefill_s` each, one after another): when its seat frees
+        and queue for their prefills (`prefill_s` each, one after another: the pool's time per
+        prompt): when its seat frees
         in a wave with theirs, it starts once they are prefilled (a wave of seats that freed
         together let 13-50 requests through at once, and those at its end, predicted at
         0.9-0.98 s by their seat alone, came at 1.05-1.2 s). 0 without the gate, with
@@ -585,6 +585,8 @@ class SLOAdmission:
         batch filled and emptied in waves; each time a wave's first tokens had come out, the line
         was empty, the next second's arrivals (140-170 a second where 70 were served) were let
         in, and waited for seats that would free only as that wave ended, past the target."""
+        if self.seat_role == COLOCATED:
+            return self._slot_wait(prefill_s)
         need = 0 if self.seats_to_free is None else math.ceil(self.seats_to_free(self.waiting + self.in_handoff))
         # None seated yet (a burst after a lull: the gate let a wave through, still in its
         # prefills), the seats go to the line's requests, each for all its tokens: read as 0,
@@ -592,17 +594,45 @@ class SLOAdmission:
         holders = self._seated or self._line
         if need <= 0 or not holders:
             return 0.0
-        pace = self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
+        pace = self._holders_pace(holders)
         if pace is None:
             return 0.0
         rounds, k = divmod(need - 1, len(holders))
         # the k soonest to free (checked on every arrival while the gate is full: no full sort)
         soonest = heapq.nsmallest(k + 1, (max(0, t.max_tokens - t.tokens) for t in holders))
         more = rounds * statistics.fmean(t.max_tokens for t in holders) if rounds else 0.0
-        prefilled = 0.0                   # when those let through before it are prefilled
-        for left in soonest[:-1]:
-            prefilled = max(prefilled, pace * (left + more)) + prefill_s
-        return max(pace * (soonest[-1] + more), prefilled)
+        return _after(pace, [left + more for left in soonest], prefill_s)
+
+    def _holders_pace(self, holders) -> float | None:
+        return self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
+
+    def _slot_wait(self, prefill_s: float) -> float:
+        """Colocated (no decode gate): seconds until a request arriving now gets a sequence slot
+        on the worker where it would start soonest (router/placement.py picks that worker once
+        its two sampled ones are full): each worker's slots that must free first (its report's
+        sequences and queue, what this router sent it since, and the request itself, past its
+        limit: router/picker.py `slot_ends`), at the decode pace (`_seat_pace`), the prompts
+        queued there before it prefilled one after another as their slots free (`prefill_s` the
+        pool's time per prompt: the worker's is that times the workers). 0 while any worker has
+        a slot free, or before a pace is measured. Once a burst fills every slot, the next
+        arrivals queue inside the workers until sequences end, a wait neither the line's drain
+        (measured while slots were free) nor the prefill's price sees: at the jump to 3x load
+        (vLLM's client, two workers of 128 slots), 209 let in in the first second filled them,
+        and 150-180 let in over the next second, predicted at 0.1-0.8 s, came at about 2.5 s.
+        Priced on the pool's soonest slots, not each worker's, it let in requests that then
+        waited for the later slots of a worker whose batch had filled later (0.2-0.6 s
+        predicted, 1.05-1.8 s served)."""
+        workers = self.pools.active(COLOCATED)
+        holders = self._seated or self._line
+        if not workers or not holders:
+            return 0.0
+        waits = [slot_ends(m.report, len(m.unreported)) for m in workers]
+        if not all(waits):
+            return 0.0
+        pace = self._holders_pace(holders)
+        if pace is None:
+            return 0.0
+        return min(_after(pace, ends, prefill_s * len(workers)) for ends in waits)
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
         """The line's drain rate, no more than the rate requests end while the line has been full
@@ -744,22 +774,6 @@ class SLOAdmission:
         then = step(self._pace[1])
         return pace if then <= 0 else pace * step(batch) / then
 
-    def _slots_to_free(self, let_in: int = 0) -> float:
-        """Colocated (no decode gate): how many of the pool's sequence slots must free before a
-        request arriving now runs: the requests in flight (this router's, `in_flight`, which
-        holds the `let_in` that `seats_to_free` is told of, or what the workers report running
-        and queued, when more: other routers send there too) and itself, past
-        `seats_per_worker` per active worker. Once a burst fills every slot, the next arrivals
-        queue inside the workers until sequences end, a wait neither the line's drain (measured
-        while slots were free) nor the prefill's price sees: at the jump to 3x load (vLLM's
-        client, two colocated workers of 128 slots), 209 let in in the first second filled them,
-        and 150-180 let in over the next second, predicted at 0.1-0.8 s, came at about 2.5 s."""
-        workers = self.pools.active(COLOCATED)
-        if not workers:
-            return 0.0
-        reported = sum(m.report.running + m.report.waiting for m in workers if m.report is not None)
-        return max(0.0, max(self.in_flight, reported) + 1 - self.seats_per_worker * len(workers))
-
     def handoff_budget(self, max_tokens: int) -> float:
         """The longest first-to-second-token gap with which a request of `max_tokens` still meets
         the TPOT target: its TPOT is (gap + (max_tokens - 2) x pace) / (max_tokens - 1), with the
@@ -826,6 +840,17 @@ class SLOAdmission:
             self.probe_credit -= 1.0
             return dataclasses.replace(v, admit=True, retry_after_s=0.0, probe=True)
         return v
+
+
+def _after(pace: float, lefts: list[float], prefill_s: float) -> float:
+    """Seconds until the last of the seats (or slots) that free after `lefts` tokens each,
+    soonest first, lets a request start, at `pace` seconds a token: those before it let through
+    requests that are prefilled one after another (`prefill_s` each) as their seats free, and
+    it starts once its own seat is free and they are prefilled."""
+    prefilled = 0.0
+    for left in lefts[:-1]:
+        prefilled = max(prefilled, pace * left) + prefill_s
+    return max(pace * lefts[-1], prefilled)
 
 
 def _p95(errors) -> float:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from router.admission import DecodeGate
 from router.metrics import Metrics
-from router.picker import check_local_prefill, decode_load
+from router.picker import check_local_prefill, decode_load, slot_ends
 from router.placement import Placement
 from router.pools import DEAD, STOPPED, Member, PoolRegistry
 from router.protocol import APIError, GenerationRequest
@@ -616,6 +616,10 @@ class _RegistryView:
         m = self.pools[worker_id]
         r = m.report
         return (r.running if r else 0) + len(m.unreported), r.kv_blocks_used * self.block_size if r else 0
+
+    def slot_ends(self, worker_id: str) -> list[int]:
+        m = self.pools[worker_id]
+        return slot_ends(m.report, len(m.unreported))
 
 
 def _computed_so_far(ev: msg.Event) -> bool:

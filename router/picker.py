@@ -102,6 +102,24 @@ def decode_load(report: LoadReport | None, inflight: int = 0) -> float:
     return report.kv_blocks_used / max(1, report.kv_blocks_total) + running / 64
 
 
+def slot_ends(report: LoadReport | None, unreported: int = 0) -> list[int]:
+    """Colocated: the decode steps until each of a worker's sequence slots that must free before
+    a prompt sent there now runs frees, soonest first; its own slot last (empty: one is free, or
+    the worker has not said its limit). Past the limit by the sequences it runs and queues, the
+    `unreported` prompts sent since its report, and this one; each slot frees when a running
+    sequence ends (LoadReport.ends_in); past those reported, at the spacing they end at."""
+    if report is None or not report.max_seqs:
+        return []
+    need = report.running + report.waiting + unreported + 1 - report.max_seqs
+    if need <= 0:
+        return []
+    ends = report.ends_in[:need]
+    if not ends:                       # none running yet (a burst in its queue): no end known
+        return [0] * need
+    spacing = max(1.0, ends[-1] / len(ends))
+    return ends + [round(ends[-1] + spacing * i) for i in range(1, need - len(ends) + 1)]
+
+
 def check_local_prefill(value: int | str) -> None:
     """--local-prefill-max-tokens: a count of tokens (0: always hand off), or "auto"."""
     if value != AUTO and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):

@@ -20,7 +20,7 @@ from typing import Protocol
 from router.picker import Picker
 from router.prefix_index import PrefixIndex
 from workers.cost_model import BatchShape, CostModel, local_prefill_limit
-from workers.names import AUTO, COLOCATED, DECODE, PREFILL, PREFIX, first_role
+from workers.names import AUTO, COLOCATED, DECODE, P2C, PREFILL, PREFIX, first_role
 
 # Local prefill AUTO keeps a decode worker's pace (its steps with decoding rows, a moving
 # average over about PACE_STEPS of them: the seconds per token of the sequences it runs) within
@@ -43,6 +43,9 @@ class PoolView(Protocol):
 
     def decoding(self, worker_id: str) -> tuple[int, int]:
         """(sequences it decodes, their context tokens): what a local prefill there delays."""
+
+    def slot_ends(self, worker_id: str) -> list[int]:
+        """Colocated: router/picker.py `slot_ends` of its report and what was sent since."""
 
 
 class Start:
@@ -151,7 +154,25 @@ class Placement:
         if self.prefill_picker.policy == PREFIX:
             return self.prefill_picker.choose_prefix(ids, view.prefill_load, start.matched, start.num_tokens,
                                                      self.prefix_index.block_size)
+        if role == COLOCATED and self.prefill_picker.policy == P2C:
+            return self._colocated(ids, view)
         return self.prefill_picker.choose(ids, view.prefill_load)
+
+    def _colocated(self, ids: list[str], view: PoolView) -> str:
+        """A colocated worker by when a prompt sent now would start there: the decode steps until
+        a sequence slot frees for it (`slot_ends`), then the prompt tokens queued ahead of it.
+        Power-of-two-choices while one of the two has a slot free; past every slot of those two,
+        the soonest of the pool (what SLO admission prices, router/admission.py `seat_wait`).
+        By queued tokens alone, at 3x load (vLLM's client, two workers of 128 slots, both full)
+        the queues were alike and the batches not: one worker's had filled later, so its slots
+        freed later, and the prompts sent there started 0.84-1.06 s after arriving against
+        0.05-0.56 s at the other; admission, pricing the slots soonest to free in the pool, let
+        them in at 0.2-0.6 s and they missed the TTFT target."""
+        def when(w: str) -> tuple[int, float]:
+            ends = view.slot_ends(w)
+            return (ends[-1] if ends else 0), view.prefill_load(w)
+        chosen = self.prefill_picker.choose(ids, when)
+        return chosen if len(ids) <= 2 or not when(chosen)[0] else min(ids, key=when)
 
     def prefill_locally(self, d: str, uncached: int, view: PoolView) -> bool:
         """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:

@@ -29,8 +29,8 @@ def fitted() -> StepFit:
     return StepFit(1024, 1 << 20, [[TRUE.step_s(s), *dataclasses.astuple(s)] for s in SHAPES])
 
 
-def report(worker_id, role, waiting=0, queued=0, running=0) -> LoadReport:
-    return LoadReport(worker_id, role, waiting, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals())
+def report(worker_id, role, waiting=0, queued=0, running=0, **kw) -> LoadReport:
+    return LoadReport(worker_id, role, waiting, running, 0, queued, 0, 64, 1, kv_transfer=TransferTotals(), **kw)
 
 
 def cluster(prefill=2, decode=(0,), mode=DISAGGREGATED, fit=None, clock=None, **kw) -> SLOAdmission:
@@ -915,28 +915,41 @@ def test_the_floor_answers_to_its_own_errors_lately(monkeypatch):
     assert a.window_s < a.margin_window_s and a.seat_margin() == 0.0 and a.check(64, 16).admit
 
 
-def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_one_to_free():
+def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_the_soonest_worker_slot():
     """Colocated there is no decode gate, but each worker runs at most its sequence limit: a
-    request past the slots waits inside a worker until enough sequences end, priced as the
-    gate's seats are. Hand-computed: one worker of 4 slots, 10 ms a token, four running
-    requests with 80, 90, 100 and 110 tokens left: a fifth waits 0.8 s, a sixth (one in line
-    before it) 0.9 s, and with the worker reporting 3 queued (another router's two besides
-    this one's) 1.1 s, refused. Without the limit known, nothing of this."""
+    request past a worker's slots waits inside it until enough of its sequences end, and the
+    pick sends it to the worker where that comes soonest (router/placement.py). Hand-computed:
+    10 ms a token; two workers of 4 slots, both full; c0 with one queued and its sequences
+    ending in 30, 50, 70 and 90 tokens, c1 with none queued and 60, 65, 80, 95: at c0 a new
+    request waits for the second slot (0.5 s), at c1 for the first (0.6 s): 0.5 s. One more
+    sent to c0: 0.7 s there, so 0.6 s at c1. With c1 reporting 3 queued (another router's) it
+    waits for c1's fourth slot (0.95 s) and c0's third (0.7 s): 0.7 s. The prompts queued
+    before it are prefilled one after another as their slots free: at 0.1 s a prompt on the
+    worker, c0's two are prefilled by 0.4 and 0.6 s, before its own slot frees (0.7 s); at 0.3
+    s, by 0.6 and 0.9 s (0.9 s; c1's four by 1.2 s). With both workers full for 1.2 s and more,
+    refused; with a slot free at either, no wait."""
     clock = Clock(0.0)
-    a = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=1, mode=COLOCATED,
-                                  seats_per_worker=4)
-    assert a.seats_to_free() == 1 and a.seat_wait() == pytest.approx(0.8)
+    a = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=2, mode=COLOCATED)
+    c0, c1 = a.pools.active(COLOCATED)
+    c0.report = report(c0.worker_id, COLOCATED, waiting=1, running=4, max_seqs=4, ends_in=[30, 50, 70, 90])
+    c1.report = report(c1.worker_id, COLOCATED, running=4, max_seqs=4, ends_in=[60, 65, 80, 95])
+    assert a.seat_wait() == pytest.approx(0.5)
     assert a.check(64, 16).admit
-    a.started(64, max_tokens=64)
-    assert a.seats_to_free() == 2 and a.seat_wait() == pytest.approx(0.9)
-    worker = a.pools.active(COLOCATED)[0]
-    worker.report = report(worker.worker_id, COLOCATED, waiting=3, running=4)
-    assert a.seats_to_free() == 4 and a.seat_wait() == pytest.approx(1.1)
+    c0.sent("r-new", 64)
+    assert a.seat_wait() == pytest.approx(0.6)
+    c1.report = report(c1.worker_id, COLOCATED, waiting=3, running=4, max_seqs=4, ends_in=[60, 65, 80, 95])
+    assert a.seat_wait() == pytest.approx(0.7)
+    assert a.seat_wait(0.1 / 2) == pytest.approx(0.7)     # the pool's prefill per prompt: 0.1 s on one of two
+    assert a.seat_wait(0.3 / 2) == pytest.approx(0.3 + 0.3 + 0.3)
+    for m in (c0, c1):
+        m.report = report(m.worker_id, COLOCATED, waiting=2, running=4, max_seqs=4, ends_in=[120, 130, 140, 150])
+    assert a.seat_wait() == pytest.approx(1.4)
     v = a.check(64, 16)
     assert not v.admit and v.code == "ttft"
-    b = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=1, mode=COLOCATED)
-    b.started(64, max_tokens=64)
-    assert b.seats_to_free is None and b.seat_wait() == 0.0
+    c1.report = report(c1.worker_id, COLOCATED, running=3, max_seqs=4, ends_in=[120, 130, 140])
+    assert a.seat_wait() == 0.0 and a.check(64, 16).admit       # a slot free at c1
+    c1.report = report(c1.worker_id, COLOCATED, waiting=9, running=4, ends_in=[120, 130, 140, 150])
+    assert a.seat_wait() == 0.0                                  # its limit untold: not priced
 
 
 def test_three_times_capacity_keeps_the_goodput():

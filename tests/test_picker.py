@@ -5,8 +5,13 @@ import dataclasses
 
 import pytest
 
-from router.picker import Picker, WorkerLoad, decode_load, prefill_load
+from router.picker import Picker, WorkerLoad, decode_load, prefill_load, slot_ends
+from router.placement import Placement
+from test_priority_inheritance import StepEngine
+from workers.config import SchedulerConfig
+from workers.engine_core import KVCacheLayout
 from workers.messages import LoadReport
+from workers.sequence import SamplingParams
 
 
 def max_bin(policy: str, n_bins: int, n_balls: int, seed: int) -> int:
@@ -79,11 +84,13 @@ class _View:
     def decoding(self, w):
         return (0, 0)
 
+    def slot_ends(self, w):
+        return self.slots.get(w, []) if hasattr(self, "slots") else []
+
 
 def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
     """The mixed role: disaggregated with no active prefill worker, every request goes whole to a
     decode worker (least queued prompt tokens, then least decode load); with one, it hands off."""
-    from router.placement import Placement
     for local in (0, 64):
         p = Placement("disaggregated", "p2c", seed=0, block_size=16, local_prefill_max_tokens=local)
         assert p.roles_needed() == ("decode",)
@@ -97,3 +104,57 @@ def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
         assert p.first(p.start(fresh), view) == ("p0", False)
     with pytest.raises(LookupError):
         p.first(p.start([1, 2]), _View({}, {}, {}))
+
+
+def test_slot_ends_are_the_steps_until_a_prompt_queued_past_the_limit_is_scheduled():
+    """The oracle is the engine: three slots running sequences with 9, 4 and 6 tokens to make,
+    two long prompts queued; a prompt sent now is scheduled once the three have ended, in the
+    step after the third end, which its report's ends say before it is sent. With another
+    prompt sent since the report (`unreported`), one slot more: past the three running, at the
+    spacing they end at."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=3, watermark=0.0)
+    e = StepEngine(cfg, KVCacheLayout(1, 16, 512, 0), 4096, 256)
+
+    def add(rid: str, max_tokens: int) -> None:
+        e.add_request(prompt_token_ids=[1 + len(e._seqs)] * 8, request_id=rid,
+                      params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for i, n in enumerate((10, 5, 7)):
+        add(f"run{i}", n)
+    e.step()                                         # the three prompts, a token each
+    add("q0", 50)
+    add("q1", 50)
+    r = e.load_report("c0", "colocated", 1)
+    assert (r.max_seqs, r.running, r.waiting, r.ends_in) == (3, 3, 2, [4, 6, 9])
+    ends = slot_ends(r)
+    assert ends == [4, 6, 9]
+    assert slot_ends(r, unreported=1) == [4, 6, 9, 12]
+    add("new", 4)
+    steps = 0
+    while not any(q.seq_id == "new" for q in e.scheduler.running):
+        e.step()
+        steps += 1
+    assert steps == ends[-1] + 1
+    assert slot_ends(dataclasses.replace(r, running=2, waiting=0)) == []     # a slot free
+    assert slot_ends(dataclasses.replace(r, max_seqs=0)) == []                # its limit untold
+
+
+def test_a_colocated_prompt_goes_where_a_sequence_slot_frees_first():
+    """Colocated p2c: by the steps until a slot frees for it (`slot_ends`), then by the prompt
+    tokens queued; past the slots of both sampled workers, the pool's soonest (what admission
+    prices)."""
+    p = Placement("colocated", "p2c", seed=0, block_size=16)
+    view = _View({"colocated": ["c0", "c1"]}, queued={"c0": 0, "c1": 900}, decoding={})
+    view.slots = {"c0": [40, 50], "c1": [30]}
+    assert {p.first(p.start([1, 2, 3]), view)[0] for _ in range(20)} == {"c1"}   # its slot frees first
+    view.slots["c0"] = []
+    assert {p.first(p.start([1, 2, 3]), view)[0] for _ in range(20)} == {"c0"}   # a slot free now
+    view.slots["c1"] = []
+    view.queued["c0"] = 1000
+    assert {p.first(p.start([1, 2, 3]), view)[0] for _ in range(20)} == {"c1"}   # both free: the shorter queue
+    ids = [f"c{i}" for i in range(6)]
+    view = _View({"colocated": ids}, queued={}, decoding={})
+    view.slots = {w: [100 + i] for i, w in enumerate(ids)}
+    view.slots["c4"] = [7]
+    assert {p.first(p.start([1, 2, 3]), view)[0] for _ in range(40)} == {"c4"}
+    view.slots["c2"] = []                                                        # a slot free at c2
+    assert {p.first(p.start([1, 2, 3]), view)[0] for _ in range(40)} == {"c2"}

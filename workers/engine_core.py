@@ -12,6 +12,7 @@ itself, at the start and the end of the step's modelled time.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from typing import NamedTuple
 from workers.config import SchedulerConfig
 from workers.cost_model import BatchShape, batch_shape
 from workers.kv_cache_manager import KVCacheManager
-from workers.messages import LoadReport, TransferTotals
+from workers.messages import ENDS_REPORTED, LoadReport, TransferTotals
 from workers.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -362,7 +363,9 @@ class EngineCore:
                           sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
                           num_blocks - kv.num_free_blocks, num_blocks, steps, held, pending, receiving,
                           stats.prefix_cache_queries, stats.prefix_cache_hits, dict(stats.num_preemptions),
-                          kv_transfer or TransferTotals())
+                          kv_transfer or TransferTotals(), max_seqs=s.cfg.max_num_seqs,
+                          ends_in=heapq.nsmallest(ENDS_REPORTED, (q.params.max_tokens - q.num_output_tokens
+                                                                  for q in s.running)))
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -244,6 +244,14 @@ class LoadReport:
     accepting: bool = True            # False: draining (the leading router's word); new requests are refused
     lease_expiries: int = 0           # routers' leases that lapsed here, and the requests that ended with them
     lease_aborts: int = 0
+    max_seqs: int = 0                 # its sequence limit (the scheduler's max_num_seqs; 0: not told)
+    # Output tokens left to the running sequences that end soonest, fewest first (at most
+    # ENDS_REPORTED, a bound from max_tokens: an end of sequence comes sooner): when its sequence
+    # slots free, which a colocated prompt past the limit waits for (router/picker.py `slot_ends`).
+    ends_in: list[int] = field(default_factory=list)
+
+
+ENDS_REPORTED = 64
 
 
 SAMPLE_KINDS = ("step_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "kv_tail_s", "step_shape")

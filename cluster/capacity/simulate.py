@@ -34,7 +34,7 @@ from typing import NamedTuple
 from cluster.loadtest.loadgen import RequestResult
 from cluster.run.spec import check_pools
 from router.admission import DecodeGate
-from router.picker import decode_load, prefill_load
+from router.picker import decode_load, prefill_load, slot_ends
 from router.placement import Placement
 from router.slo import SLOTargets
 from workers import messages as msg
@@ -287,8 +287,8 @@ class _RouterView:
 
 
 class SimWorker:
-    __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "waiting_room",
-                 "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
+    __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "inbox_prompts",
+                 "waiting_room", "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
                  "step_end", "run_left", "run_slow", "seen")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
@@ -296,6 +296,7 @@ class SimWorker:
         self.busy = False
         self.inbox: list = []               # callables applied between steps
         self.inbox_tokens = 0               # prompt tokens in the inbox (sent, not yet in a report)
+        self.inbox_prompts = 0              # and the prompts they are
         self.waiting_room: deque = deque()  # decode: handoffs waiting for blocks (rid, request, prefill worker)
         self.receiving = 0                  # decode: reserved, KV in flight
         self.link_free_at = 0.0             # decode: its link carries one transfer at a time
@@ -496,6 +497,7 @@ class Simulator:
     def _submit(self, w: SimWorker, fn, num_tokens: int = 0) -> None:
         w.inbox.append(fn)
         w.inbox_tokens += num_tokens
+        w.inbox_prompts += num_tokens > 0
         if w.role == PREFILL:
             w.seen.send(self.now, num_tokens, lambda: self.view.prefill_queued(w))
         self._wake(w)
@@ -547,7 +549,7 @@ class Simulator:
             stored, evicted = w.engine.kv.pool.take_events()
             self.prefix_index.remove(w.worker_id, evicted)
             self.prefix_index.add(w.worker_id, stored)
-        inbox, w.inbox, w.inbox_tokens = w.inbox, [], 0
+        inbox, w.inbox, w.inbox_tokens, w.inbox_prompts = w.inbox, [], 0, 0
         for fn in inbox:
             fn()
         if w.waiting_room:
@@ -714,6 +716,10 @@ class _SimView:
     def decoding(self, worker_id: str) -> tuple[int, int]:
         r = self.workers[worker_id].report()
         return r.running, r.kv_blocks_used * self.block_size
+
+    def slot_ends(self, worker_id: str) -> list[int]:
+        w = self.workers[worker_id]
+        return slot_ends(w.report(), w.inbox_prompts)
 
 
 def utilization(sim: Simulator) -> dict[str, float]:

@@ -259,7 +259,7 @@ class ServingCluster:
         if self.controller is not None:
             self.leadership.subscribe(lambda resume: self.controller.start(), self.controller.stop)
         admission = (SLOAdmission(self.pools, self.spec.mode, fit, cfg.slo, sched.max_num_batched_tokens,
-                                  local_prefill=cfg.local_prefill_max_tokens != 0, seats_per_worker=sched.max_num_seqs)
+                                  local_prefill=cfg.local_prefill_max_tokens != 0)
                      if cfg.admission == SLO else None)
         if admission is not None and dispatcher.gate is not None:
             admission.seats_to_free = dispatcher.seats_to_free
