@@ -292,6 +292,9 @@ class SLOAdmission:
         # many of this router's requests let in have not reached a decode seat yet; None: no
         # gate. (Colocated, the workers' sequence slots: `_slot_wait`.)
         self.seats_to_free: Callable[[int], float] | None = None
+        # Colocated: a worker's seconds per decoding step lately (router/dispatch.py
+        # Dispatcher.worker_pace), None before any: what a wait for its sequence slots is priced at.
+        self.worker_pace: Callable[[str], float | None] = lambda worker_id: None
         self.drain = DrainRate(2 * window_s)   # first tokens per busy second
         self.completions: deque[float] = deque()   # when requests that had a first token ended, lately
         self.gaps: deque[tuple[float, float]] = deque()   # (when, first-to-second-token gap) lately
@@ -611,28 +614,35 @@ class SLOAdmission:
         on the worker where it would start soonest (router/placement.py picks that worker once
         its two sampled ones are full): each worker's slots that must free first (its report's
         sequences and queue, what this router sent it since, and the request itself, past its
-        limit: router/picker.py `slot_ends`), at the decode pace (`_seat_pace`), the prompts
+        limit: router/picker.py `slot_ends`), each a step of that worker away per token (its
+        steps lately, `worker_pace`; before any, the decode pace, `_seat_pace`), the prompts
         queued there before it prefilled one after another as their slots free (`prefill_s` the
         pool's time per prompt: the worker's is that times the workers). 0 while any worker has
-        a slot free, or before a pace is measured. Once a burst fills every slot, the next
+        a slot free, or before a pace is known. Once a burst fills every slot, the next
         arrivals queue inside the workers until sequences end, a wait neither the line's drain
         (measured while slots were free) nor the prefill's price sees: at the jump to 3x load
         (vLLM's client, two workers of 128 slots), 209 let in in the first second filled them,
         and 150-180 let in over the next second, predicted at 0.1-0.8 s, came at about 2.5 s.
         Priced on the pool's soonest slots, not each worker's, it let in requests that then
         waited for the later slots of a worker whose batch had filled later (0.2-0.6 s
-        predicted, 1.05-1.8 s served)."""
+        predicted, 1.05-1.8 s served); priced at the requests' pace as they ended, the pace of
+        a batch still filling and of steps not yet slowed by the overload's own work on shared
+        cores (21 ms a token, at steps of 57-92 ms then), 0.8 s for waits of 1.7-1.9 s."""
         workers = self.pools.active(COLOCATED)
-        holders = self._seated or self._line
-        if not workers or not holders:
+        if not workers:
             return 0.0
         waits = [slot_ends(m.report, len(m.unreported)) for m in workers]
         if not all(waits):
             return 0.0
-        pace = self._holders_pace(holders)
-        if pace is None:
-            return 0.0
-        return min(_after(pace, ends, prefill_s * len(workers)) for ends in waits)
+        holders = self._seated or self._line
+        seated_pace = self._holders_pace(holders) if holders else None
+        best = math.inf
+        for m, ends in zip(workers, waits):
+            pace = self.worker_pace(m.worker_id) or seated_pace
+            if pace is None:
+                return 0.0
+            best = min(best, _after(pace, ends, prefill_s * len(workers)))
+        return best
 
     def drain_rate(self, prompt_tokens: float | None = None) -> float | None:
         """The line's drain rate, no more than the rate requests end while the line has been full

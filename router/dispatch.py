@@ -130,7 +130,7 @@ class Dispatcher:
             self.prefix_index.add(w.worker_id, reply.cache_stored)
         for ev in reply.events:
             self._deliver(ev)
-        if w.role == DECODE and self.placement.tpot_s is not None:
+        if self.placement.paces_role(w.role):
             for step_s, *shape in reply.samples.get("step_shape", ()):
                 if BatchShape(*shape).num_decode:
                     self.placement.observe_decode_steps(w.worker_id, step_s)
@@ -182,6 +182,12 @@ class Dispatcher:
         admission's wait for a seat), with `let_in` requests let in that have not reached a
         decode seat (DecodeGate.seats_to_free); 0 without the gate."""
         return 0.0 if self.gate is None else self.gate.seats_to_free(*self._gate_view(), let_in)
+
+    def worker_pace(self, worker_id: str) -> float | None:
+        """A worker's seconds per step with decoding rows, lately (router/placement.py
+        `observe_decode_steps`; colocated workers, and decode workers under AUTO local prefill
+        with a TPOT target); None before any."""
+        return self.placement.paces.get(worker_id)
 
     def _gate_view(self) -> tuple[dict, int]:
         """What the gate decides on: the decode workers' reports, the prefill pool's size."""

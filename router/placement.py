@@ -76,7 +76,7 @@ class Placement:
         self.local_prefill_max_tokens = local_prefill_max_tokens if mode != COLOCATED else 0
         self._local_cost: tuple[Callable[[], CostModel | None], int] | None = None   # auto: the model, a chunk
         self.tpot_s: float | None = None         # auto: the TPOT target local prefills keep to
-        self.paces: dict[str, float] = {}        # decode worker -> its seconds per decoding step, lately
+        self.paces: dict[str, float] = {}        # decode (colocated) worker -> its seconds per decoding step, lately
         self.handoff_s: float | None = None      # a handoff as seen (held -> first decode token), smoothed
         # The workers' prefix caches as the caller sees them, kept when picking uses them:
         # prefix-aware picking, or local prefills counting cached tokens.
@@ -90,6 +90,12 @@ class Placement:
         each decode worker's pace within PACE_SHARE of `tpot_s` (None: no TPOT target)."""
         self._local_cost = (cost, max_chunk)
         self.tpot_s = tpot_s
+
+    def paces_role(self, role: str) -> bool:
+        """Whether the steps of a worker of `role` feed `paces`: decode workers' under AUTO local
+        prefill with a TPOT target, colocated workers' always (SLO admission prices a wait for
+        a sequence slot at it, router/admission.py `_slot_wait`)."""
+        return role == COLOCATED or (role == DECODE and self.tpot_s is not None)
 
     def observe_decode_steps(self, worker_id: str, step_s: float, count: int = 1) -> None:
         """`count` steps of `step_s` seconds each that decoding rows took on `worker_id`."""
@@ -160,7 +166,10 @@ class Placement:
 
     def _colocated(self, ids: list[str], view: PoolView) -> str:
         """A colocated worker by when a prompt sent now would start there: the decode steps until
-        a sequence slot frees for it (`slot_ends`), then the prompt tokens queued ahead of it.
+        a sequence slot frees for it (`slot_ends`; steps, not seconds: a pool's workers step
+        alike, and the simulator, which runs this code, takes a worker's steady steps as one
+        run, whose times the pick would otherwise see only as the run ends), then the prompt
+        tokens queued ahead of it.
         Power-of-two-choices while one of the two has a slot free; past every slot of those two,
         the soonest of the pool (what SLO admission prices, router/admission.py `seat_wait`).
         By queued tokens alone, at 3x load (vLLM's client, two workers of 128 slots, both full)

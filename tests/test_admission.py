@@ -926,8 +926,9 @@ def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_the_soone
     waits for c1's fourth slot (0.95 s) and c0's third (0.7 s): 0.7 s. The prompts queued
     before it are prefilled one after another as their slots free: at 0.1 s a prompt on the
     worker, c0's two are prefilled by 0.4 and 0.6 s, before its own slot frees (0.7 s); at 0.3
-    s, by 0.6 and 0.9 s (0.9 s; c1's four by 1.2 s). With both workers full for 1.2 s and more,
-    refused; with a slot free at either, no wait."""
+    s, by 0.6 and 0.9 s (0.9 s; c1's four by 1.2 s). A worker's own steps lately, when known,
+    price its slots: c0 at 20 ms a step, 1.4 s there, so c1's 0.95 s. With both workers full
+    for 1.2 s and more, refused; with a slot free at either, no wait."""
     clock = Clock(0.0)
     a = seated_at_a_measured_pace(clock, (48, 38, 28, 18), max_tokens=128, prefill=2, mode=COLOCATED)
     c0, c1 = a.pools.active(COLOCATED)
@@ -941,6 +942,9 @@ def test_colocated_a_request_past_the_workers_sequence_slots_waits_for_the_soone
     assert a.seat_wait() == pytest.approx(0.7)
     assert a.seat_wait(0.1 / 2) == pytest.approx(0.7)     # the pool's prefill per prompt: 0.1 s on one of two
     assert a.seat_wait(0.3 / 2) == pytest.approx(0.3 + 0.3 + 0.3)
+    a.worker_pace = {c0.worker_id: 0.02}.get               # c0's steps lately: 20 ms (c1's not known)
+    assert a.seat_wait() == pytest.approx(min(0.02 * 70, 0.95))
+    a.worker_pace = lambda worker_id: None
     for m in (c0, c1):
         m.report = report(m.worker_id, COLOCATED, waiting=2, running=4, max_seqs=4, ends_in=[120, 130, 140, 150])
     assert a.seat_wait() == pytest.approx(1.4)

@@ -577,7 +577,7 @@ class Simulator:
             return
         dt = w.cost.step_s(engine.last_shape)
         dt *= self._slowdown()
-        if w.role == DECODE and engine.last_shape.num_decode and self.placement.tpot_s is not None:
+        if engine.last_shape.num_decode and self.placement.paces_role(w.role):
             self.placement.observe_decode_steps(w.worker_id, dt)     # (the router hears of it as it ends)
         w.steps += 1
         w.busy_s += dt
@@ -629,7 +629,7 @@ class Simulator:
         for end in ends:                                # each step timed, as a step taken alone is
             observe(rows, end - start, rows)
             start = end
-        if w.role == DECODE and self.placement.tpot_s is not None:
+        if self.placement.paces_role(w.role):
             self.placement.observe_decode_steps(w.worker_id, (ends[-1] - w.run_start) / len(ends), len(ends))
         tracked, first, last = self._tracked, ends[0], ends[-1]
         for rid, finished in w.engine.advance(len(ends)):

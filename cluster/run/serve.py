@@ -263,6 +263,8 @@ class ServingCluster:
                      if cfg.admission == SLO else None)
         if admission is not None and dispatcher.gate is not None:
             admission.seats_to_free = dispatcher.seats_to_free
+        if admission is not None:
+            admission.worker_pace = dispatcher.worker_pace
         roles = {r: sum(i.role == r for i in infos) for r in ROLES}
         server = Server(dispatcher, tokenizer, self.model_name, min(i.max_model_len for i in infos),
                         cfg.api_key, cfg.max_pending, max_body_bytes=cfg.max_body_bytes, admission=admission,
