@@ -584,6 +584,46 @@ def test_a_pool_that_demand_no_longer_needs_shrinks_gradually_to_what_its_surviv
     assert d.action != REMOVE_PREFILL, d
 
 
+def test_no_shrink_while_arrivals_rise_and_a_pool_that_shrank_takes_a_worker_back_only_past_its_capacity():
+    """The 70B rows' changes undone (bench_planner_sim.py): a prefill worker removed in a dip
+    halfway up the hour's rise, added back 190-240 s later; and one removed on the fall, added
+    back 30 s later for a burst at load 0.93, past the elastic headroom (0.9) but under the
+    pool's capacity. While arrivals rise (`Signals.rising`) nothing shrinks; within the shrink
+    hold of its shrink a pool grows only past `grow_at` (1.0), elsewhere past the headroom."""
+    cfg = ControllerConfig(max_workers=16, cooldown_s=30, min_workers=2)
+    d = decide(signals(8, 8, rate=1.0), cfg)
+    assert (d.action, d.code) == (REMOVE_DECODE, "shrink"), d
+    d = decide(signals(8, 8, rate=1.0, rising=True), cfg)
+    assert (d.action, d.code) == (NONE, "rising"), d
+    mixed = ControllerConfig(max_workers=16, cooldown_s=30, min_workers=2, mixed=True)
+    assert decide(signals(0, 8, rate=0.5, mixed_tpot=0.2), mixed).code == "shrink"
+    assert decide(signals(0, 8, rate=0.5, mixed_tpot=0.2, rising=True), mixed).code == "rising"
+    sized = ControllerConfig.sized(16, min_workers=2)              # grows past 0.9 under the budget
+    for rate, shrank_at, grows in ((4.6, -math.inf, True), (4.6, 990.0, False), (5.2, 990.0, True),
+                                   (4.6, 1000.0 - sized.shrink_hold_s - 1, True)):
+        d = decide(signals(5, 8, rate=rate, output=10, prefill_shrank_at=shrank_at), sized)   # prefill load rate / 5
+        assert (d.action == ADD_PREFILL) == grows, (rate, shrank_at, d)
+    d = decide(signals(5, 8, rate=4.6, output=10, decode_shrank_at=990.0), sized)   # the other pool shrank
+    assert d.action == ADD_PREFILL, d
+
+
+def test_arrivals_rise_by_the_minutes_of_a_shrink_hold_not_by_one_minutes_swing():
+    """LongScale.rising: the mean rate of the last five one-minute intervals (the 300 s a
+    shrink keeps) against the five before, more than a tenth up. An hour-scale rise with the
+    trace's minute-to-minute swings (a dip of a third in its last minute) rises; a level with
+    the same swings does not; nor anything before ten intervals are seen."""
+    def fed(rates) -> LongScale:
+        long = LongScale(60.0, 0.0, ahead=2, keep_s=300.0)
+        arrivals = [(i * 60.0 + k / r, 100, 10) for i, r in enumerate(rates) for k in range(round(60 * r))]
+        long.floors(60.0 * len(rates), arrivals, 1000.0, 100.0, 0.8, 0.8)
+        return long
+    swings = (1.0, 1.3, 0.8, 1.2, 0.7)
+    assert fed([10 * x for x in swings] + [12 * x for x in swings]).rising()
+    assert not fed([10 * x for x in swings] * 2).rising()
+    assert not fed([10 * x for x in swings] + [10.5 * x for x in swings]).rising()
+    assert not fed([5.0] * 4 + [20.0] * 5).rising()                 # nine intervals: not yet
+
+
 def test_a_shrink_waits_for_its_pools_growth_to_age_and_keeps_the_floor_and_the_minimum():
     grew = dict(now=1000.0, prefill_grew_at=900.0)                       # prefill grew 100 s ago
     d = decide(signals(4, 4, rate=1.0, **grew), ELASTIC)

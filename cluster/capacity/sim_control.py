@@ -262,7 +262,7 @@ class ControlledSimulator(ElasticSimulator):
             prefill_grew_at=self.grew_at[PREFILL],
             decode_grew_at=self.grew_at[DECODE], prefill_shrank_at=self.shrank_at[PREFILL],
             decode_shrank_at=self.shrank_at[DECODE], long_prompt_tokens=o.long_prompt_tokens, short_output_tokens=o.short_output_tokens,
-            split_need=self.split_need)
+            split_need=self.split_need, rising=self.long is not None and self.long.rising())
         return with_mixed_tpot(cost, s, c.config, c.slo_tpot_s, sched.max_num_batched_tokens)
 
     def tick(self) -> None:

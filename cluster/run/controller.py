@@ -46,7 +46,9 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   that has not grown for `shrink_hold_s` gives the workers its survivors can do without (the
   same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
   included), a quarter of the pool at most at once, never below the floor nor below what the
-  forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`;
+  forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`,
+  and not while the forecast's arrivals rise (`Signals.rising`: a dip in a rise is a burst's
+  gap, and the rise takes the worker back within the shrink hold);
 - the mixed role (`mixed` set): when splitting does not pay, every prefill worker moves to the
   decode pool and, with no prefill pool, the decode workers serve whole requests
   (router/placement.py); it pays when the TPOT predicted on mixed workers
@@ -85,7 +87,7 @@ SIZE_CHANGE = {TO_PREFILL: (1, -1), TO_DECODE: (-1, 1), ADD_PREFILL: (1, 0), ADD
 # Decision.code: every value decide() gives.
 CODES = ("changing_roles", "cooldown", "over_budget", "both_short", "prefill_short_load", "prefill_short_slo",
          "decode_short_load", "decode_short_slo", "no_undo", "no_spare", "forecast_floor", "shrink",
-         "slo_not_capacity", "balanced", "mixed", "split_tpot", "split_slo", "mixed_short")
+         "slo_not_capacity", "balanced", "mixed", "split_tpot", "split_slo", "mixed_short", "rising")
 POOLS = (PREFILL, DECODE)
 COOLDOWN_S = 30.0       # the default: no change within this long of the last one
 SHRINK_HOLD_S = 300.0   # the default: no pool shrinks within this long of its growth
@@ -181,6 +183,7 @@ class Signals:
                                           # inf: not priced, the mixed role never pays)
     split_need: float = math.inf          # the arrivals' whole need (workers' worth, no backlog) when mixed
                                           # workers last split (`steady_need`)
+    rising: bool = False                  # the forecast's arrivals rise (cluster/run/forecast.py LongScale.rising)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +448,8 @@ def _decide_mixed(s: Signals, cfg: ControllerConfig, last_change_at: float, need
         if total > cfg.min_workers and s.now - max(s.decode_grew_at, s.prefill_grew_at) >= cfg.shrink_hold_s:
             room = min(total - cfg.min_workers, n - max(1, floor, s.keep_prefill + s.keep_decode), max(1, n // 4))
             k = givable(cfg, DECODE, whole, n, room) if room > 0 else 0
+            if k and s.rising:
+                return done(NONE, "rising", f"mixed workers could spare {k}, but the arrivals rise ({txt})")
             if k:
                 return done(REMOVE_DECODE, "shrink", f"mixed workers need fewer: {k} leave (load {load:.2f} -> "
                                                      f"{whole / (n - k):.2f})", k)
@@ -503,10 +508,15 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
     if s.num_prefill == 0:
         return _decide_mixed(s, cfg, last_change_at, need, grow_at)
 
+    shrank_at = {PREFILL: s.prefill_shrank_at, DECODE: s.decode_shrank_at}
+
     def why_short(pool: str) -> tuple[str, str] | None:
-        """(code, reason) when `pool` is short, else None."""
+        """(code, reason) when `pool` is short, else None. A pool that shrank within the shrink
+        hold is short only past `grow_at` (its capacity, by default), not the elastic headroom:
+        what it gave back, a burst under its capacity does not take again (a worker that starts
+        minutes later serves the burst's queue, not the burst)."""
         name, att = slo[pool]
-        if load[pool] > grow_at:
+        if load[pool] > (cfg.grow_at if s.now - shrank_at[pool] < cfg.shrink_hold_s else grow_at):
             return f"{pool}_short_load", f"{pool} short (load {load[pool]:.2f})"
         if (att < cfg.min_attainment and load[pool] >= cfg.slo_load_floor * cfg.target(pool)
                 and s.now - last_change_at >= cfg.slo_hold_s and backlog[pool] <= cfg.slo_backlog_share * need[pool]):
@@ -590,6 +600,8 @@ def decide(s: Signals, cfg: ControllerConfig, last_change_at: float = -math.inf,
                 room = min(total - cfg.min_workers, n[pool] - max(1, floor[pool], keep[pool]),
                            max(1, n[pool] // 4))
                 k = givable(cfg, pool, need[pool], n[pool], room) if room > 0 else 0
+                if k and s.rising:
+                    return done(NONE, "rising", f"{pool} could spare {k}, but the arrivals rise ({loads_txt})")
                 if k:
                     return done(REMOVE_PREFILL if pool == PREFILL else REMOVE_DECODE, "shrink",
                                 f"{pool} needs fewer: {k} leave (load {load[pool]:.2f} -> "

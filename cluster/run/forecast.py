@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -84,6 +85,9 @@ class Forecast:
         return Outlook(rate, self.prompt.forecast(), self.output.forecast(), rate * max(1.0, burst))
 
 
+RISE_SHARE = 0.1            # arrivals rise while the last shrink hold's mean rate passes the one before by this share
+
+
 BURST_S = 1.0               # a long interval's bursts: its busiest part this long (a TTFT target's length)
 
 
@@ -129,18 +133,32 @@ class LongScale:
         self.burst_s = self.ttft_s = ttft_s           # bursts measured over a TTFT target's length
         self.keep_ahead = max(ahead, math.ceil(keep_s / interval_s))
         self.forecast = Forecast()
+        self.rates: deque[float] = deque(maxlen=2 * self.keep_ahead)   # the last long intervals' arrival rates
         self.until = start + interval_s
 
     def floors(self, now: float, arrivals, prefill_tokens_per_s: float, decode_tokens_per_s: float,
                prefill_target: float, decode_target: float) -> tuple[tuple[int, int], tuple[int, int]]:
         """((prefill, decode) floor, (prefill, decode) kept by a shrink)."""
         while now >= self.until:
-            self.forecast.observe(*interval_summary(arrivals, self.until - self.interval_s, self.interval_s,
-                                                    self.burst_s))
+            summary = interval_summary(arrivals, self.until - self.interval_s, self.interval_s, self.burst_s)
+            self.forecast.observe(*summary)
+            self.rates.append(summary[0])
             self.until += self.interval_s
         rates = (prefill_tokens_per_s, decode_tokens_per_s, prefill_target, decode_target)
         return (floor_sizes(self._cleared(self.forecast.outlook(self.ahead)), *rates),
                 floor_sizes(self._cleared(self.forecast.outlook(self.keep_ahead)), *rates))
+
+    def rising(self) -> bool:
+        """Whether arrivals are on a rise: the mean rate of the last `keep_s` of long intervals
+        more than RISE_SHARE over that of the `keep_s` before (a shrink then waits: a rise takes
+        the worker back within the shrink hold). Over minutes, not the forecast's trend: an
+        Azure trace's rate swings by a fifth from one minute to the next inside an hour-scale
+        rise, and the trend turned down for minutes at a time halfway up it."""
+        k = self.keep_ahead
+        if len(self.rates) < 2 * k:
+            return False
+        rates = list(self.rates)
+        return sum(rates[-k:]) > (1 + RISE_SHARE) * sum(rates[-2 * k:-k])
 
     def _cleared(self, o: Outlook | None) -> Outlook | None:
         """A burst's prompts arrive over `burst_s` and each may take its TTFT target after: the

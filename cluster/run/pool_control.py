@@ -128,7 +128,7 @@ class PoolController:
             keep_prefill=keep[0], keep_decode=keep[1],
             prefill_grew_at=self.grew_at[PREFILL], decode_grew_at=self.grew_at[DECODE],
             prefill_shrank_at=self.shrank_at[PREFILL], decode_shrank_at=self.shrank_at[DECODE],
-            split_need=self.split_need,
+            split_need=self.split_need, rising=self.long is not None and self.long.rising(),
             ttft_attainment=o.ttft_attainment, tpot_attainment=o.tpot_attainment,
             draining=len(self.pools.draining()) + sum(m.state == STARTING for m in self.pools),
             waiting_handoffs=sum(m.report.pending for m in self.pools if m.role == DECODE and m.report),
