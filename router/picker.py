@@ -110,10 +110,15 @@ def slot_ends(report: LoadReport | None, unreported: int = 0) -> list[int]:
     sequence ends (LoadReport.ends_in); past those reported, at the spacing they end at."""
     if report is None or not report.max_seqs:
         return []
-    need = report.running + report.waiting + unreported + 1 - report.max_seqs
+    return slots_past(report.running + report.waiting + unreported + 1 - report.max_seqs, report.ends_in)
+
+
+def slots_past(need: int, ends: list[int]) -> list[int]:
+    """`slot_ends` of a worker `need` sequences past its limit whose running sequences end in
+    `ends` tokens (soonest first; the first ENDS_REPORTED, or all)."""
     if need <= 0:
         return []
-    ends = report.ends_in[:need]
+    ends = ends[:need]
     if not ends:                       # none running yet (a burst in its queue): no end known
         return [0] * need
     spacing = max(1.0, ends[-1] / len(ends))

@@ -177,11 +177,24 @@ class Placement:
         freed later, and the prompts sent there started 0.84-1.06 s after arriving against
         0.05-0.56 s at the other; admission, pricing the slots soonest to free in the pool, let
         them in at 0.2-0.6 s and they missed the TTFT target."""
+        steps: dict[str, int] = {}
+        loads: dict[str, float] = {}
+
+        def slot(w: str) -> int:
+            if w not in steps:
+                ends = view.slot_ends(w)
+                steps[w] = ends[-1] if ends else 0
+            return steps[w]
+
         def when(w: str) -> tuple[int, float]:
-            ends = view.slot_ends(w)
-            return (ends[-1] if ends else 0), view.prefill_load(w)
+            if w not in loads:
+                loads[w] = view.prefill_load(w)
+            return slot(w), loads[w]
         chosen = self.prefill_picker.choose(ids, when)
-        return chosen if len(ids) <= 2 or not when(chosen)[0] else min(ids, key=when)
+        if len(ids) <= 2 or not slot(chosen):
+            return chosen
+        soonest = min(slot(w) for w in ids)         # the queued tokens only where that ties
+        return min((w for w in ids if steps[w] == soonest), key=when)
 
     def prefill_locally(self, d: str, uncached: int, view: PoolView) -> bool:
         """Whether decode worker `d` should compute `uncached` prompt tokens itself. A number:

@@ -353,10 +353,17 @@ class EngineCore:
         not started yet."""
         return [*self._seqs, *self._forking]
 
+    def ends_in(self, count: int = ENDS_REPORTED) -> list[int]:
+        """Output tokens left to the `count` running sequences that end soonest (at most
+        ENDS_REPORTED), fewest first: by max_tokens (an end of sequence may come sooner)."""
+        return heapq.nsmallest(min(count, ENDS_REPORTED),
+                               (q.params.max_tokens - q.num_output_tokens for q in self.scheduler.running))
+
     def load_report(self, worker_id: str, role: str, steps: int, held: int = 0, pending: int = 0,
-                    receiving: int = 0, kv_transfer: TransferTotals | None = None) -> LoadReport:
+                    receiving: int = 0, kv_transfer: TransferTotals | None = None, ends: bool = True) -> LoadReport:
         """A LoadReport (workers/messages.py): the engine's queues, KV use and counters, with
-        what its caller (the worker, or the simulator) knows of the handoff."""
+        what its caller (the worker, or the simulator) knows of the handoff; `ends`: with
+        `ends_in` (the simulator asks for them apart, only when a slot is wanted)."""
         s, kv = self.scheduler, self.kv
         stats, num_blocks = s.stats, kv.pool.num_blocks
         return LoadReport(worker_id, role, len(s.waiting), len(s.running), len(s.swapped),
@@ -364,8 +371,7 @@ class EngineCore:
                           num_blocks - kv.num_free_blocks, num_blocks, steps, held, pending, receiving,
                           stats.prefix_cache_queries, stats.prefix_cache_hits, dict(stats.num_preemptions),
                           kv_transfer or TransferTotals(), max_seqs=s.cfg.max_num_seqs,
-                          ends_in=heapq.nsmallest(ENDS_REPORTED, (q.params.max_tokens - q.num_output_tokens
-                                                                  for q in s.running)))
+                          ends_in=self.ends_in() if ends else [])
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

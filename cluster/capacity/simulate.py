@@ -34,7 +34,7 @@ from typing import NamedTuple
 from cluster.loadtest.loadgen import RequestResult
 from cluster.run.spec import check_pools
 from router.admission import DecodeGate
-from router.picker import decode_load, prefill_load, slot_ends
+from router.picker import decode_load, prefill_load, slots_past
 from router.placement import Placement
 from router.slo import SLOTargets
 from workers import messages as msg
@@ -311,8 +311,10 @@ class SimWorker:
         self.seen = _RouterView()             # a prefill worker as the router's stream shows it
 
     def report(self) -> msg.LoadReport:
+        """Its report without `ends_in` (a heap over its running sequences: `_SimView.slot_ends`
+        asks for them only when a slot is wanted)."""
         return self.engine.load_report(self.worker_id, self.role, self.steps, 0, len(self.waiting_room),
-                                       self.receiving)
+                                       self.receiving, ends=False)
 
     def seats(self) -> _Seats:
         """The part of its report the decode gate reads, without building the report."""
@@ -718,8 +720,12 @@ class _SimView:
         return r.running, r.kv_blocks_used * self.block_size
 
     def slot_ends(self, worker_id: str) -> list[int]:
+        """router/picker.py `slot_ends` of its report and its inbox, the ends read only when
+        past its limit."""
         w = self.workers[worker_id]
-        return slot_ends(w.report(), w.inbox_prompts)
+        s = w.engine.scheduler
+        need = len(s.running) + len(s.waiting) + w.inbox_prompts + 1 - s.cfg.max_num_seqs
+        return slots_past(need, w.engine.ends_in(need)) if need > 0 else []
 
 
 def utilization(sim: Simulator) -> dict[str, float]:
