@@ -607,6 +607,7 @@ class SLOAdmission:
         return _after(pace, [left + more for left in soonest], prefill_s)
 
     def _holders_pace(self, holders) -> float | None:
+        """`_seat_pace` at the batch and mean context of `holders` (tickets)."""
         return self._seat_pace(len(holders), statistics.fmean(t.prompt_tokens + t.tokens for t in holders))
 
     def _slot_wait(self, prefill_s: float) -> float:
@@ -634,11 +635,15 @@ class SLOAdmission:
         waits = [slot_ends(m.report, len(m.unreported)) for m in workers]
         if not all(waits):
             return 0.0
-        holders = self._seated or self._line
-        seated_pace = self._holders_pace(holders) if holders else None
+        seated_pace = math.nan              # the decode pace, for a worker with no steps seen yet
         best = math.inf
         for m, ends in zip(workers, waits):
-            pace = self.worker_pace(m.worker_id) or seated_pace
+            pace = self.worker_pace(m.worker_id)
+            if pace is None:
+                if seated_pace is math.nan:
+                    holders = self._seated or self._line
+                    seated_pace = self._holders_pace(holders) if holders else None
+                pace = seated_pace
             if pace is None:
                 return 0.0
             best = min(best, _after(pace, ends, prefill_s * len(workers)))

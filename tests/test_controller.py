@@ -589,7 +589,8 @@ def test_no_shrink_while_arrivals_rise_and_a_pool_that_shrank_takes_a_worker_bac
     halfway up the hour's rise, added back 190-240 s later; and one removed on the fall, added
     back 30 s later for a burst at load 0.93, past the elastic headroom (0.9) but under the
     pool's capacity. While arrivals rise (`Signals.rising`) nothing shrinks; within the shrink
-    hold of its shrink a pool grows only past `grow_at` (1.0), elsewhere past the headroom."""
+    hold of its shrink a pool (split or mixed) grows only past `grow_at` (1.0), elsewhere past
+    the headroom."""
     cfg = ControllerConfig(max_workers=16, cooldown_s=30, min_workers=2)
     d = decide(signals(8, 8, rate=1.0), cfg)
     assert (d.action, d.code) == (REMOVE_DECODE, "shrink"), d
@@ -605,6 +606,10 @@ def test_no_shrink_while_arrivals_rise_and_a_pool_that_shrank_takes_a_worker_bac
         assert (d.action == ADD_PREFILL) == grows, (rate, shrank_at, d)
     d = decide(signals(5, 8, rate=4.6, output=10, decode_shrank_at=990.0), sized)   # the other pool shrank
     assert d.action == ADD_PREFILL, d
+    mixed_sized = ControllerConfig.sized(16, min_workers=2, mixed=True)     # mixed: one pool, the decode pool
+    for shrank_at, grows in ((-math.inf, True), (990.0, False)):
+        d = decide(signals(0, 5, rate=4.2, output=10, mixed_tpot=0.2, decode_shrank_at=shrank_at), mixed_sized)
+        assert (d.action == ADD_DECODE) == grows, (shrank_at, d)                # mixed load 4.2 x 1.1 / 5 = 0.92
 
 
 def test_arrivals_rise_by_the_minutes_of_a_shrink_hold_not_by_one_minutes_swing():

@@ -47,8 +47,9 @@ oscillation, scale-downs that break the SLO and rebalances over the GPU budget):
   same test as a donor's: they stay at or under their target and under `shrink_below`, backlog
   included), a quarter of the pool at most at once, never below the floor nor below what the
   forecast needs over the next minutes (`Signals.keep_*`), nor the total below `min_workers`,
-  and not while the forecast's arrivals rise (`Signals.rising`: a dip in a rise is a burst's
-  gap, and the rise takes the worker back within the shrink hold);
+  and not while arrivals rise (`Signals.rising`: a dip in a rise is a burst's gap, and the
+  rise takes the worker back within the shrink hold); within `shrink_hold_s` of its own shrink
+  a pool is short only past `grow_at`, not the elastic headroom;
 - the mixed role (`mixed` set): when splitting does not pay, every prefill worker moves to the
   decode pool and, with no prefill pool, the decode workers serve whole requests
   (router/placement.py); it pays when the TPOT predicted on mixed workers
@@ -183,7 +184,7 @@ class Signals:
                                           # inf: not priced, the mixed role never pays)
     split_need: float = math.inf          # the arrivals' whole need (workers' worth, no backlog) when mixed
                                           # workers last split (`steady_need`)
-    rising: bool = False                  # the forecast's arrivals rise (cluster/run/forecast.py LongScale.rising)
+    rising: bool = False                  # arrivals rise over the last minutes (cluster/run/forecast.py LongScale.rising)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,7 +435,7 @@ def _decide_mixed(s: Signals, cfg: ControllerConfig, last_change_at: float, need
         if not k:
             return done(NONE, "over_budget", f"over the budget by {total - cfg.max_workers}, nothing to spare ({txt})")
         return done(REMOVE_DECODE, "over_budget", f"over the budget: {k} leave ({txt})", k)
-    if load > grow_at:
+    if load > (cfg.grow_at if s.now - s.decode_shrank_at < cfg.shrink_hold_s else grow_at):   # as decide()'s
         if total < cfg.max_workers:
             k = min(wanted(whole, n, target) - n, cfg.max_workers - total)
             return done(ADD_DECODE, "mixed_short", f"mixed workers short ({txt}): {k} more toward load {target:.2f}", k)
