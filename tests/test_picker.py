@@ -71,6 +71,7 @@ class _View:
 
     def __init__(self, pools: dict[str, list[str]], queued: dict[str, float], decoding: dict[str, float]):
         self.pools, self.queued, self.decoding_load = pools, queued, decoding
+        self.slots: dict[str, list[int]] = {}       # colocated: each worker's `slot_ends`
 
     def active(self, role):
         return self.pools.get(role, [])
@@ -85,7 +86,7 @@ class _View:
         return (0, 0)
 
     def slot_ends(self, w):
-        return self.slots.get(w, []) if hasattr(self, "slots") else []
+        return self.slots.get(w, [])
 
 
 def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
