@@ -635,15 +635,15 @@ class SLOAdmission:
         waits = [slot_ends(m.report, len(m.unreported)) for m in workers]
         if not all(waits):
             return 0.0
-        seated_pace = math.nan              # the decode pace, for a worker with no steps seen yet
+        decode_pace: list[float | None] = []   # read once, only for a worker with no steps seen yet
         best = math.inf
         for m, ends in zip(workers, waits):
             pace = self.worker_pace(m.worker_id)
             if pace is None:
-                if seated_pace is math.nan:
+                if not decode_pace:
                     holders = self._seated or self._line
-                    seated_pace = self._holders_pace(holders) if holders else None
-                pace = seated_pace
+                    decode_pace.append(self._holders_pace(holders) if holders else None)
+                pace = decode_pace[0]
             if pace is None:
                 return 0.0
             best = min(best, _after(pace, ends, prefill_s * len(workers)))
