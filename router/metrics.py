@@ -135,6 +135,10 @@ class Metrics:
         self.preemptions = Counter(P + "num_preemptions", "Sequences preempted", labels + ["mode"], registry=r)
         self.step_seconds = Histogram(P + "engine_step_duration_seconds", "Duration of one engine step",
                                       labels, registry=r, buckets=STEP_BUCKETS)
+        # Against engine_step_duration_seconds_sum: the time steps waited for a core (a CPU host
+        # whose cores the router and other workers share) or for the device.
+        self.step_cpu = Counter(P + "engine_step_cpu_seconds", "CPU time the engine's thread spent in its steps",
+                                labels, registry=r)
         self.batch_size = Histogram(P + "engine_step_batch_size", "Sequences in one engine step", labels,
                                     registry=r, buckets=BATCH_SIZE_BUCKETS)
         self.step_tokens = Histogram(P + "iteration_tokens_total", "Tokens computed in one engine step",
@@ -286,6 +290,8 @@ class Metrics:
             child = histogram.labels(worker, role)
             for v in samples.get(kind, ()):
                 child.observe(v)
+        if cpu := samples.get("step_cpu_s"):
+            self.step_cpu.labels(worker, role).inc(sum(cpu))
         for v in samples.get("queue_s", ()):
             self.queue_time.observe(v)
 

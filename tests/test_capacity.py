@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from cluster.capacity.profile import SERVED_OUTPUT
 from cluster.loadtest import loadgen
 from cluster.cli import main
 from tests.common import pdcluster_cmd, subprocess_env
@@ -143,6 +144,12 @@ def test_profile_of_this_machine_feeds_simulate(tmp_path, spawns, alone):
     # The router's and client's CPU per streamed token, alone and under a closed loop (the
     # simulator's figure): each thread's own clock, so Ray's threads and idle polls stay out.
     assert 0 < served["router_cpu_per_token_s"] < 0.05 and 0 < served["router_cpu_per_token_alone_s"] < 0.05
+    # The machine's busy CPU beside the engines' steps (what the simulator charges on shared
+    # cores), per request and per token: a short request's share is some, and under a second.
+    beside = served["background_cpu_per_request_s"] + SERVED_OUTPUT * served["background_cpu_per_token_s"]
+    assert served["background_cpu_per_request_s"] >= 0 and served["background_cpu_per_token_s"] >= 0
+    assert 0 < beside < 1, served
+    assert served["loaded_prefill_step_wait"] >= 0 and served["loaded_decode_step_wait"] >= 0
     sim = subprocess.run(pdcluster_cmd("simulate", "--profile", str(out), *SMALL), env=subprocess_env(),
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr[-3000:]

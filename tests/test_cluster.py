@@ -418,6 +418,12 @@ def test_metrics_count_prefix_hits_and_handoffs(disaggregated):
         assert grew("request_success_total") == grew("request_success_total", finished_reason="length") == 1
         assert grew("request_errors_total") == 0
         assert grew("time_to_first_token_seconds_count") == grew("e2e_request_latency_seconds_count") == 1
+        # The engine thread's CPU in its steps: some wherever steps ran, never more than their
+        # wall time (each step's CPU read inside its wall time; two clocks: 1 % and 10 us spare).
+        for w in c.workers:
+            cpu = grew("engine_step_cpu_seconds_total", worker=w.worker_id)
+            wall = grew("engine_step_duration_seconds_sum", worker=w.worker_id)
+            assert (cpu > 0) == (wall > 0) and cpu <= wall * 1.01 + 1e-5, (i, w.worker_id, cpu, wall)
         assert grew("inter_token_latency_seconds_count") == received - 1
         assert grew("kv_transfer_seconds_count") == 1 and grew("kv_transfer_failures_total") == 0
         # Each of the prompt's blocks crossed, or the decode worker's prefix cache held it

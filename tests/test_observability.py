@@ -100,7 +100,7 @@ def code_metrics() -> dict[str, tuple[str, frozenset[str]]]:
                               kv_blocks_used=3, kv_blocks_total=10, steps=1, receiving=1, prefix_cache_queries=5,
                               prefix_cache_hits=2, preemptions={"recompute": 1, "swap": 0},
                               kv_transfer=TransferTotals(bytes=100)))
-    m.observe_samples("decode-0", "decode", {"step_s": [0.01], "batch_size": [2], "step_tokens": [2],
+    m.observe_samples("decode-0", "decode", {"step_s": [0.01], "step_cpu_s": [0.008], "batch_size": [2], "step_tokens": [2],
                                              "queue_s": [0.001], "kv_transfer_s": [0.002]})
     m.observe_finished(0.1, 0.5, 5)
     for h in (m.ttft, m.itl, m.queue_time):

@@ -84,20 +84,38 @@ def test_colocated_request_decodes_where_it_prefilled():
     assert_pools_clean(sim)
 
 
-@pytest.mark.parametrize("per_token,itl", [(0.05, [0.0066, 0.0072, 0.0078]),   # the share: 0.1, 0.2, 0.3
-                                            (1.0, [0.012, 0.012, 0.012])])    # at most one core
-def test_the_routers_share_of_shared_cores_follows_the_tokens_it_streamed(monkeypatch, per_token, itl):
-    """One colocated worker on one shared core; the router pays `per_token` CPU-seconds per
-    streamed token and its share is the tokens of the last half second (STREAM_WINDOW_S) times
-    that, at most one core: each decode step (6 ms alone) runs (1 + share) times slower. The
-    prefill (15 ms) starts with nothing streamed; a second request two seconds later finds the
-    first's tokens aged out of the window, so its prefill runs at full speed again."""
+@pytest.mark.parametrize("per_request,per_token,ttft,itl", [
+    (0.0, 0.05, 0.015, [0.0066, 0.0072, 0.0078]),     # the share: 0.1, 0.2, 0.3 (tokens of 2, 3, 4 / 0.5 s)
+    (0.0, 1.0, 0.015, [0.012, 0.012, 0.012]),         # at most every core
+    (0.05, 0.0, 0.0165, [0.0066, 0.0066, 0.0066])])   # the request's own arrival: 0.05 x 1 / 0.5 s = 0.1
+def test_the_backgrounds_share_of_shared_cores_follows_the_requests_and_tokens(monkeypatch, per_request, per_token,
+                                                                                ttft, itl):
+    """One colocated worker on one shared core; the background (router, client) pays
+    `per_request` CPU-seconds per arriving request and `per_token` per streamed token, and its
+    share is the requests and tokens of the last half second (STREAM_WINDOW_S) times those, at
+    most every core: each step runs (1 + share) times slower (15 ms prefill, 6 ms decode steps
+    alone). A second request two seconds later finds the first's arrival and tokens aged out."""
     monkeypatch.setattr(S, "MAX_RUN", 1)                 # step by step: each step priced as it starts
     assert S.STREAM_WINDOW_S == 0.5
     sim, (a, b), _ = run([req(0.0, 50, 4), req(2.0, 50, 1, first=2)], mode="colocated", num_colocated=1,
-                         shared_cores=1, router_cpu_per_token_s=per_token)
-    assert a.ttft == pytest.approx(0.015) and a.itl == pytest.approx(itl)
-    assert b.ttft == pytest.approx(0.015)
+                         shared_cores=1, background_cpu_per_request_s=per_request, background_cpu_per_token_s=per_token)
+    assert a.ttft == pytest.approx(ttft) and a.itl == pytest.approx(itl)
+    assert b.ttft == pytest.approx(ttft)
+    assert_pools_clean(sim)
+
+
+def test_a_steady_decode_runs_tokens_count_toward_the_background_while_it_runs():
+    """1 prefill + 1 decode on two shared cores, the background 1 ms of CPU per streamed token.
+    The first request decodes alone in steady runs (6 ms steps: about 83 tokens in any half
+    second); a prompt sent at 1.0 s finds both workers busy, so its prefill (15 ms alone) runs
+    (2 + 0.001 x tokens of the last 0.5 s / 0.5 s) / 2 slower: the run's tokens count as its
+    chunks end (RUN_CHUNK steps, 0.38 s: at least those up to 0.79 s, 47 steps), not only once
+    the run ends (a run that only counted then left the prefill at 15 ms)."""
+    assert S.RUN_CHUNK == 64 and S.STREAM_WINDOW_S == 0.5
+    sim, (a, b), _ = run([req(0.0, 50, 400), req(1.0, 50, 1, first=2)], shared_cores=2,
+                         background_cpu_per_token_s=0.001)
+    assert a.success and b.success
+    assert 0.015 * (2 + 0.002 * 47) / 2 <= b.ttft <= 0.015 * (2 + 0.002 * 84) / 2
     assert_pools_clean(sim)
 
 

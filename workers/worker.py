@@ -313,8 +313,11 @@ class Worker:
     def _step(self) -> None:
         traces = self.traces
         traced = bool(traces)
-        t0, wall0 = time.monotonic(), time.time() if traced else 0.0
+        wall0 = time.time() if traced else 0.0
+        t0 = time.monotonic()
+        cpu0 = time.thread_time()                      # (the CPU's interval inside the wall's)
         outputs = self.engine.step()
+        step_cpu_s = time.thread_time() - cpu0
         step_s = time.monotonic() - t0
         if traced:
             wall1 = wall0 + step_s
@@ -337,7 +340,8 @@ class Worker:
             events += self._announce(shared)
         samples = None
         if shape.num_seqs:
-            samples = {"step_s": [step_s], "batch_size": [shape.num_seqs], "step_tokens": [shape.num_tokens],
+            samples = {"step_s": [step_s], "step_cpu_s": [step_cpu_s], "batch_size": [shape.num_seqs],
+                       "step_tokens": [shape.num_tokens],
                        "queue_s": shape.queue_times_s,
                        "step_shape": [[step_s, *dataclasses.astuple(self.engine.last_shape)]]}
         self.outboxes.publish(events, samples)

@@ -140,7 +140,8 @@ class Costs:
     request_overhead_s: float = 0.0     # measured by a profile's served calibration
     request_overhead_per_token_s: float = 0.0
     shared_cores: float | None = None   # a profile's machine: its workers and router share its cores
-    router_cpu_per_token_s: float = 0.0
+    background_cpu_per_request_s: float = 0.0   # beside the engines' steps, per request
+    background_cpu_per_token_s: float = 0.0     # and per streamed token
     startup_s: float = 0.0              # a new worker's start-up (a profile's measured engine start)
 
 
@@ -160,7 +161,10 @@ def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode
         served = facts.get("served") or {}
         return Costs(cost, cost, facts.get("max_model_len", 1 << 30), cost.source,
                      served.get("request_overhead_s", 0.0), served.get("request_overhead_per_token_s", 0.0),
-                     facts.get("cpus"), served.get("router_cpu_per_token_s", 0.0), facts.get("startup_s", 0.0))
+                     facts.get("cpus"), served.get("background_cpu_per_request_s", 0.0),
+                     # (profiles before the machine's busy CPU was read: the router's and client's threads)
+                     served.get("background_cpu_per_token_s", served.get("router_cpu_per_token_s", 0.0)),
+                     facts.get("startup_s", 0.0))
     if not a.gpu or not a.model:
         raise ValueError("costs: give --profile FILE (see `pdcluster profile`), or --gpu NAME with --model NAME")
     from workers.cost_model import model_shape
@@ -272,7 +276,8 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
                       num_colocated=shape.get("num_colocated", 2), prefill_cost=with_capacity(costs.prefill, engine),
                       decode_cost=with_capacity(costs.decode, engine), engine=engine, seed=a.seed,
                       request_overhead_s=overhead, request_overhead_per_token_s=per_token, shared_cores=costs.shared_cores,
-                      router_cpu_per_token_s=costs.router_cpu_per_token_s, slo=slo, **router)
+                      background_cpu_per_request_s=costs.background_cpu_per_request_s,
+                      background_cpu_per_token_s=costs.background_cpu_per_token_s, slo=slo, **router)
 
 
 def _tokenizer(a: argparse.Namespace):

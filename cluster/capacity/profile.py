@@ -94,6 +94,7 @@ def profile_handoff(layout: tuple[int, int, int, int], repeats: int = 5,
 # -- the served path: what a request pays beyond the engine's steps --------------------------------
 SERVED_PROMPTS = (32, 128, 256, 384, 512)
 SERVED_OUTPUT = 24
+LONG_OUTPUT = 96                    # the second loaded loop's outputs: the CPU per token apart from per request
 LOADED_CLIENTS = 8                  # the closed loop that measures the router's CPU under load
 IDLE_WINDOW_S = 1.0                 # the router's idle CPU, measured before the requests
 
@@ -106,8 +107,13 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     a request pays before its prefill (TTFT beyond the prefill step): HTTP, tokenizing, picking,
     the worker's inbox, the event's way back. Then the same number of other prompts from a
     closed loop of LOADED_CLIENTS: the router's and the client's CPU per streamed token under
-    load (`router_cpu_per_token_s`, what the simulator charges on shared cores; one at a time
-    a token costs about twice that, its events unbatched: `router_cpu_per_token_alone_s`)."""
+    load (`router_cpu_per_token_s`; one at a time a token costs about twice that, its events
+    unbatched: `router_cpu_per_token_alone_s`). Under that load too, what the simulator charges
+    on shared cores: all the machine's busy CPU beside the engines' steps (the router, the
+    client, the workers' other threads, Ray) per request and per streamed token, from two loops
+    with short and long outputs (`background_cpu_per_request_s`, `background_cpu_per_token_s`);
+    and for reference, each role's steps' wait for a core over their CPU (`loaded_prefill_step_wait`,
+    `loaded_decode_step_wait`)."""
     import asyncio
 
     import aiohttp
@@ -122,12 +128,14 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
         raise ValueError(f"model {engine_cfg.model!r} has no tokenizer: the served calibration sends text")
     text = RandomText(tokenizer, random.Random(1))
 
-    def some_requests(seed: int) -> list[BenchRequest]:
-        out = [BenchRequest(*text.text(n), SERVED_OUTPUT) for n in SERVED_PROMPTS for _ in range(repeats)]
+    def some_requests(seed: int, output_len: int = SERVED_OUTPUT) -> list[BenchRequest]:
+        out = [BenchRequest(*text.text(n), output_len) for n in SERVED_PROMPTS for _ in range(repeats)]
         random.Random(seed).shuffle(out)          # lengths interleaved: drift hits them alike
         return out
-    # Two sets of prompts, none a prefix of another's: one at a time, then under load.
+    # Sets of prompts, none a prefix of another's: one at a time, then under load twice, with
+    # short and with long outputs (the machine's CPU beside the steps per request and per token).
     requests, loaded_requests = some_requests(2), some_requests(3)
+    short_requests, long_requests = some_requests(4), some_requests(5, LONG_OUTPUT)
     spec = ClusterSpec(model=engine_cfg.model, num_prefill=1, num_decode=1, engine=engine_cfg)
     progress(f"  launching 1 prefill + 1 decode on {engine_cfg.model} for {len(requests)} requests one at a time, "
              f"{len(loaded_requests)} by {LOADED_CLIENTS} clients")
@@ -157,8 +165,8 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
                 async def one_at_a_time():
                     return [await loadgen.send(session, target, r) for r in requests]
 
-                async def closed_loop():        # LOADED_CLIENTS at a time: the router's events batch
-                    todo, out = list(loaded_requests), []
+                async def closed_loop(todo: list[BenchRequest]):   # LOADED_CLIENTS at a time: events batch
+                    todo, out = list(todo), []
 
                     async def client():
                         while todo:
@@ -168,17 +176,24 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
                 before = promtext.scrape(base + "/metrics")      # the step factors: one at a time
                 out, alone = await cpu_per_token(one_at_a_time)
                 after = promtext.scrape(base + "/metrics")
-                loaded_results, loaded = await cpu_per_token(closed_loop)
-                return out, loaded_results, alone, loaded, before, after
-        results, loaded_results, cpu_alone, cpu_loaded, before, after = asyncio.run(measured())
-    failed = [r.error for r in results + loaded_results if not r.success]
+                loaded_results, loaded = await cpu_per_token(lambda: closed_loop(loaded_requests))
+                beside = []
+                for todo in (short_requests, long_requests):
+                    m0, box0 = promtext.scrape(base + "/metrics"), box_cpu_s()
+                    done = await closed_loop(todo)
+                    box1, m1 = box_cpu_s(), promtext.scrape(base + "/metrics")
+                    beside.append((done, m0, m1, None if box0 is None else box1 - box0))
+                return out, loaded_results, alone, loaded, before, after, beside
+        results, loaded_results, cpu_alone, cpu_loaded, before, after, beside = asyncio.run(measured())
+    failed = [r.error for r in results + loaded_results + [r for done, *_ in beside for r in done] if not r.success]
     if failed:
         raise RuntimeError(f"served calibration: {len(failed)} requests failed, e.g. {failed[0]}")
 
+    def grew(name: str, role: str, start: dict, end: dict) -> float:
+        return promtext.total(end, name, role=role) - promtext.total(start, name, role=role)
+
     def served_s(role: str) -> tuple[float, float]:
-        name = "pdcluster:engine_step_duration_seconds"
-        return tuple(promtext.total(after, name + k, role=role) - promtext.total(before, name + k, role=role)
-                     for k in ("_sum", "_count"))
+        return tuple(grew("pdcluster:engine_step_duration_seconds" + k, role, before, after) for k in ("_sum", "_count"))
 
     def prefill_s(n: int) -> float:
         return step.step_s(BatchShape(1, n, n * n))
@@ -198,10 +213,43 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     # Before the prefill: a fixed part and a part that grows with the prompt (its text is sent,
     # parsed and tokenized).
     fixed, per_token = fit_line([(r.prompt_len, r.ttft - p_factor * prefill_s(r.prompt_len)) for r in results])
+    # Under the closed loops: what ran beside the engines' steps (the router, the client, the
+    # workers' other threads, Ray), from the machine's own count of busy CPU, per request and
+    # per streamed token (the short and the long outputs' loops solved for both); and how long
+    # the steps waited for a core, over their CPU, by role.
+    rows, waited = [], {PREFILL: [0.0, 0.0], DECODE: [0.0, 0.0]}
+    for done, m0, m1, box_s in beside:
+        steps_cpu = {role: grew("pdcluster:engine_step_cpu_seconds_total", role, m0, m1) for role in waited}
+        for role, cpu in steps_cpu.items():
+            waited[role][0] += grew("pdcluster:engine_step_duration_seconds_sum", role, m0, m1) - cpu
+            waited[role][1] += cpu
+        if box_s is not None:
+            rows.append((len(done), sum(r.output_len for r in done), box_s - sum(steps_cpu.values())))
+    beside_request, beside_token = 0.0, cpu_loaded
+    if len(rows) == 2:
+        (r1, t1, c1), (r2, t2, c2) = rows
+        beside_token = max(0.0, (c2 / r2 - c1 / r1) / (t2 / r2 - t1 / r1))
+        beside_request = max(0.0, (c1 - beside_token * t1) / r1)
     return {"prefill_step_factor": p_factor, "decode_step_factor": d_factor, "token_overhead_s": loop,
             "handoff_latency_s": max(link.latency_s, handoff - wire), "request_overhead_s": fixed,
             "request_overhead_per_token_s": per_token, "requests": len(results),
-            "router_cpu_per_token_s": cpu_loaded, "router_cpu_per_token_alone_s": cpu_alone}
+            "router_cpu_per_token_s": cpu_loaded, "router_cpu_per_token_alone_s": cpu_alone,
+            "background_cpu_per_request_s": beside_request, "background_cpu_per_token_s": beside_token,
+            **{f"loaded_{role}_step_wait": w / cpu if cpu > 0 else 0.0 for role, (w, cpu) in waited.items()}}
+
+
+def box_cpu_s() -> float | None:
+    """CPU seconds this machine's cores have been busy since it booted (Linux's /proc/stat: user,
+    nice, system, irq and softirq time, not idle, I/O wait or time the hypervisor took); None
+    where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if fields[0] != "cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:

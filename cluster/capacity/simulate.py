@@ -105,7 +105,10 @@ class SimCluster:
     # A CPU machine whose workers and router share its cores (a profile of this machine): steps
     # slow down when more is runnable than there are cores. None: every worker has its device.
     shared_cores: float | None = None
-    router_cpu_per_token_s: float = 0.0         # the router's (and client's) CPU per streamed token
+    # What runs beside the engines' steps on shared cores (the router, the client, the workers'
+    # other threads), in CPU-seconds per request and per streamed token (a profile measures both).
+    background_cpu_per_request_s: float = 0.0
+    background_cpu_per_token_s: float = 0.0
     decode_gate: bool = True                    # disaggregated: the router's decode gate (router/admission.py)
     # Disaggregated: prefill on the decode worker up to this many tokens; "auto": as the decode
     # pool's cost model says (router/placement.py, as serve's router decides); 0: never.
@@ -224,7 +227,8 @@ def sampled(out: SchedulerOutput) -> list[Sequence]:
 
 class _Rate:
     """Events per second over the last `window_s` of simulated time: counts stamped with their
-    time, forgotten as they age out (in stamp order; a steady run stamps a little ahead)."""
+    time, forgotten as they age out in the order stamped (a steady run stamps its steps when it
+    ends, after stamps of other workers' later steps: those age out a little late)."""
     __slots__ = ("window_s", "_stamps", "_total")
 
     def __init__(self, window_s: float):
@@ -289,7 +293,7 @@ class _RouterView:
 class SimWorker:
     __slots__ = ("worker_id", "role", "engine", "cost", "busy", "inbox", "inbox_tokens", "inbox_prompts",
                  "waiting_room", "receiving", "link_free_at", "steps", "busy_s", "run", "run_id", "run_start",
-                 "step_end", "run_left", "run_slow", "seen")
+                 "step_end", "run_left", "run_streamed", "seen")
 
     def __init__(self, worker_id: str, role: str, engine: SimEngine, cost: CostModel):
         self.worker_id, self.role, self.engine, self.cost = worker_id, role, engine, cost
@@ -306,7 +310,7 @@ class SimWorker:
         self.run_id = 0                       # which scheduled end of a run is current
         self.run_start = 0.0
         self.run_left = 0                     # steps of the run whose times are not worked out yet
-        self.run_slow = 1.0                   # the run's slowdown on shared cores
+        self.run_streamed = 0                 # the run's steps whose tokens count as streamed
         self.step_end = 0.0                   # when its current single step ends
         self.seen = _RouterView()             # a prefill worker as the router's stream shows it
 
@@ -393,7 +397,9 @@ class Simulator:
         self._tracked: dict[str, _Tracked] = {}
         self._params: dict[int, SamplingParams] = {}
         self.in_flight = 0
-        self._streamed = _Rate(STREAM_WINDOW_S)     # tokens out to clients: the router's CPU follows them
+        # Requests in and tokens out to clients, counted on shared cores: the background's CPU follows them.
+        self._shared = cluster.shared_cores is not None
+        self._arrived, self._streamed = _Rate(STREAM_WINDOW_S), _Rate(STREAM_WINDOW_S)
         # The router's decode gate: new requests held before their prefill while decode is full.
         self.gate = (DecodeGate(cluster.engine.scheduler.max_num_seqs, clock=clock)
                      if cluster.mode == DISAGGREGATED and cluster.decode_gate else None)
@@ -439,6 +445,8 @@ class Simulator:
     # -- the router ------------------------------------------------------------------------------
     def _arrive(self, rid: str, r: SimRequest) -> None:
         self._tracked[rid] = _Tracked(r, self.now, [] if self.record_itl else None)
+        if self._shared:
+            self._arrived.add(self.now, 1)
         if self.in_flight >= self.c.max_pending:
             self._tracked[rid].error = f"HTTP 429: {self.c.max_pending} requests in flight"
             return
@@ -533,7 +541,8 @@ class Simulator:
                 self._leave_gate(rid, reached_decode=True)
         tr.count += len(times)
         tr.last_s = times[-1]
-        self._streamed.add(times[-1], len(times))
+        if self._shared:
+            self._streamed.add(times[-1], len(times))
         if tr.times is not None:
             tr.times.extend(times)
         if finished:
@@ -564,10 +573,10 @@ class Simulator:
         if k:
             first = min(k, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context, first)
-            w.run_slow = slow = self._slowdown()
+            slow = self._slowdown()
             ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
-            w.run, w.run_left = ends, k - first
+            w.run, w.run_left, w.run_streamed = ends, k - first, 0
             self.num_runs += 1
             w.run_id += 1
             self._at(ends[-1], self._end_run, w, w.run_id)
@@ -590,14 +599,19 @@ class Simulator:
         """`w` has nothing to step (a hook for the controlled simulator)."""
 
     def _slowdown(self) -> float:
-        """How much slower a step starting now runs on shared cores: processes runnable (busy
-        workers, and the router by the tokens it streams) over cores, at least 1."""
-        cores = self.c.shared_cores
+        """How much slower a step starting now runs on shared cores: what is runnable over the
+        cores, at least 1. Runnable: the busy workers, and the background (the router, the
+        client, the workers' other threads: its CPU per request and per token times the requests
+        and tokens of the last STREAM_WINDOW_S, at most every core)."""
+        c = self.c
+        cores = c.shared_cores
         if cores is None:
             return 1.0
+        now = self.now
         busy = sum(x.busy for x in self.workers.values())
-        router = min(1.0, self.c.router_cpu_per_token_s * self._streamed.rate(self.now))
-        return max(1.0, (busy + router) / cores)
+        background = (c.background_cpu_per_request_s * self._arrived.rate(now) +
+                      c.background_cpu_per_token_s * self._streamed.rate(now))
+        return max(1.0, (busy + min(cores, background)) / cores)
 
     def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
         seqs = sampled(out)
@@ -616,9 +630,10 @@ class Simulator:
         if w.run_left:                                  # not cut: work out its next steps' times
             ends, engine = w.run, w.engine
             rows, context = engine.run_batch()
+            self._stream_run(w, ends, rows)             # (the steps so far have ended)
             more = min(w.run_left, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context + len(ends) * rows, more)
-            slow = w.run_slow
+            slow = self._slowdown()                     # the cores' load as this chunk starts
             ends.extend(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=ends[-1]))
             del ends[-more - 1]                         # the initial value, repeated
             w.run_left -= more
@@ -631,6 +646,7 @@ class Simulator:
         for end in ends:                                # each step timed, as a step taken alone is
             observe(rows, end - start, rows)
             start = end
+        self._stream_run(w, ends, rows)
         if self.placement.paces_role(w.role):
             self.placement.observe_decode_steps(w.worker_id, (ends[-1] - w.run_start) / len(ends), len(ends))
         tracked, first, last = self._tracked, ends[0], ends[-1]
@@ -647,6 +663,18 @@ class Simulator:
                 self.in_flight -= 1
                 self._finished(tr)
         self._start_step(w)
+
+    def _stream_run(self, w: SimWorker, ends: list[float], rows: int) -> None:
+        """A steady run's tokens of its ended steps, not yet counted, into the tokens streamed
+        (what the background's share follows on shared cores): as each chunk of it ends, and as
+        the run ends, so that other workers' steps meanwhile see them."""
+        if not self._shared:
+            return
+        streamed, since = self._streamed, self.now - STREAM_WINDOW_S
+        for end in ends[w.run_streamed:]:
+            if end >= since:
+                streamed.add(end, rows)
+        w.run_streamed = len(ends)
 
     # -- the KV handoff --------------------------------------------------------------------------
     def _hand_off(self, rid: str, prefill: SimWorker) -> None:
