@@ -150,6 +150,7 @@ def test_profile_of_this_machine_feeds_simulate(tmp_path, spawns, alone):
     assert served["background_cpu_per_request_s"] >= 0 and served["background_cpu_per_token_s"] >= 0
     assert 0 < beside < 1, served
     assert served["loaded_prefill_step_wait"] >= 0 and served["loaded_decode_step_wait"] >= 0
+    assert 0.1 <= served["prefill_wait_share"] <= 0.9
     sim = subprocess.run(pdcluster_cmd("simulate", "--profile", str(out), *SMALL), env=subprocess_env(),
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr[-3000:]

@@ -85,16 +85,17 @@ def test_colocated_request_decodes_where_it_prefilled():
 
 
 @pytest.mark.parametrize("per_request,per_token,ttft,itl", [
-    (0.0, 0.05, 0.015, [0.0066, 0.0072, 0.0078]),     # the share: 0.1, 0.2, 0.3 (tokens of 2, 3, 4 / 0.5 s)
-    (0.0, 1.0, 0.015, [0.012, 0.012, 0.012]),         # at most every core
-    (0.05, 0.0, 0.0165, [0.0066, 0.0066, 0.0066])])   # the request's own arrival: 0.05 x 1 / 0.5 s = 0.1
-def test_the_backgrounds_share_of_shared_cores_follows_the_requests_and_tokens(monkeypatch, per_request, per_token,
-                                                                                ttft, itl):
+    (0.0, 0.05, 0.015, [0.006 / 0.9, 0.006 / 0.8, 0.006 / 0.7]),   # the background: 0.1, 0.2, 0.3 (2, 3, 4 tokens)
+    (0.0, 1.0, 0.015, [0.012, 0.012, 0.012]),                       # at most half the cores
+    (0.05, 0.0, 0.015 / 0.9, [0.006 / 0.9] * 3)])                   # the request's own arrival: 0.05 x 1 / 0.5 s
+def test_the_background_leaves_the_workers_what_it_does_not_take_of_shared_cores(monkeypatch, per_request, per_token,
+                                                                                   ttft, itl):
     """One colocated worker on one shared core; the background (router, client) pays
-    `per_request` CPU-seconds per arriving request and `per_token` per streamed token, and its
-    share is the requests and tokens of the last half second (STREAM_WINDOW_S) times those, at
-    most every core: each step runs (1 + share) times slower (15 ms prefill, 6 ms decode steps
-    alone). A second request two seconds later finds the first's arrival and tokens aged out."""
+    `per_request` CPU-seconds per arriving request and `per_token` per streamed token, and takes
+    the requests and tokens of the last half second (STREAM_WINDOW_S) times those, at most half
+    the cores: each step (15 ms prefill, 6 ms decode alone) runs on the rest of the core, 1 /
+    (1 - background) slower. A second request two seconds later finds the first's arrival and
+    tokens aged out."""
     monkeypatch.setattr(S, "MAX_RUN", 1)                 # step by step: each step priced as it starts
     assert S.STREAM_WINDOW_S == 0.5
     sim, (a, b), _ = run([req(0.0, 50, 4), req(2.0, 50, 1, first=2)], mode="colocated", num_colocated=1,
@@ -104,18 +105,34 @@ def test_the_backgrounds_share_of_shared_cores_follows_the_requests_and_tokens(m
     assert_pools_clean(sim)
 
 
+@pytest.mark.parametrize("share", [0.5, 0.75])
+def test_the_cores_the_busy_workers_go_without_fall_on_them_by_role(share):
+    """1 prefill + 1 decode on two shared cores, the background 50 ms of CPU per arriving
+    request. The first request (0 s) decodes 400 tokens in steady runs, priced with the prefill
+    worker idle (no slowdown); the second arrives at 0.3 s, both arrivals in the last half
+    second: the background takes 0.05 x 2 / 0.5 = 0.2 of a core, the two busy workers go 0.2
+    short, and the prefill step's part of it is `share` (prefill_wait_share): its 15 ms take
+    15 / (1 - 0.2 x share)."""
+    sim, (a, b), _ = run([req(0.0, 50, 400), req(0.3, 50, 1, first=2)], shared_cores=2,
+                         background_cpu_per_request_s=0.05, prefill_wait_share=share)
+    assert a.success and a.itl[1:] == pytest.approx([0.006] * 398)
+    assert b.ttft == pytest.approx(0.015 / (1 - 0.2 * share))
+    assert_pools_clean(sim)
+
+
 def test_a_steady_decode_runs_tokens_count_toward_the_background_while_it_runs():
     """1 prefill + 1 decode on two shared cores, the background 1 ms of CPU per streamed token.
     The first request decodes alone in steady runs (6 ms steps: about 83 tokens in any half
     second); a prompt sent at 1.0 s finds both workers busy, so its prefill (15 ms alone) runs
-    (2 + 0.001 x tokens of the last 0.5 s / 0.5 s) / 2 slower: the run's tokens count as its
-    chunks end (RUN_CHUNK steps, 0.38 s: at least those up to 0.79 s, 47 steps), not only once
-    the run ends (a run that only counted then left the prefill at 15 ms)."""
+    1 / (1 - background / 2) slower, the background 0.001 x the tokens of the last 0.5 s / 0.5 s:
+    the run's tokens count as its chunks end (RUN_CHUNK steps, 0.38 s: at least those up to
+    0.79 s, 47 steps), not only once the run ends (a run that only counted then left the
+    prefill at 15 ms)."""
     assert S.RUN_CHUNK == 64 and S.STREAM_WINDOW_S == 0.5
     sim, (a, b), _ = run([req(0.0, 50, 400), req(1.0, 50, 1, first=2)], shared_cores=2,
                          background_cpu_per_token_s=0.001)
     assert a.success and b.success
-    assert 0.015 * (2 + 0.002 * 47) / 2 <= b.ttft <= 0.015 * (2 + 0.002 * 84) / 2
+    assert 0.015 / (1 - 0.002 * 47 / 2) <= b.ttft <= 0.015 / (1 - 0.002 * 84 / 2)
     assert_pools_clean(sim)
 
 

@@ -142,6 +142,7 @@ class Costs:
     shared_cores: float | None = None   # a profile's machine: its workers and router share its cores
     background_cpu_per_request_s: float = 0.0   # beside the engines' steps, per request
     background_cpu_per_token_s: float = 0.0     # and per streamed token
+    prefill_wait_share: float = 0.5             # of the cores the busy workers go without
     startup_s: float = 0.0              # a new worker's start-up (a profile's measured engine start)
 
 
@@ -164,7 +165,7 @@ def costs_from_args(a: argparse.Namespace, prefill_tp: int | None = None, decode
                      facts.get("cpus"), served.get("background_cpu_per_request_s", 0.0),
                      # (profiles before the machine's busy CPU was read: the router's and client's threads)
                      served.get("background_cpu_per_token_s", served.get("router_cpu_per_token_s", 0.0)),
-                     facts.get("startup_s", 0.0))
+                     served.get("prefill_wait_share", 0.5), facts.get("startup_s", 0.0))
     if not a.gpu or not a.model:
         raise ValueError("costs: give --profile FILE (see `pdcluster profile`), or --gpu NAME with --model NAME")
     from workers.cost_model import model_shape
@@ -277,7 +278,8 @@ def cluster_from_args(a: argparse.Namespace, costs: Costs, engine: EngineConfig)
                       decode_cost=with_capacity(costs.decode, engine), engine=engine, seed=a.seed,
                       request_overhead_s=overhead, request_overhead_per_token_s=per_token, shared_cores=costs.shared_cores,
                       background_cpu_per_request_s=costs.background_cpu_per_request_s,
-                      background_cpu_per_token_s=costs.background_cpu_per_token_s, slo=slo, **router)
+                      background_cpu_per_token_s=costs.background_cpu_per_token_s,
+                      prefill_wait_share=costs.prefill_wait_share, slo=slo, **router)
 
 
 def _tokenizer(a: argparse.Namespace):

@@ -112,8 +112,9 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     on shared cores: all the machine's busy CPU beside the engines' steps (the router, the
     client, the workers' other threads, Ray) per request and per streamed token, from two loops
     with short and long outputs (`background_cpu_per_request_s`, `background_cpu_per_token_s`);
-    and for reference, each role's steps' wait for a core over their CPU (`loaded_prefill_step_wait`,
-    `loaded_decode_step_wait`)."""
+    and each role's steps' wait for a core over their CPU (`loaded_prefill_step_wait`,
+    `loaded_decode_step_wait`), whose split is how the simulator shares a shortage of cores
+    between prefill and decode steps (`prefill_wait_share`)."""
     import asyncio
 
     import aiohttp
@@ -235,7 +236,16 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
             "request_overhead_per_token_s": per_token, "requests": len(results),
             "router_cpu_per_token_s": cpu_loaded, "router_cpu_per_token_alone_s": cpu_alone,
             "background_cpu_per_request_s": beside_request, "background_cpu_per_token_s": beside_token,
+            "prefill_wait_share": wait_share(*(w / cpu if cpu > 0 else 0.0 for w, cpu in waited.values())),
             **{f"loaded_{role}_step_wait": w / cpu if cpu > 0 else 0.0 for role, (w, cpu) in waited.items()}}
+
+
+def wait_share(prefill_wait: float, decode_wait: float) -> float:
+    """The prefill steps' share of the cores the workers' steps go without, from each role's
+    wait over its CPU under load (0.5, evenly, without a wait measured; within 0.1-0.9)."""
+    if prefill_wait <= 0 or decode_wait <= 0:
+        return 0.5
+    return min(0.9, max(0.1, prefill_wait / (prefill_wait + decode_wait)))
 
 
 def box_cpu_s() -> float | None:

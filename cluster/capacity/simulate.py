@@ -109,6 +109,9 @@ class SimCluster:
     # other threads), in CPU-seconds per request and per streamed token (a profile measures both).
     background_cpu_per_request_s: float = 0.0
     background_cpu_per_token_s: float = 0.0
+    # Of the cores the busy workers go without, the share that falls on a prefill step when
+    # prefill and decode workers both step (a profile measures it; 0.5: evenly).
+    prefill_wait_share: float = 0.5
     decode_gate: bool = True                    # disaggregated: the router's decode gate (router/admission.py)
     # Disaggregated: prefill on the decode worker up to this many tokens; "auto": as the decode
     # pool's cost model says (router/placement.py, as serve's router decides); 0: never.
@@ -117,6 +120,8 @@ class SimCluster:
 
     def __post_init__(self):
         check_pools(self.mode, self.num_prefill, self.num_decode, self.num_colocated)
+        if not 0 < self.prefill_wait_share < 1:
+            raise ValueError(f"prefill_wait_share must be in (0, 1), not {self.prefill_wait_share}")
         if self.prefill_cost is None or (self.mode == DISAGGREGATED and self.decode_cost is None):
             raise ValueError("a cost model for every pool is needed")
 
@@ -352,6 +357,7 @@ FRAME_WAIT_S = 0.5     # a worker's event stream sends a frame at least this oft
 # The router's share of shared cores follows the tokens it streamed over this much time before
 # (its CPU goes per token out and per request, not per step).
 STREAM_WINDOW_S = 0.5
+MIN_CORE_SHARE = 0.1     # a busy worker's engine thread gets at least this much of a core
 
 
 class Simulator:
@@ -400,6 +406,8 @@ class Simulator:
         # Requests in and tokens out to clients, counted on shared cores: the background's CPU follows them.
         self._shared = cluster.shared_cores is not None
         self._arrived, self._streamed = _Rate(STREAM_WINDOW_S), _Rate(STREAM_WINDOW_S)
+        share = cluster.prefill_wait_share
+        self._wait_weight = {PREFILL: share, DECODE: 1 - share, COLOCATED: 0.5}
         # The router's decode gate: new requests held before their prefill while decode is full.
         self.gate = (DecodeGate(cluster.engine.scheduler.max_num_seqs, clock=clock)
                      if cluster.mode == DISAGGREGATED and cluster.decode_gate else None)
@@ -573,7 +581,7 @@ class Simulator:
         if k:
             first = min(k, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context, first)
-            slow = self._slowdown()
+            slow = self._slowdown(w)
             ends = list(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=self.now))
             w.run_start = ends.pop(0)
             w.run, w.run_left, w.run_streamed = ends, k - first, 0
@@ -587,7 +595,7 @@ class Simulator:
             self._idle(w)
             return
         dt = w.cost.step_s(engine.last_shape)
-        dt *= self._slowdown()
+        dt *= self._slowdown(w)
         if engine.last_shape.num_decode and self.placement.paces_role(w.role):
             self.placement.observe_decode_steps(w.worker_id, dt)     # (the router hears of it as it ends)
         w.steps += 1
@@ -598,20 +606,33 @@ class Simulator:
     def _idle(self, w: SimWorker) -> None:
         """`w` has nothing to step (a hook for the controlled simulator)."""
 
-    def _slowdown(self) -> float:
-        """How much slower a step starting now runs on shared cores: what is runnable over the
-        cores, at least 1. Runnable: the busy workers, and the background (the router, the
-        client, the workers' other threads: its CPU per request and per token times the requests
-        and tokens of the last STREAM_WINDOW_S, at most every core)."""
+    def _slowdown(self, w: SimWorker) -> float:
+        """How much slower `w`'s step starting now runs on shared cores. The background (the
+        router, the client, the workers' other threads: its CPU per request and per token times
+        the requests and tokens of the last STREAM_WINDOW_S) is many short bursts, each under a
+        fair share of a core, so the scheduler gives it what it asks (at most half the cores
+        here); the busy workers' engine threads, each wanting a core, go without the cores that
+        leaves them short, split by role (`prefill_wait_share`: a long prefill step waits more
+        than a decode step's short ones; evenly, each runs busy / (cores - background) slower).
+        Served at 26 req/s on 2 cores (1P+1D, 256 -> 48 tokens), the background took 0.7 of a
+        core and the prefill steps ran 1.57x their CPU time, the decode steps 1.33x; the fair
+        share of the runnable ((busy + background) / cores, 1.35x both) left TTFT a quarter low."""
         c = self.c
         cores = c.shared_cores
         if cores is None:
             return 1.0
-        now = self.now
-        busy = sum(x.busy for x in self.workers.values())
+        now, weight = self.now, self._wait_weight
+        busy, weights = 0, 0.0
+        for x in self.workers.values():
+            if x.busy:
+                busy += 1
+                weights += weight[x.role]
         background = (c.background_cpu_per_request_s * self._arrived.rate(now) +
                       c.background_cpu_per_token_s * self._streamed.rate(now))
-        return max(1.0, (busy + min(cores, background)) / cores)
+        short = busy - (cores - min(cores / 2, background))
+        if short <= 0:
+            return 1.0
+        return 1 / max(MIN_CORE_SHARE, 1 - short * weight[w.role] / weights)
 
     def _end_step(self, w: SimWorker, out: SchedulerOutput) -> None:
         seqs = sampled(out)
@@ -633,7 +654,7 @@ class Simulator:
             self._stream_run(w, ends, rows)             # (the steps so far have ended)
             more = min(w.run_left, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context + len(ends) * rows, more)
-            slow = self._slowdown()                     # the cores' load as this chunk starts
+            slow = self._slowdown(w)                     # the cores' load as this chunk starts
             ends.extend(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=ends[-1]))
             del ends[-more - 1]                         # the initial value, repeated
             w.run_left -= more
