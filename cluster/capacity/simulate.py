@@ -616,7 +616,7 @@ class Simulator:
         than a decode step's short ones; evenly, each runs busy / (cores - background) slower).
         Served at 26 req/s on 2 cores (1P+1D, 256 -> 48 tokens), the background took 0.7 of a
         core and the prefill steps ran 1.57x their CPU time, the decode steps 1.33x; the fair
-        share of the runnable ((busy + background) / cores, 1.35x both) left TTFT a quarter low."""
+        share of the runnable ((busy + background) / cores, 1.35x both) left TTFT a third low."""
         c = self.c
         cores = c.shared_cores
         if cores is None:
