@@ -227,17 +227,18 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
         if box_s is not None:
             rows.append((len(done), sum(r.output_len for r in done), box_s - sum(steps_cpu.values())))
     beside_request, beside_token = 0.0, cpu_loaded
-    if len(rows) == 2:
+    if len(rows) == 2 and rows[0][1] / rows[0][0] != rows[1][1] / rows[1][0]:
         (r1, t1, c1), (r2, t2, c2) = rows
         beside_token = max(0.0, (c2 / r2 - c1 / r1) / (t2 / r2 - t1 / r1))
         beside_request = max(0.0, (c1 - beside_token * t1) / r1)
+    waits = {role: max(0.0, w) / cpu if cpu > 0 else 0.0 for role, (w, cpu) in waited.items()}
     return {"prefill_step_factor": p_factor, "decode_step_factor": d_factor, "token_overhead_s": loop,
             "handoff_latency_s": max(link.latency_s, handoff - wire), "request_overhead_s": fixed,
             "request_overhead_per_token_s": per_token, "requests": len(results),
             "router_cpu_per_token_s": cpu_loaded, "router_cpu_per_token_alone_s": cpu_alone,
             "background_cpu_per_request_s": beside_request, "background_cpu_per_token_s": beside_token,
-            "prefill_wait_share": wait_share(*(w / cpu if cpu > 0 else 0.0 for w, cpu in waited.values())),
-            **{f"loaded_{role}_step_wait": w / cpu if cpu > 0 else 0.0 for role, (w, cpu) in waited.items()}}
+            "prefill_wait_share": wait_share(waits[PREFILL], waits[DECODE]),
+            **{f"loaded_{role}_step_wait": wait for role, wait in waits.items()}}
 
 
 def wait_share(prefill_wait: float, decode_wait: float) -> float:
