@@ -52,20 +52,23 @@ def offline(prompts: list[list[int]]) -> list[list[int]]:
 
 
 class Stream(threading.Thread):
-    """One streamed completion: its tokens and when its first one arrived (time.monotonic)."""
+    """One streamed completion: its tokens and when its first one arrived (time.monotonic). Its
+    client is made before the thread starts, so that streams started together send together."""
 
-    def __init__(self, base_url: str, prompt: list[int], **fields):
+    def __init__(self, base_url: str, prompt: list[int], start: bool = True, **fields):
         super().__init__(daemon=True)
         self.url, self.body = base_url + "/completions", {"model": MODEL, "prompt": prompt, "stream": True,
                                                           **GREEDY, **fields}
+        self.client = httpx.Client(timeout=120)
         self.tokens: list[int] = []
         self.first_s: float | None = None
         self.error: str | None = None
-        self.start()
+        if start:
+            self.start()
 
     def run(self):
         try:
-            with httpx.Client(timeout=120) as c, c.stream("POST", self.url, json=self.body) as r:
+            with self.client as c, c.stream("POST", self.url, json=self.body) as r:
                 for line in r.iter_lines():
                     for ev in sse_events(line + "\n\n") if line else ():
                         if ev != "[DONE]" and ev["choices"][0].get("token_ids"):
@@ -95,14 +98,18 @@ def test_requests_with_their_own_deadlines_give_the_offline_greedy_output(deadli
 
 def test_a_high_priority_request_goes_before_the_low_priority_queue(priority_cluster):
     cluster = priority_cluster
-    lows = [PREFIX + p for p in random_prompts(7, [200] * 8)]
+    lows = [PREFIX + p for p in random_prompts(7, [400] * 8)]
     high = PREFIX + random_prompts(8, [20])[0]
     low_streams = [Stream(cluster.base_url, lows[0], priority=5)]
     wait_for(lambda: low_streams[0].first_s or low_streams[0].error, bool, deadline_s=60)
-    low_streams += [Stream(cluster.base_url, p, priority=5) for p in lows[1:]]
-    # The others are queued on the prefill worker (the router sends at once) before the high one.
-    # The first may already be done: count it while its client still reads (the router lets a
-    # request go before its client sees the end, never after).
+    queue = [Stream(cluster.base_url, p, start=False, priority=5) for p in lows[1:]]
+    for s in queue:                  # (clients made first: on a busy box a stream that made its
+        s.start()                    # own could start after the first ones' prompts were done)
+    low_streams += queue
+    # The others are queued on the prefill worker (the router sends at once; 7 x 400 tokens in
+    # 64-token chunks, 44 steps) before the high one. The first may already be done: count it
+    # while its client still reads (the router lets a request go before its client sees the
+    # end, never after).
     wait_for(lambda: cluster.server.pending - low_streams[0].is_alive(), lambda n: n == len(lows) - 1,
              deadline_s=30)
     high_stream = Stream(cluster.base_url, high, priority=-1)
