@@ -136,7 +136,8 @@ class Metrics:
         self.step_seconds = Histogram(P + "engine_step_duration_seconds", "Duration of one engine step",
                                       labels, registry=r, buckets=STEP_BUCKETS)
         # Against engine_step_duration_seconds_sum: the time steps waited for a core (a CPU host
-        # whose cores the router and other workers share) or for the device.
+        # whose cores the router and other workers share), or slept waiting for the device (a
+        # CUDA sync that spins counts as CPU).
         self.step_cpu = Counter(P + "engine_step_cpu_seconds", "CPU time the engine's thread spent in its steps",
                                 labels, registry=r)
         self.batch_size = Histogram(P + "engine_step_batch_size", "Sequences in one engine step", labels,
