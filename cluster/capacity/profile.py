@@ -110,8 +110,8 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
     load (`router_cpu_per_token_s`; one at a time a token costs about twice that, its events
     unbatched: `router_cpu_per_token_alone_s`). Under that load too, what the simulator charges
     on shared cores: all the machine's busy CPU beside the engines' steps (the router, the
-    client, the workers' other threads, Ray) per request and per streamed token, from two loops
-    with short and long outputs (`background_cpu_per_request_s`, `background_cpu_per_token_s`);
+    client, the workers' other threads, Ray) per request and per streamed token, from that loop
+    and one more with longer outputs (`background_cpu_per_request_s`, `background_cpu_per_token_s`);
     and each role's steps' wait for a core over their CPU (`loaded_prefill_step_wait`,
     `loaded_decode_step_wait`), whose split is how the simulator shares a shortage of cores
     between prefill and decode steps (`prefill_wait_share`)."""
@@ -135,8 +135,7 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
         return out
     # Sets of prompts, none a prefix of another's: one at a time, then under load twice, with
     # short and with long outputs (the machine's CPU beside the steps per request and per token).
-    requests, loaded_requests = some_requests(2), some_requests(3)
-    short_requests, long_requests = some_requests(4), some_requests(5, LONG_OUTPUT)
+    requests, loaded_requests, long_requests = some_requests(2), some_requests(3), some_requests(4, LONG_OUTPUT)
     spec = ClusterSpec(model=engine_cfg.model, num_prefill=1, num_decode=1, engine=engine_cfg)
     progress(f"  launching 1 prefill + 1 decode on {engine_cfg.model} for {len(requests)} requests one at a time, "
              f"{len(loaded_requests)} by {LOADED_CLIENTS} clients")
@@ -174,19 +173,20 @@ def profile_served(engine_cfg, step: LinearStepModel, link: Link, kv_bytes_per_t
                             out.append(await loadgen.send(session, target, todo.pop()))
                     await asyncio.gather(*(client() for _ in range(LOADED_CLIENTS)))
                     return out
+                def since(done: list, m0: dict, box0: float | None) -> tuple:
+                    """A loop's results, the metrics before and now, the machine's busy CPU between."""
+                    box1 = box_cpu_s()
+                    return done, m0, promtext.scrape(base + "/metrics"), None if box0 is None else box1 - box0
                 before = promtext.scrape(base + "/metrics")      # the step factors: one at a time
                 out, alone = await cpu_per_token(one_at_a_time)
-                after = promtext.scrape(base + "/metrics")
+                after, box0 = promtext.scrape(base + "/metrics"), box_cpu_s()
                 loaded_results, loaded = await cpu_per_token(lambda: closed_loop(loaded_requests))
-                beside = []
-                for todo in (short_requests, long_requests):
-                    m0, box0 = promtext.scrape(base + "/metrics"), box_cpu_s()
-                    done = await closed_loop(todo)
-                    box1, m1 = box_cpu_s(), promtext.scrape(base + "/metrics")
-                    beside.append((done, m0, m1, None if box0 is None else box1 - box0))
-                return out, loaded_results, alone, loaded, before, after, beside
-        results, loaded_results, cpu_alone, cpu_loaded, before, after, beside = asyncio.run(measured())
-    failed = [r.error for r in results + loaded_results + [r for done, *_ in beside for r in done] if not r.success]
+                short = since(loaded_results, after, box0)
+                m0, box0 = promtext.scrape(base + "/metrics"), box_cpu_s()
+                long = since(await closed_loop(long_requests), m0, box0)
+                return out, alone, loaded, before, after, [short, long]
+        results, cpu_alone, cpu_loaded, before, after, beside = asyncio.run(measured())
+    failed = [r.error for r in results + [r for done, *_ in beside for r in done] if not r.success]
     if failed:
         raise RuntimeError(f"served calibration: {len(failed)} requests failed, e.g. {failed[0]}")
 
