@@ -4,7 +4,7 @@ trace under an hour-scale rise and fall of its rate.
 
     .venv/bin/python benchmarks/bench_planner_sim.py [--trace azure-conv] [--model llama-3-8b] \\
         [--low-rate 100] [--peak-rate 400] [--period-s 3600] [--duration-s 3600] [--max-workers 32] \\
-        [--fixed 6+10,8+14] [--colocated 16,20] \
+        [--fixed 6+10,8+14] [--colocated 16,20] [--max-num-batched-tokens 2048] \
         [--rows controller,controller-mixed,dynamo-constant,dynamo-kalman,dynamo-load,fixed]
 
 The requests: the trace's own rows (arrival gaps and lengths) replayed in order under
@@ -36,7 +36,7 @@ from cluster.loadtest import loadgen  # noqa: E402
 from cluster.loadtest.bench_data import load_trace, rise_and_fall  # noqa: E402
 from cluster.run.controller import ControllerConfig  # noqa: E402
 from router.slo import judge  # noqa: E402
-from workers.config import CacheConfig, EngineConfig  # noqa: E402
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from workers.cost_model import roofline  # noqa: E402
 from workers.names import COLOCATED  # noqa: E402
 
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=25.0)
     ap.add_argument("--max-pending", type=int, default=100_000)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                    help="every row's workers' per-step token budget (a colocated worker's chunk size)")
     ap.add_argument("--interval-s", type=float, default=10.0, help="pdcluster's controller: its interval")
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--cooldown-s", type=float, default=30.0)
@@ -96,7 +98,8 @@ def main() -> None:
         if r not in ROWS:
             ap.error(f"--rows: unknown row {r!r} (one of {', '.join(ROWS)})")
     cost = roofline(a.model, a.gpu, a.tp)
-    engine = EngineConfig(cache=CacheConfig(enable_prefix_caching=False))
+    engine = EngineConfig(cache=CacheConfig(enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens))
     slos = {"ttft": a.slo_ttft_ms / 1000, "tpot": a.slo_tpot_ms / 1000}
     trace = load_trace(a.trace, max_len=a.max_len)
     rows = rise_and_fall(trace, a.low_rate, a.peak_rate, a.period_s, a.duration_s)
