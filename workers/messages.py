@@ -257,7 +257,8 @@ ENDS_REPORTED = 64
 SAMPLE_KINDS = ("step_s", "step_cpu_s", "batch_size", "step_tokens", "queue_s", "kv_transfer_s", "kv_tail_s", "step_shape")
 # "step_cpu_s": the CPU the engine's thread spent in that step (its wall time, "step_s", less the
 # time it waited for a core, or slept waiting for the device). "kv_tail_s": what a pull had left
-# to do once the prompt was held (all of it, unless it was streamed during the prefill). A "step_shape" sample is one step's seconds followed by its BatchShape's fields, in order
+# to do once the prompt was held (all of it, unless it was streamed during the prefill). A
+# "step_shape" sample is one step's seconds followed by its BatchShape's fields, in order
 # (workers/cost_model.py): the controller fits the cost model on them while serving.
 
 

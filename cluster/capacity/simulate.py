@@ -654,7 +654,7 @@ class Simulator:
             self._stream_run(w, ends, rows)             # (the steps so far have ended)
             more = min(w.run_left, RUN_CHUNK)
             times = w.cost.decode_run_s(rows, context + len(ends) * rows, more)
-            slow = self._slowdown(w)                     # the cores' load as this chunk starts
+            slow = self._slowdown(w)                    # the cores' load as this chunk starts
             ends.extend(accumulate((t * slow for t in times) if slow != 1.0 else times, initial=ends[-1]))
             del ends[-more - 1]                         # the initial value, repeated
             w.run_left -= more
